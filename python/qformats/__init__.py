@@ -1,0 +1,34 @@
+"""qformats: low-bit weight formats with bit-exact native codecs and quantized GEMM.
+
+Formats are subpackages, imported on first use::
+
+    from qformats import q4_0
+    qt = q4_0.quantize(w)          # QuantizedTensor
+    w_hat = qt.dequantize()
+
+Formats: q4_0, q8_1 (GGML blocks), int8, int4, nf4 (bitsandbytes), mixed2bit (2/4-bit).
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._core import FORMATS, QuantizedTensor
+from .io import load, save
+
+__version__ = "0.1.0"
+__all__ = ["FORMATS", "QuantizedTensor", "save", "load", "cuda_available", "__version__", *FORMATS]
+
+
+def cuda_available() -> bool:
+    """True when the native code was built with CUDA and the CUDA runtime sees a device."""
+    from ._runtime import cuda_built, cuda_device_count
+
+    return bool(cuda_built()) and cuda_device_count() > 0
+
+
+def __getattr__(name: str):
+    # `import qformats; qformats.nf4` and `from qformats import nf4` both import lazily, so a
+    # broken or absent format never stops the others from loading.
+    if name in FORMATS:
+        return importlib.import_module(f"qformats.{name}")
+    raise AttributeError(f"module 'qformats' has no attribute {name!r}")

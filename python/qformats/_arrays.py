@@ -1,0 +1,153 @@
+"""Array plumbing shared by every format: the caller's array library (numpy or torch) in,
+the same library out, checks that turn bad input into clear exceptions before any native
+code runs. torch is optional: numpy-only use never imports it.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _torch():
+    """The torch module if the caller could have passed a tensor (already imported), else None."""
+    return sys.modules.get("torch")
+
+
+def is_torch(x: Any) -> bool:
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def dtype_name(x: Any) -> str:
+    """'float32', 'uint8', 'bfloat16', ... for a numpy array or a torch tensor."""
+    if is_torch(x):
+        return str(x.dtype).removeprefix("torch.")
+    return np.dtype(x.dtype).name
+
+
+def device_of(x: Any) -> str:
+    return str(x.device) if is_torch(x) else "cpu"
+
+
+def _check_type(x: Any, name: str) -> None:
+    if not (isinstance(x, np.ndarray) or is_torch(x)):
+        raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _check_cpu_contiguous(x: Any, name: str) -> None:
+    if is_torch(x):
+        if x.device.type != "cpu":
+            raise NotImplementedError(
+                f"{name} is on {x.device}: this build of qformats has CPU codecs only for now; "
+                f"move it with .cpu()"
+            )
+        if not x.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous() first")
+    elif not x.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array; call np.ascontiguousarray() first")
+
+
+def check_float(
+    x: Any,
+    name: str = "x",
+    *,
+    multiple_of: int | None = None,
+    ndim: int | None = None,
+    finite: bool = True,
+) -> Any:
+    """Validate a float input: numpy array or torch tensor of float32/float16/bfloat16,
+    C-contiguous, on the CPU, at least 1-D (exactly ``ndim`` if given), last axis a
+    multiple of ``multiple_of``, no NaN/Inf (when ``finite``). Returns ``x`` unchanged.
+
+    Raises TypeError (wrong type or dtype), ValueError (shape, layout, non-finite values),
+    NotImplementedError (a device without kernels in this build).
+    """
+    _check_type(x, name)
+    dt = dtype_name(x)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dt}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D input, got shape {tuple(x.shape)}")
+    if x.ndim < 1:
+        raise ValueError(f"{name}: expected at least 1-D input, got a scalar")
+    if multiple_of is not None and x.shape[-1] % multiple_of:
+        raise ValueError(
+            f"{name}: last dimension {x.shape[-1]} is not a multiple of the block size {multiple_of}"
+        )
+    _check_cpu_contiguous(x, name)
+    if finite and not _all_finite(x):
+        raise ValueError(f"{name}: contains NaN or Inf")
+    return x
+
+
+def _all_finite(x: Any) -> bool:
+    if is_torch(x):
+        return bool(_torch().isfinite(x).all())
+    return bool(np.isfinite(x).all())
+
+
+def check_array(x: Any, name: str, dtype: str, shape: Sequence[int] | None = None) -> Any:
+    """Validate a packed buffer: type, exact dtype, C-contiguous on the CPU, and shape if given."""
+    _check_type(x, name)
+    dt = dtype_name(x)
+    if dt != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {dt}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    _check_cpu_contiguous(x, name)
+    return x
+
+
+def check_int(v: Any, name: str, *, minimum: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {v}")
+    return int(v)
+
+
+def empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
+    """Uninitialized output in the caller's library, on the caller's device."""
+    shape = tuple(int(s) for s in shape)
+    if is_torch(like):
+        t = _torch()
+        return t.empty(shape, dtype=getattr(t, dtype), device=like.device)
+    return np.empty(shape, dtype=dtype)
+
+
+def zeros(like: Any, shape: Sequence[int], dtype: str) -> Any:
+    shape = tuple(int(s) for s in shape)
+    if is_torch(like):
+        t = _torch()
+        return t.zeros(shape, dtype=getattr(t, dtype), device=like.device)
+    return np.zeros(shape, dtype=dtype)
+
+
+def cast(x: Any, dtype: str) -> Any:
+    """x converted to ``dtype`` (a no-op when it already is). bfloat16 needs torch."""
+    if dtype_name(x) == dtype:
+        return x
+    if is_torch(x):
+        return x.to(getattr(_torch(), dtype))
+    if dtype == "bfloat16":
+        raise TypeError("bfloat16 output needs a torch tensor (numpy has no bfloat16)")
+    return x.astype(dtype)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A numpy view or copy of x; bfloat16 tensors become float32 (exact)."""
+    if is_torch(x):
+        x = x.detach().cpu()
+        if dtype_name(x) == "bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def float32_numpy(x: Any) -> np.ndarray:
+    """x as a float32 numpy array (exact for float16/bfloat16 inputs): what the references compute on."""
+    return to_numpy(x).astype(np.float32, copy=False)

@@ -1,0 +1,110 @@
+"""q4_0: GGML's 4-bit block format (llama.cpp ``block_q4_0``), byte-compatible with
+llama.cpp's ``quantize_row_q4_0_ref`` and the gguf package's ``Q4_0``.
+
+Blocks of 32 values along the last axis, 18 bytes each: fp16 ``d`` then ``qs[16]``
+(element j in the low nibble of ``qs[j]``, element j+16 in the high nibble); 4.5 bits/value.
+Decoded value: ``(q - 8) * d``. The exact rule is in ``src/formats/q4_0/q4_0.h`` and
+:mod:`qformats.q4_0.reference`. Error bound: ``|x - x'| <= |d| / 2`` (plus fp16 rounding of
+``d``), where ``|d| = max|x| / 8`` of the block.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _arrays as A
+from .._core import QuantizedTensor, check_quantized, output_dtype
+from . import _native, reference
+
+FORMAT = "q4_0"
+QK = 32           #: values per block
+BLOCK_BYTES = 18  #: bytes per block
+
+__all__ = ["quantize", "dequantize", "quantize_q4_0", "dequantize_q4_0", "gemm_q4_0_q8_1",
+           "QK", "BLOCK_BYTES", "reference"]
+
+
+def quantize_q4_0(x: Any) -> Any:
+    """Quantize to q4_0 blocks along the last axis.
+
+    Args:
+        x: float32, float16 or bfloat16 array/tensor ``[..., K]``, K a multiple of 32,
+            C-contiguous, on the CPU, finite.
+    Returns:
+        uint8 ``[..., K // 32, 18]`` in the same library (numpy/torch) as ``x``.
+    Raises:
+        TypeError: not a numpy array / torch tensor, or not a float dtype.
+        ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf.
+    """
+    A.check_float(x, "x", multiple_of=QK)
+    out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
+    _native.quantize(x, out)
+    return out
+
+
+def dequantize_q4_0(x_q: Any, K: int) -> Any:
+    """Decode q4_0 blocks.
+
+    Args:
+        x_q: uint8 ``[..., K // 32, 18]`` as returned by :func:`quantize_q4_0`.
+        K: values per row (a multiple of 32).
+    Returns:
+        float32 ``[..., K]`` in the library of ``x_q``.
+    Raises:
+        TypeError / ValueError: wrong dtype, or shape not ``[..., K // 32, 18]``.
+    """
+    K = A.check_int(K, "K")
+    if K % QK:
+        raise ValueError(f"K={K} is not a multiple of {QK}")
+    A.check_array(x_q, "x_q", "uint8")
+    if x_q.ndim < 2 or tuple(x_q.shape[-2:]) != (K // QK, BLOCK_BYTES):
+        raise ValueError(f"x_q: expected shape [..., {K // QK}, {BLOCK_BYTES}], got {tuple(x_q.shape)}")
+    out = A.empty(x_q, (*x_q.shape[:-2], K), "float32")
+    _native.dequantize(x_q, out)
+    return out
+
+
+def expected_buffers(shape, params) -> dict:
+    """Buffer names -> (dtype, shape) for a q4_0 tensor of logical ``shape`` (no params)."""
+    if params:
+        raise ValueError(f"q4_0 takes no parameters, got {params}")
+    if not shape or shape[-1] % QK:
+        raise ValueError(f"shape {shape}: last dimension must be a multiple of {QK}")
+    return {"blocks": ("uint8", (*shape[:-1], shape[-1] // QK, BLOCK_BYTES))}
+
+
+def quantize(x: Any) -> QuantizedTensor:
+    """Quantize ``x`` ([..., K], K % 32 == 0; float32/float16/bfloat16, numpy or torch) to a
+    q4_0 :class:`~qformats.QuantizedTensor` with one buffer, ``blocks`` (uint8
+    ``[..., K // 32, 18]``). Raises as :func:`quantize_q4_0`."""
+    blocks = quantize_q4_0(x)
+    return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), {}, {"blocks": blocks})
+
+
+def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
+    """Decode a q4_0 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original)."""
+    q = check_quantized(q, FORMAT)
+    return A.cast(dequantize_q4_0(q.buffers["blocks"], q.shape[-1]), output_dtype(q, dtype))
+
+
+def gemm_q4_0_q8_1(weight_q: Any, activation_q: Any, M: int, N: int, K: int) -> Any:
+    """``W . A^T`` on quantized operands, as llama.cpp's q4_0 x q8_1 dot products.
+
+    Args:
+        weight_q: uint8 ``[M, K // 32, 18]`` q4_0 blocks (W is ``[M, K]``).
+        activation_q: uint8 ``[N, K // 32, 36]`` q8_1 blocks from
+            :func:`qformats.q8_1.quantize_q8_1` (A is ``[N, K]``).
+        M, N, K: the sizes; K a multiple of 32.
+    Returns:
+        float32 ``[M, N]``: ``out[m, n] = sum_b d_w * d_a * sum_j (q_w - 8) * q_a`` over the
+        K/32 blocks (exact integer block sums, float32 accumulation across blocks).
+    Raises:
+        TypeError / ValueError: wrong dtypes or shapes.
+    """
+    M, N, K = (A.check_int(v, n) for v, n in ((M, "M"), (N, "N"), (K, "K")))
+    if K % QK:
+        raise ValueError(f"K={K} is not a multiple of {QK}")
+    A.check_array(weight_q, "weight_q", "uint8", (M, K // QK, BLOCK_BYTES))
+    A.check_array(activation_q, "activation_q", "uint8", (N, K // QK, 36))
+    out = A.empty(weight_q, (M, N), "float32")
+    _native.gemm_q4_0_q8_1(weight_q, activation_q, out, M, N, K)
+    return out

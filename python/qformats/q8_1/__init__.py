@@ -1,0 +1,75 @@
+"""q8_1: GGML's 8-bit activation block format (llama.cpp ``block_q8_1``), byte-compatible
+with llama.cpp's CPU ``quantize_row_q8_1_ref``.
+
+Blocks of 32 values along the last axis, 36 bytes each: fp16 ``d``, fp16 ``s = d * sum(qs)``,
+``int8 qs[32]``; 9 bits/value. Decoded value: ``q * d``. The exact rule is in
+``src/formats/q8_1/q8_1.h`` and :mod:`qformats.q8_1.reference`. Error bound:
+``|x - x'| <= |d| / 2`` (plus fp16 rounding of ``d``), ``d = max|x| / 127`` of the block.
+Pair it with q4_0 weights in :func:`qformats.q4_0.gemm_q4_0_q8_1`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _arrays as A
+from .._core import QuantizedTensor, check_quantized, output_dtype
+from . import _native, reference
+
+FORMAT = "q8_1"
+QK = 32           #: values per block
+BLOCK_BYTES = 36  #: bytes per block
+
+__all__ = ["quantize", "dequantize", "quantize_q8_1", "dequantize_q8_1", "QK", "BLOCK_BYTES",
+           "reference"]
+
+
+def quantize_q8_1(x: Any) -> Any:
+    """Quantize to q8_1 blocks along the last axis.
+
+    Args:
+        x: float32, float16 or bfloat16 ``[..., K]``, K a multiple of 32, C-contiguous, CPU, finite.
+    Returns:
+        uint8 ``[..., K // 32, 36]`` in the library of ``x``.
+    Raises:
+        TypeError: not an array/tensor or not a float dtype.
+        ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf.
+    """
+    A.check_float(x, "x", multiple_of=QK)
+    out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
+    _native.quantize(x, out)
+    return out
+
+
+def dequantize_q8_1(x_q: Any, K: int) -> Any:
+    """Decode q8_1 blocks uint8 ``[..., K // 32, 36]`` to float32 ``[..., K]``."""
+    K = A.check_int(K, "K")
+    if K % QK:
+        raise ValueError(f"K={K} is not a multiple of {QK}")
+    A.check_array(x_q, "x_q", "uint8")
+    if x_q.ndim < 2 or tuple(x_q.shape[-2:]) != (K // QK, BLOCK_BYTES):
+        raise ValueError(f"x_q: expected shape [..., {K // QK}, {BLOCK_BYTES}], got {tuple(x_q.shape)}")
+    out = A.empty(x_q, (*x_q.shape[:-2], K), "float32")
+    _native.dequantize(x_q, out)
+    return out
+
+
+def expected_buffers(shape, params) -> dict:
+    """Buffer names -> (dtype, shape) for a q8_1 tensor of logical ``shape`` (no params)."""
+    if params:
+        raise ValueError(f"q8_1 takes no parameters, got {params}")
+    if not shape or shape[-1] % QK:
+        raise ValueError(f"shape {shape}: last dimension must be a multiple of {QK}")
+    return {"blocks": ("uint8", (*shape[:-1], shape[-1] // QK, BLOCK_BYTES))}
+
+
+def quantize(x: Any) -> QuantizedTensor:
+    """Quantize ``x`` ([..., K], K % 32 == 0) to a q8_1 QuantizedTensor with one buffer,
+    ``blocks`` (uint8 ``[..., K // 32, 36]``). Raises as :func:`quantize_q8_1`."""
+    blocks = quantize_q8_1(x)
+    return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), {}, {"blocks": blocks})
+
+
+def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
+    """Decode a q8_1 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original)."""
+    q = check_quantized(q, FORMAT)
+    return A.cast(dequantize_q8_1(q.buffers["blocks"], q.shape[-1]), output_dtype(q, dtype))

@@ -1,0 +1,53 @@
+// qformats.q4_0._native: q4_0 codec (formats/q4_0) and the q4_0 x q8_1 GEMM (gemm/).
+// Adapters check the arrays, then call the kernels without the GIL.
+#include "bindings/nb_common.h"
+#include "formats/q4_0/q4_0.h"
+#include "gemm/q4_0_q8_1.h"
+
+using namespace qf;
+using namespace qf::bind;
+
+namespace {
+
+// x: float [rows, K] (any leading shape, C-contiguous), out: uint8 with K/32 * 18 bytes per row.
+void quantize(const Array& x, const Array& out) {
+  require<uint8_t>(out, "out");
+  const int64_t n = numel(x);
+  if (n % q4_0::QK) throw std::invalid_argument("x: element count must be a multiple of 32");
+  require_numel(out, n / q4_0::QK * int64_t(sizeof(q4_0::block_q4_0)), "out");
+  dispatch_float(x, "x", [&](auto* px) {
+    q4_0::quantize_cpu(px, n / q4_0::QK, mptr<q4_0::block_q4_0>(out));
+  });
+}
+
+void dequantize(const Array& blocks, const Array& out) {
+  require<uint8_t>(blocks, "blocks");
+  require<float>(out, "out");
+  const int64_t nbytes = numel(blocks);
+  if (nbytes % int64_t(sizeof(q4_0::block_q4_0)))
+    throw std::invalid_argument("blocks: size must be a multiple of 18 bytes");
+  const int64_t n_blocks = nbytes / int64_t(sizeof(q4_0::block_q4_0));
+  require_numel(out, n_blocks * q4_0::QK, "out");
+  q4_0::dequantize_cpu(cptr<q4_0::block_q4_0>(blocks), n_blocks, mptr<float>(out));
+}
+
+void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M, int64_t N, int64_t K) {
+  if (M < 0 || N < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, N, K");
+  require<uint8_t>(w, "weight_q");
+  require<uint8_t>(a, "activation_q");
+  require<float>(out, "out");
+  require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "weight_q");
+  require_numel(a, N * (K / q8_1::QK) * int64_t(sizeof(q8_1::block_q8_1)), "activation_q");
+  require_numel(out, M * N, "out");
+  gemm::gemm_q4_0_q8_1_cpu(cptr<q4_0::block_q4_0>(w), cptr<q8_1::block_q8_1>(a), mptr<float>(out), M, N, K);
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "q4_0 (GGML) native codec and q4_0 x q8_1 GEMM; called through qformats.q4_0.";
+  m.def("quantize", &quantize, nb::arg("x"), nb::arg("out"), release_gil());
+  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), release_gil());
+  m.def("gemm_q4_0_q8_1", &gemm_q4_0_q8_1, nb::arg("weight_q"), nb::arg("activation_q"),
+        nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"), release_gil());
+}

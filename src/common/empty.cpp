@@ -1,0 +1,1 @@
+// Keeps qf_gemm a valid library while src/gemm has no sources of a kind.

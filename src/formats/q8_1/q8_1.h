@@ -1,0 +1,71 @@
+// q8_1 pack spec: GGML's 8-bit activation block, byte-compatible with llama.cpp
+// (ggml/src/ggml-common.h `block_q8_1`, ggml/src/ggml-quants.c `quantize_row_q8_1_ref`).
+//
+// Layout: a row of K values (K % 32 == 0) is K/32 consecutive 36-byte blocks:
+//
+//   byte 0..1   d       fp16 scale
+//   byte 2..3   s       fp16 d * sum(qs), the term that lets a q4_0 x q8_1 dot product fold
+//                       q4_0's offset of 8 into one multiply (llama.cpp's vec_dot_q4_0_q8_1)
+//   byte 4..35  qs[32]  int8 codes
+//
+// Quantize one block x[0..31] (float32 arithmetic):
+//   amax = max |x|;  d = amax / 127;  id = d != 0 ? 1 / d : 0
+//   q    = roundf(x * id)            (round half away from zero)
+//   s    = fp16(d * sum(q))          with the unrounded float32 d
+//   stored d = fp16(d), round to nearest even
+// Dequantize: x' = q * float(stored d).
+// Where 1/d overflows to inf (amax < ~1.5e-36), x*id is +-inf or NaN; llama.cpp's int8
+// conversion of that is undefined in C and yields 0 on x86-64; we define q = 0 there.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "common/fp16.h"
+
+namespace qf::q8_1 {
+
+constexpr int QK = 32;  // values per block (QK8_1)
+
+struct block_q8_1 {
+  half_t d;        // scale, fp16
+  half_t s;        // d * sum(qs), fp16
+  int8_t qs[QK];   // codes
+};
+static_assert(sizeof(block_q8_1) == 4 + QK, "wrong q8_1 block size/padding");
+
+QF_HOST_DEVICE int8_t quantize_value(float x, float id) {
+  const float v = x * id;
+  if (!(v == v) || v == INFINITY || v == -INFINITY) return 0;  // see the header comment
+  const float r = roundf(v);  // |v| <= 127 (+ rounding) since |x| <= amax
+  return static_cast<int8_t>(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+}
+
+template <class T>
+QF_HOST_DEVICE void quantize_block(const T* x, block_q8_1* y) {
+  float amax = 0.0f;
+  for (int j = 0; j < QK; ++j) {
+    const float v = to_f32(x[j]);
+    const float a = v < 0 ? -v : v;
+    amax = amax > a ? amax : a;
+  }
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  int sum = 0;
+  for (int j = 0; j < QK; ++j) {
+    y->qs[j] = quantize_value(to_f32(x[j]), id);
+    sum += y->qs[j];
+  }
+  y->d.bits = fp32_to_fp16_bits(d);
+  y->s.bits = fp32_to_fp16_bits(static_cast<float>(sum) * d);
+}
+
+QF_HOST_DEVICE void dequantize_block(const block_q8_1* x, float* y) {
+  const float d = fp16_bits_to_fp32(x->d.bits);
+  for (int j = 0; j < QK; ++j) y[j] = static_cast<float>(x->qs[j]) * d;
+}
+
+template <class T>
+void quantize_cpu(const T* x, int64_t n_blocks, block_q8_1* y);
+void dequantize_cpu(const block_q8_1* x, int64_t n_blocks, float* y);
+
+}  // namespace qf::q8_1

@@ -138,6 +138,13 @@ def cast(x: Any, dtype: str) -> Any:
     return x.astype(dtype)
 
 
+def fp16_field_overflowed(blocks: Any, byte_offset: int) -> bool:
+    """True if the little-endian fp16 field at ``byte_offset`` of any block (last axis = the
+    block's bytes) is +-inf or NaN: exponent bits all ones, read from the high byte."""
+    hi = blocks[..., byte_offset + 1]
+    return bool(((hi & 0x7C) == 0x7C).any())
+
+
 def to_numpy(x: Any) -> np.ndarray:
     """A numpy view or copy of x; bfloat16 tensors become float32 (exact)."""
     if is_torch(x):

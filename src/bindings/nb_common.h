@@ -28,6 +28,7 @@ inline int64_t numel(const Array& a) {
 }
 
 inline bool is_c_contiguous(const Array& a) {
+  if (numel(a) == 0) return true;  // empty arrays may carry any strides; nothing is accessed
   int64_t expected = 1;
   for (size_t i = a.ndim(); i-- > 0;) {
     if (a.shape(i) != 1 && a.stride(i) != expected) return false;

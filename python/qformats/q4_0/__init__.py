@@ -33,11 +33,16 @@ def quantize_q4_0(x: Any) -> Any:
         uint8 ``[..., K // 32, 18]`` in the same library (numpy/torch) as ``x``.
     Raises:
         TypeError: not a numpy array / torch tensor, or not a float dtype.
-        ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf.
+        ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf, or a
+            block whose scale overflows fp16 (max |x| of a block >= 65520 * 8).
     """
     A.check_float(x, "x", multiple_of=QK)
     out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
     _native.quantize(x, out)
+    if A.fp16_field_overflowed(out, 0):
+        # llama.cpp would store d = inf here and decode inf/NaN; refuse instead of returning
+        # blocks that cannot be decoded.
+        raise ValueError("x: a block's scale d overflows fp16: q4_0 needs |x| < 65520 * 8 in every block")
     return out
 
 

@@ -3,7 +3,8 @@
 Source: llama.cpp ggml/src/ggml-quants.c ``quantize_row_q4_0_ref`` (built without FMA) and
 the gguf package's ``gguf.quants.Q4_0``; the layout is ``block_q4_0`` in ggml-common.h. Every
 operation is a separately rounded float32 operation (numpy never fuses multiply and add).
-See ``src/formats/q4_0/q4_0.h`` for the rules and corner cases.
+See ``src/formats/q4_0/q4_0.h`` for the rules and corner cases. Scales beyond fp16 are stored
+as inf, as llama.cpp and gguf store them (the public API refuses such input).
 """
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ def quantize(x: np.ndarray) -> np.ndarray:
     n = b.shape[0]
     imax = np.abs(b).argmax(axis=-1) if n else np.zeros(0, dtype=np.int64)  # first on ties
     mx = b[np.arange(n), imax]
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+    with np.errstate(all="ignore"):
         d = mx / np.float32(-8)
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
         v = (b * inv[:, None]) + np.float32(8.5)
         q = np.where(np.isfinite(v), np.minimum(np.trunc(v), 15), 0).astype(np.uint8)
+        d16 = d.astype("<f2")
     out = np.empty((n, BLOCK_BYTES), dtype=np.uint8)
-    out[:, :2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+    out[:, :2] = d16.view(np.uint8).reshape(n, 2)
     out[:, 2:] = q[:, : QK // 2] | (q[:, QK // 2 :] << 4)
     return out.reshape(*lead, k // QK, BLOCK_BYTES)
 
@@ -40,4 +42,5 @@ def dequantize(blocks: np.ndarray) -> np.ndarray:
     d = np.ascontiguousarray(b[:, :2]).view("<f2").astype(np.float32)  # [n, 1]
     qs = b[:, 2:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32) - np.float32(8)
-    return (q * d).reshape(*lead, nb * QK)
+    with np.errstate(all="ignore"):  # an inf scale decodes to inf/NaN
+        return (q * d).reshape(*lead, nb * QK)

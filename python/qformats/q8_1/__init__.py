@@ -32,11 +32,19 @@ def quantize_q8_1(x: Any) -> Any:
         uint8 ``[..., K // 32, 36]`` in the library of ``x``.
     Raises:
         TypeError: not an array/tensor or not a float dtype.
-        ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf.
+        ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf, or a
+            block whose scale overflows fp16 (max |x| of a block >= 65520 * 127).
+            ``s`` is stored as llama.cpp stores it and saturates to inf once
+            |d * sum(q)| >= 65520 (block sums of large activations); the decoded values
+            do not use it.
     """
     A.check_float(x, "x", multiple_of=QK)
     out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
     _native.quantize(x, out)
+    if A.fp16_field_overflowed(out, 0):
+        # llama.cpp would store d = inf here and decode inf/NaN; refuse instead of returning
+        # blocks that cannot be decoded.
+        raise ValueError("x: a block's scale d overflows fp16: q8_1 needs |x| < 65520 * 127 in every block")
     return out
 
 

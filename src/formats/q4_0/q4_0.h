@@ -53,7 +53,7 @@ QF_HOST_DEVICE void quantize_block(const T* x, block_q4_0* y) {
   float amax = -1.0f, max = 0.0f;  // amax < 0 so that element 0 is taken first (even for +-0)
   for (int j = 0; j < QK; ++j) {
     const float v = to_f32(x[j]);
-    const float a = v < 0 ? -v : v;
+    const float a = fabsf(v);  // fabsf, not a sign test: |-0.0| must be +0.0
     if (amax < a) { amax = a; max = v; }
   }
   const float d = max / -8.0f;

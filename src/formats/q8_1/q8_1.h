@@ -45,7 +45,7 @@ QF_HOST_DEVICE void quantize_block(const T* x, block_q8_1* y) {
   float amax = 0.0f;
   for (int j = 0; j < QK; ++j) {
     const float v = to_f32(x[j]);
-    const float a = v < 0 ? -v : v;
+    const float a = fabsf(v);  // fabsf, not a sign test: |-0.0| must be +0.0
     amax = amax > a ? amax : a;
   }
   const float d = amax / 127.0f;

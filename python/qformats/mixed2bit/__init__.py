@@ -1,0 +1,338 @@
+"""mixed2bit: intra-matrix mixed 2/4-bit weights with second-order scales and fp16 outliers.
+
+Source: Jin et al., "Fast and Efficient 2-bit LLM Inference on GPU: 2/4/16-bit in a Weight
+Matrix with Asynchronous Dequantization", arXiv 2311.16442. A weight matrix ``[rows, K]`` is
+cut into groups of ``group_size`` values along K; the ``round(ratio_4bit * n_groups)`` groups
+with the largest range (or, given a per-column ``sensitivity`` such as a Hessian diagonal, the
+largest ``sum(sensitivity * w**2)``) are asymmetric 4-bit, the rest asymmetric 2-bit. The
+groups' scales and zero offsets are themselves quantized (4-bit codes for 2-bit groups, 8-bit
+codes for 4-bit groups) against one fp16 pair per block of ``scale_block`` groups, and an
+optional ``outlier_ratio`` of the 2-bit groups' largest-magnitude elements is kept as fp16.
+2-bit and 4-bit groups are stored in separate arrays so a GEMV can stream each.
+
+Buffers (all C-contiguous; n_groups = rows * K / group_size, n2 = n_groups - n4,
+B = scale_block):
+
+=============  =======  ===============================  ==========================================
+name           dtype    shape                            content
+=============  =======  ===============================  ==========================================
+group_map      uint8    [ceil(n_groups / 8)]             bit g % 8 of byte g / 8: group g is 4-bit
+codes2         int32    [n2, group_size / 16]            2-bit codes, value i in bits 2i..2i+1
+codes4         int32    [n4, group_size / 8]             4-bit codes, value i in bits 4i..4i+3
+scales2        uint8    [n2]                             sc | mc << 4
+scales4        uint8    [n4, 2]                          [sc, mc]
+so2, so4       float16  [ceil(n2 or n4 / B), 2]          [d, dm] per block of B groups
+outlier_idx    int32    [n_out]                          flat indices r * K + k, increasing
+outlier_val    float16  [n_out]                          the outliers' values
+=============  =======  ===============================  ==========================================
+
+Decoded value: ``q * (d * sc) - (dm * mc)`` (float32), outliers replaced by their fp16 value.
+At the defaults this stores ~2.94 bits per weight (every buffer counted by
+:attr:`QuantizedTensor.avg_bits`). The exact rules are in ``src/formats/mixed2bit/mixed2bit.h``
+and :mod:`qformats.mixed2bit.reference`.
+
+Error bound (per non-outlier element x of a group with first-order ``scale``, ``m`` and
+decoded ``s_eff = d * sc``, ``m_eff = dm * mc``, qmax = 3 or 15): the codes pick the nearest
+point of the grid ``{q * s_eff - m_eff}``, which covers ``[-m_eff, qmax * s_eff - m_eff]`` while
+x lies in ``[-m, -m + qmax * scale]``, so
+``|x - x'| <= max(s_eff / 2, |m - m_eff| + qmax * |scale - s_eff|)`` up to float32 rounding;
+the second-order codes make ``|scale - s_eff| <= d / 2`` and ``|m - m_eff| <= dm / 2`` (unless
+clamped at the largest code after the fp16 rounding of d or dm).
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Any
+
+import numpy as np
+
+from .. import _arrays as A
+from .._core import QuantizedTensor, check_quantized, output_dtype
+from . import _native, reference
+
+FORMAT = "mixed2bit"
+GROUP_MULTIPLE = 16          #: group_size must be a multiple of this
+DEFAULT_GROUP_SIZE = 16
+DEFAULT_RATIO_4BIT = 0.1
+DEFAULT_SCALE_BLOCK = 16
+BUFFER_NAMES = reference.BUFFER_NAMES
+PARAM_NAMES = ("group_size", "ratio_4bit", "outlier_ratio", "scale_block", "selection", "n4", "n_out")
+_MAX_INT32 = 2**31 - 1
+
+__all__ = ["quantize", "dequantize", "expected_buffers", "gemm", "pack_2bit", "unpack_2bit", "nmse",
+           "FORMAT", "BUFFER_NAMES", "reference"]
+
+
+# -- parameter checks ------------------------------------------------------------------------
+
+def _check_ratio(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, Real):
+        raise TypeError(f"{name}: expected a float in [0, 1], got {type(v).__name__}")
+    v = float(v)
+    if not (0.0 <= v <= 1.0):  # also rejects NaN
+        raise ValueError(f"{name}: must be in [0, 1], got {v}")
+    return v
+
+
+def _check_group_size(group_size: Any) -> int:
+    gs = A.check_int(group_size, "group_size", minimum=GROUP_MULTIPLE)
+    if gs % GROUP_MULTIPLE:
+        raise ValueError(f"group_size: must be a multiple of {GROUP_MULTIPLE}, got {gs}")
+    return gs
+
+
+def _check_sensitivity(sensitivity: Any, K: int) -> np.ndarray:
+    """float32 numpy [K] copy-free when possible; TypeError / ValueError on bad input."""
+    if not (isinstance(sensitivity, np.ndarray) or A.is_torch(sensitivity)):
+        raise TypeError(f"sensitivity: expected a numpy array or a torch tensor, got "
+                        f"{type(sensitivity).__name__}")
+    if A.dtype_name(sensitivity) not in A.FLOAT_DTYPES + ("float64",):
+        raise TypeError(f"sensitivity: expected a float array, got {A.dtype_name(sensitivity)}")
+    if tuple(sensitivity.shape) != (K,):
+        raise ValueError(f"sensitivity: expected shape ({K},), got {tuple(sensitivity.shape)}")
+    s = np.ascontiguousarray(A.to_numpy(sensitivity), dtype=np.float32)
+    if not np.isfinite(s).all():
+        raise ValueError("sensitivity: contains NaN or Inf (or values beyond float32)")
+    if (s < 0).any():
+        raise ValueError("sensitivity: must be >= 0")
+    return s
+
+
+def _shape2(shape: Any) -> tuple[int, int]:
+    shape = tuple(shape)
+    if len(shape) != 2:
+        raise ValueError(f"mixed2bit needs a 2-D [rows, K] shape, got {shape}")
+    rows, K = (A.check_int(s, "shape") for s in shape)
+    return rows, K
+
+
+# -- public API ------------------------------------------------------------------------------
+
+def expected_buffers(shape, params) -> dict:
+    """Buffer names -> ``(dtype, shape)`` of a mixed2bit tensor.
+
+    Args:
+        shape: the logical ``(rows, K)``.
+        params: the QuantizedTensor's params: ``group_size``, ``ratio_4bit``, ``outlier_ratio``,
+            ``scale_block``, ``selection`` ("range" or "sensitivity"), ``n4``, ``n_out``.
+    Returns:
+        ``{name: (dtype_str, shape_tuple)}`` for the nine buffers (see the module docstring).
+    Raises:
+        ValueError: missing/unknown params, bad values, K not a multiple of group_size, or n4 /
+            n_out not the counts the ratios give for this shape.
+        TypeError: a param of the wrong type.
+    """
+    if not isinstance(params, dict) or set(params) != set(PARAM_NAMES):
+        raise ValueError(f"mixed2bit params must have exactly the keys {PARAM_NAMES}, got "
+                         f"{sorted(params) if isinstance(params, dict) else params!r}")
+    rows, K = _shape2(shape)
+    gs = _check_group_size(params["group_size"])
+    if K % gs:
+        raise ValueError(f"K={K} is not a multiple of group_size={gs}")
+    ratio = _check_ratio(params["ratio_4bit"], "ratio_4bit")
+    orat = _check_ratio(params["outlier_ratio"], "outlier_ratio")
+    sb = A.check_int(params["scale_block"], "scale_block", minimum=1)
+    if params["selection"] not in ("range", "sensitivity"):
+        raise ValueError(f"selection: expected 'range' or 'sensitivity', got {params['selection']!r}")
+    n4 = A.check_int(params["n4"], "n4")
+    n_out = A.check_int(params["n_out"], "n_out")
+    n_groups = rows * (K // gs)
+    if n4 != reference.n4_count(ratio, n_groups):
+        raise ValueError(f"n4={n4} but ratio_4bit={ratio} of {n_groups} groups gives "
+                         f"{reference.n4_count(ratio, n_groups)}")
+    if n_out != reference.n_out_count(orat, n_groups - n4, gs):
+        raise ValueError(f"n_out={n_out} but outlier_ratio={orat} gives "
+                         f"{reference.n_out_count(orat, n_groups - n4, gs)}")
+    return reference.buffer_shapes(rows, K, gs, sb, n4, n_out)
+
+
+def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = DEFAULT_RATIO_4BIT,
+             sensitivity: Any = None, outlier_ratio: float = 0.0,
+             scale_block: int = DEFAULT_SCALE_BLOCK) -> QuantizedTensor:
+    """Quantize a weight matrix to mixed 2/4-bit groups.
+
+    Args:
+        w: float32, float16 or bfloat16 array/tensor ``[rows, K]`` (C-contiguous, CPU, finite),
+            K a multiple of ``group_size``.
+        group_size: values per group along K; a multiple of 16 (default 16).
+        ratio_4bit: fraction of groups stored as 4-bit, in [0, 1] (default 0.1); exactly
+            ``floor(ratio_4bit * n_groups + 0.5)`` groups. 0 gives plain 2-bit.
+        sensitivity: optional per-column importance, float ``[K]``, finite, >= 0 (e.g. a
+            Hessian diagonal / mean squared activation); not stored. Given, groups are ranked
+            by ``sum(sensitivity * w**2)`` instead of their range.
+        outlier_ratio: fraction of the 2-bit groups' elements kept as fp16 outliers (largest
+            |w| first), in [0, 1] (default 0). Needs rows * K < 2**31 when non-zero.
+        scale_block: groups per second-order block (fp16 [d, dm] pair), >= 1 (default 16).
+    Returns:
+        A :class:`~qformats.QuantizedTensor` (format ``"mixed2bit"``) whose buffers are in the
+        library of ``w`` (numpy or torch); params hold the arguments above (sensitivity as
+        ``selection``), ``n4`` and ``n_out``.
+    Raises:
+        TypeError: w or sensitivity not a numpy array / torch tensor or not a float dtype, or a
+            parameter of the wrong type.
+        ValueError: w not 2-D, K not a multiple of group_size, non-contiguous, NaN/Inf,
+            group_size not a multiple of 16, a ratio outside [0, 1], scale_block < 1,
+            sensitivity of the wrong shape, negative or non-finite, too many elements for
+            int32 outlier indices, or values too large for the fp16 second-order scales /
+            outliers (|w| beyond roughly 2.9e6 in a 2-bit group).
+    """
+    gs = _check_group_size(group_size)
+    ratio = _check_ratio(ratio_4bit, "ratio_4bit")
+    orat = _check_ratio(outlier_ratio, "outlier_ratio")
+    sb = A.check_int(scale_block, "scale_block", minimum=1)
+    A.check_float(w, "w", ndim=2, multiple_of=gs)
+    rows, K = (int(s) for s in w.shape)
+    sens = None if sensitivity is None else _check_sensitivity(sensitivity, K)
+    n_groups = rows * (K // gs)
+    n4 = reference.n4_count(ratio, n_groups)
+    n_out = reference.n_out_count(orat, n_groups - n4, gs)
+    if n_out > 0 and rows * K > _MAX_INT32:
+        raise ValueError(f"outliers need rows * K < 2**31 (int32 indices), got {rows * K}")
+    params = {"group_size": gs, "ratio_4bit": ratio, "outlier_ratio": orat, "scale_block": sb,
+              "selection": "range" if sens is None else "sensitivity", "n4": n4, "n_out": n_out}
+    shapes = expected_buffers((rows, K), params)
+    bufs = {name: A.empty(w, shape, dt) for name, (dt, shape) in shapes.items()}
+    _native.quantize(w, sens, gs, sb, n4, n_out, *(bufs[n] for n in BUFFER_NAMES))
+    return QuantizedTensor(FORMAT, (rows, K), A.dtype_name(w), params, bufs)
+
+
+def _native_args(q: QuantizedTensor) -> tuple:
+    """(rows, K, group_size, scale_block, n4, n_out, *buffers) after checking the buffers."""
+    p = q.params
+    for name, (dt, _) in expected_buffers(q.shape, p).items():
+        A.check_array(q.buffers[name], name, dt)  # CPU, C-contiguous (validate checked shapes)
+    return (*q.shape, p["group_size"], p["scale_block"], p["n4"], p["n_out"],
+            *(q.buffers[n] for n in BUFFER_NAMES))
+
+
+def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
+    """Decode a mixed2bit QuantizedTensor.
+
+    Args:
+        q: a mixed2bit :class:`~qformats.QuantizedTensor` (buffers on the CPU).
+        dtype: output dtype, "float32", "float16" or "bfloat16" (default: the original dtype).
+    Returns:
+        ``[rows, K]`` in ``dtype``, in the buffers' library: ``q * s_eff - m_eff`` per element
+        (float32), outliers replaced by their fp16 values, then cast.
+    Raises:
+        TypeError: not a QuantizedTensor, or a bad dtype. ValueError: another format, or
+        buffers that do not match the params (shape, dtype, map count, outlier indices).
+        NotImplementedError: buffers on a device without kernels in this build.
+    """
+    q = check_quantized(q, FORMAT)
+    args = _native_args(q)
+    out = A.empty(q.buffers["codes2"], q.shape, "float32")
+    _native.dequantize(*args, out)
+    return A.cast(out, output_dtype(q, dtype))
+
+
+def gemm(x: Any, w: QuantizedTensor) -> Any:
+    """``Y = X . W^T`` with float32 activations and mixed2bit weights (decoded a tile of rows at
+    a time, never fully materialized).
+
+    Args:
+        x: float ``[N, K]`` array/tensor (float16/bfloat16 are converted to float32 first),
+            C-contiguous, CPU, finite.
+        w: a mixed2bit QuantizedTensor of shape ``[M, K]``.
+    Returns:
+        float32 ``[N, M]`` in the library of ``x``; each dot product sums the K products in
+        float32 with 8 interleaved partial sums.
+    Raises:
+        TypeError / ValueError: as :func:`dequantize` for ``w``; x not a float array, not 2-D,
+            K mismatch, non-contiguous or non-finite.
+    """
+    w = check_quantized(w, FORMAT)
+    A.check_float(x, "x", ndim=2)
+    M, K = w.shape
+    if x.shape[1] != K:
+        raise ValueError(f"x: expected K={K} columns, got shape {tuple(x.shape)}")
+    x = A.cast(x, "float32")
+    out = A.empty(x, (x.shape[0], M), "float32")
+    _native.gemm(x, *_native_args(w), out)
+    return out
+
+
+def _check_int_array(v: Any, name: str) -> None:
+    if not (isinstance(v, np.ndarray) or A.is_torch(v)):
+        raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(v).__name__}")
+    if A.is_torch(v):
+        ok = not (v.dtype.is_floating_point or v.dtype.is_complex) and A.dtype_name(v) != "bool"
+    else:
+        ok = np.issubdtype(v.dtype, np.integer)
+    if not ok:
+        raise TypeError(f"{name}: expected an integer dtype, got {A.dtype_name(v)}")
+    A._check_cpu_contiguous(v, name)
+
+
+def pack_2bit(values: Any) -> Any:
+    """Pack 2-bit values, 16 per int32: value i of each run of 16 in bits 2i..2i+1.
+
+    Args:
+        values: integer array/tensor ``[..., n]`` (n a multiple of 16, at least 1-D,
+            C-contiguous, CPU) with values in 0..3.
+    Returns:
+        int32 ``[..., n // 16]`` in the library of ``values`` (bit 31 may be set: negative).
+    Raises:
+        TypeError: not an array/tensor, or not an integer dtype.
+        ValueError: a scalar, n not a multiple of 16, non-contiguous, or a value outside 0..3.
+    """
+    _check_int_array(values, "values")
+    if values.ndim < 1:
+        raise ValueError("values: expected at least 1-D input, got a scalar")
+    if values.shape[-1] % 16:
+        raise ValueError(f"values: last dimension {values.shape[-1]} is not a multiple of 16")
+    if bool(((values < 0) | (values > 3)).any()):
+        raise ValueError("values: every value must be in 0..3")
+    if A.is_torch(values):
+        v8 = values.to(A._torch().uint8).contiguous()
+    else:
+        v8 = np.ascontiguousarray(values, dtype=np.uint8)
+    out = A.empty(values, (*values.shape[:-1], values.shape[-1] // 16), "int32")
+    _native.pack_2bit(v8, out)
+    return out
+
+
+def unpack_2bit(packed: Any, num_elements: int) -> Any:
+    """Inverse of :func:`pack_2bit`: the first ``num_elements`` 2-bit values of ``packed``.
+
+    Args:
+        packed: int32 array/tensor (any shape, C-contiguous, CPU), read in flat order.
+        num_elements: values to unpack, 0 <= num_elements <= 16 * packed.size.
+    Returns:
+        uint8 ``[num_elements]`` (flattened) in the library of ``packed``, values 0..3.
+    Raises:
+        TypeError: not an int32 array/tensor or num_elements not an int.
+        ValueError: num_elements negative or more than the words hold; non-contiguous.
+    """
+    A.check_array(packed, "packed", "int32")
+    n = A.check_int(num_elements, "num_elements")
+    size = int(np.prod(tuple(packed.shape), dtype=np.int64))
+    if n > 16 * size:
+        raise ValueError(f"num_elements={n} exceeds the {16 * size} values of {size} words")
+    out = A.empty(packed, (n,), "uint8")
+    _native.unpack_2bit(packed, out)
+    return out
+
+
+def nmse(w: Any, q: Any) -> float:
+    """Normalized squared error ``||w - w'||^2 / ||w||^2`` in float64.
+
+    Args:
+        w: the original float array/tensor.
+        q: a QuantizedTensor of w's shape (dequantized to float32) or a dense array/tensor w'.
+    Returns:
+        The ratio (0.0 when both norms are 0, inf when only ||w|| is 0).
+    Raises:
+        ValueError: shapes differ.
+    """
+    w64 = A.to_numpy(w).astype(np.float64)
+    wq = q.dequantize("float32") if isinstance(q, QuantizedTensor) else q
+    wq64 = A.to_numpy(wq).astype(np.float64)
+    if w64.shape != wq64.shape:
+        raise ValueError(f"shapes differ: {w64.shape} vs {wq64.shape}")
+    num = float(np.sum((w64 - wq64) ** 2))
+    den = float(np.sum(w64 ** 2))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den

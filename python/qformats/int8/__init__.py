@@ -1,0 +1,200 @@
+"""int8: symmetric absmax int8 with float32 scales per tensor, per row or per group; the
+rounding of bitsandbytes' ``int8_vectorwise_quant`` (LLM.int8() vector-wise quantization).
+
+Buffers: ``q`` int8 codes in [-127, 127] with the input's shape, and ``scale`` float32 =
+``absmax / 127`` per unit, shaped ``[1] * ndim`` (granularity "tensor"), ``[..., 1]``
+("row", the last axis) or ``[..., K // group_size]`` ("group"). Decoded value:
+``q * scale`` (float32). The exact rule is in ``src/formats/int8/int8.h`` and
+:mod:`qformats.int8.reference`: ``m = fl32(127 / absmax)`` once per unit, then
+``q = clamp(rint(fl32(x * m)), -127, 127)``, round half to even.
+
+Error bound, per element of a unit with stored scale ``s`` (derived in ``tests/int8``):
+``|x - q*s| <= s * (1/2 + 2^-14) + 2^-140`` before the decode's float32 rounding, i.e. half
+a step plus float32 rounding of ``m``, ``x*m`` and ``s``, plus a subnormal floor. Clamping
+costs nothing beyond that (|x * m| < 127.5 whenever m is finite). Exceptions, documented in
+the header: a unit with ``0 < absmax < 127 / FLT_MAX`` (~3.7e-37) has an infinite ``m`` and
+saturates every nonzero code to +-127 (error <= absmax); ``q * s`` can overflow to +-inf
+when absmax is within a rounding of FLT_MAX.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _arrays as A
+from .._core import QuantizedTensor, check_quantized, output_dtype
+from . import _native, reference
+
+FORMAT = "int8"
+QMAX = 127                                   #: codes are in [-QMAX, QMAX]
+GRANULARITIES = ("tensor", "row", "group")   #: what one scale covers
+MAX_MATMUL_K = 131071                        #: largest K with an exact int32 int8_matmul
+
+__all__ = ["quantize", "dequantize", "quantize_tensor", "dequantize_tensor", "int8_matmul",
+           "expected_buffers", "FORMAT", "QMAX", "GRANULARITIES", "MAX_MATMUL_K", "reference"]
+
+
+def _check_params(granularity: Any, group_size: Any) -> dict:
+    """Canonical params dict; ``group_size`` is only checked (and kept) for "group"."""
+    if not isinstance(granularity, str) or granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+    if granularity != "group":
+        return {"granularity": granularity}
+    return {"granularity": "group", "group_size": A.check_int(group_size, "group_size", minimum=1)}
+
+
+def _unit_len(shape: tuple, params: dict) -> int:
+    return reference.unit_len(tuple(shape), params["granularity"], params.get("group_size", 0))
+
+
+def _scale_shape(shape: tuple, params: dict) -> tuple:
+    return reference.scale_shape(tuple(shape), params["granularity"], params.get("group_size", 0))
+
+
+def expected_buffers(shape, params) -> dict:
+    """Buffer names -> (dtype, shape) for an int8 tensor of logical ``shape``.
+
+    Args:
+        shape: the logical shape (at least 1-D).
+        params: ``{"granularity": "tensor" | "row" | "group", "group_size": int}``; missing
+            keys take :func:`quantize`'s defaults ("row", 128).
+    Returns:
+        ``{"q": ("int8", shape), "scale": ("float32", scale shape)}``.
+    Raises:
+        ValueError: unknown keys, a bad granularity or group size, a scalar shape, or a
+            last dimension not divisible by the group size.
+    """
+    params = dict(params or {})
+    unknown = set(params) - {"granularity", "group_size"}
+    if unknown:
+        raise ValueError(f"int8: unknown parameters {sorted(unknown)}")
+    try:
+        p = _check_params(params.get("granularity", "row"), params.get("group_size", 128))
+    except TypeError as e:
+        raise ValueError(str(e)) from e
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise ValueError("int8: shape must be at least 1-D")
+    if p["granularity"] == "group" and shape[-1] % p["group_size"]:
+        raise ValueError(f"shape {shape}: last dimension must be a multiple of group_size={p['group_size']}")
+    return {"q": ("int8", shape), "scale": ("float32", _scale_shape(shape, p))}
+
+
+def _quantize(x: Any, params: dict) -> tuple:
+    A.check_float(x, "x", multiple_of=params.get("group_size"))
+    shape = tuple(x.shape)
+    q = A.empty(x, shape, "int8")
+    scale = A.empty(x, _scale_shape(shape, params), "float32")
+    _native.quantize(x, q, scale, _unit_len(shape, params))
+    return q, scale
+
+
+def quantize(x: Any, granularity: str = "row", group_size: int = 128) -> QuantizedTensor:
+    """Quantize to symmetric absmax int8.
+
+    Args:
+        x: float32, float16 or bfloat16 numpy array / torch CPU tensor ``[..., K]``,
+            C-contiguous, finite, at least 1-D. Computed in float32 (exact for 16-bit input).
+        granularity: "tensor" (one scale), "row" (one per slice along the last axis, as
+            bitsandbytes' vector-wise quantization) or "group" (one per ``group_size``
+            consecutive values along the last axis).
+        group_size: values per group (a positive int, K % group_size == 0); used only for
+            granularity "group".
+    Returns:
+        A :class:`~qformats.QuantizedTensor` (format "int8", params ``{"granularity": ...}``
+        plus ``"group_size"`` for "group") with buffers ``q`` (int8, ``x.shape``) and
+        ``scale`` (float32: ``[1] * ndim``, ``[..., 1]`` or ``[..., K // group_size]``), in
+        the library of ``x``.
+    Raises:
+        TypeError: not a numpy array / torch tensor, not a float dtype, group_size not an int.
+        ValueError: unknown granularity, group_size < 1, K not divisible by group_size, a
+            scalar, non-contiguous, NaN or Inf.
+    """
+    params = _check_params(granularity, group_size)
+    q, scale = _quantize(x, params)
+    return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), params, {"q": q, "scale": scale})
+
+
+def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
+    """Decode an int8 QuantizedTensor: ``q * scale`` in float32, then cast.
+
+    Args:
+        q: a QuantizedTensor of format "int8" (validated against :func:`expected_buffers`).
+        dtype: "float32", "float16" or "bfloat16" (default: the dtype ``q`` was made from).
+    Returns:
+        ``q.shape`` array/tensor in the buffers' library.
+    Raises:
+        TypeError: not a QuantizedTensor, or a bad dtype. ValueError: malformed buffers.
+    """
+    q = check_quantized(q, FORMAT)
+    codes, scale = q.buffers["q"], q.buffers["scale"]
+    A.check_array(codes, "q", "int8")
+    A.check_array(scale, "scale", "float32")
+    out = A.empty(codes, q.shape, "float32")
+    _native.dequantize(codes, scale, out, _unit_len(q.shape, q.params))
+    return A.cast(out, output_dtype(q, dtype))
+
+
+def quantize_tensor(x: Any) -> tuple:
+    """Per-tensor symmetric int8 (one scale for the whole tensor).
+
+    Args:
+        x: float32/float16/bfloat16 ``[...]`` (at least 1-D), C-contiguous, finite, CPU.
+    Returns:
+        ``(q, scale)``: q int8 of ``x.shape``, scale float32 of shape ``[1] * x.ndim``
+        (``absmax / 127``), in the library of ``x``.
+    Raises:
+        TypeError / ValueError: as :func:`quantize`.
+    """
+    return _quantize(x, {"granularity": "tensor"})
+
+
+def dequantize_tensor(q: Any, scale: Any) -> Any:
+    """Decode per-tensor int8: float32 ``q * scale``.
+
+    Args:
+        q: int8 array/tensor (at least 1-D, C-contiguous, CPU).
+        scale: float32 array/tensor with exactly one element (e.g. shape ``[1] * q.ndim``).
+    Returns:
+        float32 of ``q.shape`` in the library of ``q``.
+    Raises:
+        TypeError: wrong types or dtypes. ValueError: scale not a single element, layout.
+    """
+    A.check_array(q, "q", "int8")
+    A.check_array(scale, "scale", "float32")
+    if q.ndim < 1:
+        raise ValueError("q: expected at least 1-D input, got a scalar")
+    n_scale = 1
+    for s in scale.shape:
+        n_scale *= int(s)
+    if n_scale != 1:
+        raise ValueError(f"scale: expected a single element, got shape {tuple(scale.shape)}")
+    out = A.empty(q, tuple(q.shape), "float32")
+    _native.dequantize(q, scale, out, reference.unit_len(tuple(q.shape), "tensor", 0))
+    return out
+
+
+def int8_matmul(a: Any, b: Any) -> Any:
+    """Exact integer ``A . B^T`` (bitsandbytes' ``int8_linear_matmul`` convention).
+
+    Args:
+        a: int8 ``[N, K]`` (numpy array or torch CPU tensor, C-contiguous).
+        b: int8 ``[M, K]``.
+    Returns:
+        int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]``, in the library of ``a``.
+        Exact: with ``K <= 131071`` no sum can leave int32 (|a * b| <= 2^14).
+    Raises:
+        TypeError: not arrays/tensors, or not int8.
+        ValueError: not 2-D, K mismatch, K > 131071, non-contiguous.
+    """
+    A.check_array(a, "a", "int8")
+    A.check_array(b, "b", "int8")
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"int8_matmul: expected 2-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    (N, K), (M, Kb) = a.shape, b.shape
+    if K != Kb:
+        raise ValueError(f"int8_matmul: K mismatch, a is {tuple(a.shape)} and b is {tuple(b.shape)}")
+    if K > MAX_MATMUL_K:
+        raise ValueError(f"int8_matmul: K={K} > {MAX_MATMUL_K}, the int32 result could overflow")
+    out = A.empty(a, (N, M), "int32")
+    _native.int8_matmul(a, b, out, N, M, K)
+    return out

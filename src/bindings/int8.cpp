@@ -1,0 +1,62 @@
+// qformats.int8._native: symmetric absmax int8 codec (formats/int8) and the int8 x int8 ->
+// int32 GEMM (gemm/int8_int8). Adapters check the arrays, then call the kernels without the GIL.
+#include "bindings/nb_common.h"
+#include "formats/int8/int8.h"
+#include "gemm/int8_int8.h"
+
+using namespace qf;
+using namespace qf::bind;
+
+namespace {
+
+// x: float [...] (C-contiguous), q: int8 with as many elements, scale: float32 with one
+// element per unit of unit_len consecutive values (numel(x) == numel(scale) * unit_len).
+void quantize(const Array& x, const Array& q, const Array& scale, int64_t unit_len) {
+  require<int8_t>(q, "q");
+  require<float>(scale, "scale");
+  if (unit_len < 0) throw std::invalid_argument("unit_len must be >= 0");
+  const int64_t n = numel(x), n_units = numel(scale);
+  if (n != n_units * unit_len)
+    throw std::invalid_argument("x: element count must be numel(scale) * unit_len");
+  require_numel(q, n, "q");
+  dispatch_float(x, "x", [&](auto* px) {
+    int8::quantize_cpu(px, n_units, unit_len, mptr<int8_t>(q), mptr<float>(scale));
+  });
+}
+
+void dequantize(const Array& q, const Array& scale, const Array& out, int64_t unit_len) {
+  require<int8_t>(q, "q");
+  require<float>(scale, "scale");
+  require<float>(out, "out");
+  if (unit_len < 0) throw std::invalid_argument("unit_len must be >= 0");
+  const int64_t n = numel(q), n_units = numel(scale);
+  if (n != n_units * unit_len)
+    throw std::invalid_argument("q: element count must be numel(scale) * unit_len");
+  require_numel(out, n, "out");
+  int8::dequantize_cpu(cptr<int8_t>(q), cptr<float>(scale), n_units, unit_len, mptr<float>(out));
+}
+
+// a: int8 [N, K], b: int8 [M, K], out: int32 [N, M].
+void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K) {
+  if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
+  if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
+  require<int8_t>(a, "a");
+  require<int8_t>(b, "b");
+  require<int32_t>(out, "out");
+  require_numel(a, N * K, "a");
+  require_numel(b, M * K, "b");
+  require_numel(out, N * M, "out");
+  gemm::int8_matmul_cpu(cptr<int8_t>(a), cptr<int8_t>(b), mptr<int32_t>(out), N, M, K);
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "int8 (symmetric absmax) native codec and int8 x int8 -> int32 GEMM; called through qformats.int8.";
+  m.def("quantize", &quantize, nb::arg("x"), nb::arg("q"), nb::arg("scale"), nb::arg("unit_len"),
+        release_gil());
+  m.def("dequantize", &dequantize, nb::arg("q"), nb::arg("scale"), nb::arg("out"), nb::arg("unit_len"),
+        release_gil());
+  m.def("int8_matmul", &int8_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"),
+        nb::arg("M"), nb::arg("K"), release_gil());
+}

@@ -74,7 +74,7 @@ QF_HOST_DEVICE float absmax_run(const T* x, int64_t n) {
   float amax = 0.0f;  // +0: an empty run or a run of +-0 gives absmax +0 (and scale +0)
   for (int64_t j = 0; j < n; ++j) {
     const float v = to_f32(x[j]);
-    const float a = v < 0 ? -v : v;
+    const float a = fabsf(v);  // fabsf, not a sign test: |-0.0| must be +0.0 (scale bits)
     amax = amax > a ? amax : a;
   }
   return amax;

@@ -1,0 +1,251 @@
+"""int4: 4-bit integer codes packed two per byte, with a float32 scale (and, by default, an
+integer zero point) per group of ``group_size`` values along the last axis.
+
+Two modes, both in ``src/formats/int4/int4.h`` and :mod:`qformats.int4.reference`:
+
+* asymmetric (default): GPTQ/AWQ/HQQ's min-max + integer zero point convention. Per group
+  ``lo = min(min x, 0)``, ``hi = max(max x, 0)``, ``scale = (hi - lo) / 15``,
+  ``zero = clamp(rint(-lo / scale), 0, 15)``, ``q = clamp(rint(x / scale) + zero, 0, 15)``;
+  decoded ``(q - zero) * scale``. Buffers ``qweight`` uint8 ``[..., K // 2]``, ``scales``
+  float32 and ``zeros`` uint8 ``[..., K // group_size]``.
+* symmetric: ``scale = max|x| / 7``, ``q = clamp(rint(x / scale), -8, 7)`` stored as the
+  two's-complement nibble; decoded ``q * scale``. Buffers ``qweight`` and ``scales``. These
+  codes multiply exactly as integers (:func:`int4_matmul`).
+
+Packing: element 2j in the low nibble, element 2j+1 in the high nibble of byte j.
+
+Error bound, per element of a group with stored scale ``s`` (derived in ``tests/int4``):
+``|x - x'| <= s * (1/2 + 2^-14) + 2^-140`` before the decode's float32 rounding: half a step
+(the rounded zero point only moves the clamp window, by less than s/2 at each end, so
+clamping adds nothing beyond it), float32 rounding noise, and a subnormal floor. The float32
+decode can overflow to +-inf only when a group's values come within s/2 of FLT_MAX.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _arrays as A
+from .._core import QuantizedTensor, check_quantized, output_dtype
+from . import _native, reference
+
+FORMAT = "int4"
+GROUP_MULTIPLE = 8            #: group_size must be a positive multiple of this
+MAX_MATMUL_K = 33554431       #: largest K with an exact int32 int4_matmul (64 * K < 2^31)
+
+__all__ = ["quantize", "dequantize", "expected_buffers", "pack_int4", "unpack_int4", "int4_matmul",
+           "gemm", "FORMAT", "GROUP_MULTIPLE", "MAX_MATMUL_K", "reference"]
+
+
+def _check_params(group_size: Any, symmetric: Any) -> dict:
+    gs = A.check_int(group_size, "group_size", minimum=1)
+    if gs % GROUP_MULTIPLE:
+        raise ValueError(f"group_size: must be a positive multiple of {GROUP_MULTIPLE}, got {gs}")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric: expected a bool, got {type(symmetric).__name__}")
+    return {"group_size": gs, "symmetric": symmetric}
+
+
+def _buffer_shapes(shape: tuple, p: dict) -> dict:
+    lead, k = tuple(shape[:-1]), int(shape[-1])
+    out = {"qweight": ("uint8", (*lead, k // 2)),
+           "scales": ("float32", (*lead, k // p["group_size"]))}
+    if not p["symmetric"]:
+        out["zeros"] = ("uint8", (*lead, k // p["group_size"]))
+    return out
+
+
+def expected_buffers(shape, params) -> dict:
+    """Buffer names -> (dtype, shape) for an int4 tensor of logical ``shape``.
+
+    Args:
+        shape: the logical shape (at least 1-D, last dimension a multiple of group_size).
+        params: ``{"group_size": int, "symmetric": bool}``; missing keys take
+            :func:`quantize`'s defaults (128, False).
+    Returns:
+        ``{"qweight": ("uint8", [..., K//2]), "scales": ("float32", [..., K//gs])}`` plus
+        ``"zeros": ("uint8", [..., K//gs])`` in the asymmetric mode.
+    Raises:
+        ValueError: unknown keys, bad values, a scalar shape, K not divisible by group_size.
+    """
+    params = dict(params or {})
+    unknown = set(params) - {"group_size", "symmetric"}
+    if unknown:
+        raise ValueError(f"int4: unknown parameters {sorted(unknown)}")
+    try:
+        p = _check_params(params.get("group_size", 128), params.get("symmetric", False))
+    except TypeError as e:
+        raise ValueError(str(e)) from e
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise ValueError("int4: shape must be at least 1-D")
+    if shape[-1] % p["group_size"]:
+        raise ValueError(f"shape {shape}: last dimension must be a multiple of group_size={p['group_size']}")
+    return _buffer_shapes(shape, p)
+
+
+def quantize(x: Any, group_size: int = 128, symmetric: bool = False) -> QuantizedTensor:
+    """Quantize to int4 groups along the last axis.
+
+    Args:
+        x: float32, float16 or bfloat16 numpy array / torch CPU tensor ``[..., K]``,
+            C-contiguous, finite, at least 1-D; computed in float32 (exact for 16-bit input).
+        group_size: values per group, a positive multiple of 8 (32/64/128 typical);
+            K % group_size == 0.
+        symmetric: False (default) for GPTQ-style codes 0..15 with a zero point per group,
+            True for signed codes -8..7 (absmax / 7 scale, no zero point).
+    Returns:
+        A :class:`~qformats.QuantizedTensor` (format "int4", params ``{"group_size",
+        "symmetric"}``) with buffers ``qweight`` (uint8 ``[..., K // 2]``), ``scales``
+        (float32 ``[..., K // group_size]``) and, asymmetric only, ``zeros`` (uint8, same
+        shape as scales), in the library of ``x``.
+    Raises:
+        TypeError: not a numpy array / torch tensor, not a float dtype, group_size not an
+            int, symmetric not a bool.
+        ValueError: group_size not a positive multiple of 8, K not divisible by it, a
+            scalar, non-contiguous, NaN or Inf.
+    """
+    p = _check_params(group_size, symmetric)
+    A.check_float(x, "x", multiple_of=p["group_size"])
+    bufs = {name: A.empty(x, shape, dt) for name, (dt, shape) in _buffer_shapes(tuple(x.shape), p).items()}
+    _native.quantize(x, bufs["qweight"], bufs["scales"], bufs.get("zeros"), p["group_size"])
+    return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), p, bufs)
+
+
+def _decode_args(q: QuantizedTensor) -> tuple:
+    """(qweight, scales, zeros or None, group_size) of a validated int4 QuantizedTensor,
+    checked to be C-contiguous CPU buffers."""
+    b = q.buffers
+    qweight = A.check_array(b["qweight"], "qweight", "uint8")
+    scales = A.check_array(b["scales"], "scales", "float32")
+    zeros = None if q.params.get("symmetric", False) else A.check_array(b["zeros"], "zeros", "uint8")
+    return qweight, scales, zeros, q.params.get("group_size", 128)
+
+
+def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
+    """Decode an int4 QuantizedTensor: ``(q - zero) * scale`` (asymmetric) or ``q * scale``
+    (symmetric), in float32, then cast.
+
+    Args:
+        q: a QuantizedTensor of format "int4" (validated against :func:`expected_buffers`).
+        dtype: "float32", "float16" or "bfloat16" (default: the dtype ``q`` was made from).
+    Returns:
+        ``q.shape`` array/tensor in the buffers' library.
+    Raises:
+        TypeError: not a QuantizedTensor, or a bad dtype. ValueError: malformed buffers.
+    """
+    q = check_quantized(q, FORMAT)
+    qweight, scales, zeros, gs = _decode_args(q)
+    out = A.empty(qweight, q.shape, "float32")
+    _native.dequantize(qweight, scales, zeros, out, gs)
+    return A.cast(out, output_dtype(q, dtype))
+
+
+def pack_int4(values: Any) -> Any:
+    """Pack 4-bit codes two per byte (element 2j low nibble, 2j+1 high nibble).
+
+    Args:
+        values: int8 codes in [-8, 7] (stored as two's-complement nibbles) or uint8 codes in
+            [0, 15], ``[..., K]`` with K even; numpy array or torch CPU tensor, C-contiguous.
+    Returns:
+        uint8 ``[..., K // 2]`` in the library of ``values``.
+    Raises:
+        TypeError: not an array/tensor, or not int8/uint8.
+        ValueError: a scalar, K odd, codes out of range, non-contiguous.
+    """
+    A._check_type(values, "values")
+    dt = A.dtype_name(values)
+    if dt not in ("int8", "uint8"):
+        raise TypeError(f"values: expected int8 or uint8, got {dt}")
+    A.check_array(values, "values", dt)
+    if values.ndim < 1 or values.shape[-1] % 2:
+        raise ValueError(f"values: expected [..., K] with K even, got shape {tuple(values.shape)}")
+    lo, hi = (-8, 7) if dt == "int8" else (0, 15)
+    if values.numel() if A.is_torch(values) else values.size:
+        vmin, vmax = int(values.min()), int(values.max())
+        if vmin < lo or vmax > hi:
+            raise ValueError(f"values: {dt} codes must lie in [{lo}, {hi}], got [{vmin}, {vmax}]")
+    out = A.empty(values, (*values.shape[:-1], values.shape[-1] // 2), "uint8")
+    _native.pack(values, out)
+    return out
+
+
+def unpack_int4(packed: Any, signed: bool = False) -> Any:
+    """Inverse of :func:`pack_int4`.
+
+    Args:
+        packed: uint8 ``[..., K // 2]`` (numpy array or torch CPU tensor, C-contiguous).
+        signed: False: codes as uint8 0..15; True: as int8 -8..7 (two's-complement nibbles).
+    Returns:
+        ``[..., K]`` uint8 or int8 in the library of ``packed``.
+    Raises:
+        TypeError: not an array/tensor or not uint8, ``signed`` not a bool.
+        ValueError: a scalar, non-contiguous.
+    """
+    A.check_array(packed, "packed", "uint8")
+    if not isinstance(signed, bool):
+        raise TypeError(f"signed: expected a bool, got {type(signed).__name__}")
+    if packed.ndim < 1:
+        raise ValueError("packed: expected at least 1-D input, got a scalar")
+    out = A.empty(packed, (*packed.shape[:-1], 2 * packed.shape[-1]), "int8" if signed else "uint8")
+    _native.unpack(packed, out)
+    return out
+
+
+def int4_matmul(a: Any, b: Any) -> Any:
+    """Exact integer ``A . B^T`` on symmetric packed int4 codes.
+
+    Args:
+        a: uint8 ``[N, K // 2]``: signed nibbles (e.g. ``quantize(..., symmetric=True)``'s
+            ``qweight``, or :func:`pack_int4` of int8 codes), numpy or torch CPU.
+        b: uint8 ``[M, K // 2]``, the same packing.
+    Returns:
+        int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]`` over the unpacked signed
+        codes, in the library of ``a``. Exact (|a * b| <= 64 and K <= 33554431).
+    Raises:
+        TypeError: not arrays/tensors, or not uint8.
+        ValueError: not 2-D, K mismatch, K > 33554431, non-contiguous.
+    """
+    A.check_array(a, "a", "uint8")
+    A.check_array(b, "b", "uint8")
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"int4_matmul: expected 2-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    (N, KB), (M, KBb) = a.shape, b.shape
+    if KB != KBb:
+        raise ValueError(f"int4_matmul: K mismatch, a is {tuple(a.shape)} and b is {tuple(b.shape)}")
+    K = 2 * KB
+    if K > MAX_MATMUL_K:
+        raise ValueError(f"int4_matmul: K={K} > {MAX_MATMUL_K}, the int32 result could overflow")
+    out = A.empty(a, (N, M), "int32")
+    _native.int4_matmul(a, b, out, N, M, K)
+    return out
+
+
+def gemm(x: Any, w: QuantizedTensor) -> Any:
+    """Weight-only GEMM ``Y = X . W^T`` with float32 activations and int4 weights.
+
+    The weights are decoded 16 rows at a time exactly as :func:`dequantize` does (never
+    materialized whole) and multiplied in float32 by ``qformats``' shared weight-only kernel
+    (``src/gemm/weight_only_cpu.h``: 8 partial sums per dot product, a fixed order).
+
+    Args:
+        x: ``[N, K]`` float32 (float16/bfloat16 are converted to float32 exactly), numpy or
+            torch CPU, C-contiguous, finite.
+        w: a 2-D int4 QuantizedTensor ``[M, K]``, either mode.
+    Returns:
+        float32 ``[N, M]`` in the library of ``x``.
+    Raises:
+        TypeError: x not a float array/tensor, w not a QuantizedTensor.
+        ValueError: x not 2-D, w not 2-D or not int4, K mismatch, non-contiguous, NaN/Inf.
+    """
+    A.check_float(x, "x", ndim=2)
+    w = check_quantized(w, FORMAT)
+    if len(w.shape) != 2:
+        raise ValueError(f"gemm: w must be a 2-D int4 tensor [M, K], got shape {w.shape}")
+    (N, K), (M, Kw) = x.shape, w.shape
+    if K != Kw:
+        raise ValueError(f"gemm: K mismatch, x is {tuple(x.shape)} and w is {w.shape}")
+    x32 = A.cast(x, "float32")
+    qweight, scales, zeros, gs = _decode_args(w)
+    out = A.empty(x, (N, M), "float32")
+    _native.gemm(x32, qweight, scales, zeros, out, N, K, M, gs)
+    return out

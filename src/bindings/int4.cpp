@@ -1,0 +1,126 @@
+// qformats.int4._native: int4 codec (formats/int4: asymmetric / symmetric groups, nibble
+// packing), the float32 x int4 weight-only GEMM and the int4 x int4 -> int32 GEMM
+// (gemm/int4_int4). Adapters check the arrays, then call the kernels without the GIL.
+#include <nanobind/stl/optional.h>
+
+#include <optional>
+
+#include "bindings/nb_common.h"
+#include "formats/int4/int4.h"
+#include "gemm/int4_int4.h"
+
+using namespace qf;
+using namespace qf::bind;
+
+namespace {
+
+void check_group_size(int64_t gs) {
+  if (gs <= 0 || gs % int4::kGroupMultiple)
+    throw std::invalid_argument("group_size must be a positive multiple of 8");
+}
+
+// Checks the packed buffers of n values in groups of gs; returns the group count.
+// zeros may be None (symmetric).
+int64_t check_buffers(int64_t n, int64_t gs, const Array& qweight, const Array& scales,
+                      const std::optional<Array>& zeros) {
+  check_group_size(gs);
+  if (n % gs) throw std::invalid_argument("element count must be a multiple of group_size");
+  require<uint8_t>(qweight, "qweight");
+  require<float>(scales, "scales");
+  require_numel(qweight, n / 2, "qweight");
+  require_numel(scales, n / gs, "scales");
+  if (zeros) {
+    require<uint8_t>(*zeros, "zeros");
+    require_numel(*zeros, n / gs, "zeros");
+  }
+  return n / gs;
+}
+
+const uint8_t* zeros_ptr(const std::optional<Array>& zeros) {
+  return zeros ? cptr<uint8_t>(*zeros) : nullptr;
+}
+
+// x: float [..., K] (C-contiguous); zeros None selects the symmetric mode.
+void quantize(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
+              int64_t group_size) {
+  const int64_t n_groups = check_buffers(numel(x), group_size, qweight, scales, zeros);
+  dispatch_float(x, "x", [&](auto* px) {
+    if (zeros)
+      int4::quantize_asym_cpu(px, n_groups, group_size, mptr<uint8_t>(qweight), mptr<float>(scales),
+                              mptr<uint8_t>(*zeros));
+    else
+      int4::quantize_sym_cpu(px, n_groups, group_size, mptr<uint8_t>(qweight), mptr<float>(scales));
+  });
+}
+
+void dequantize(const Array& qweight, const Array& scales, const std::optional<Array>& zeros, const Array& out,
+                int64_t group_size) {
+  require<float>(out, "out");
+  const int64_t n_groups = check_buffers(numel(out), group_size, qweight, scales, zeros);
+  int4::dequantize_cpu(cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), n_groups, group_size,
+                       mptr<float>(out));
+}
+
+// codes: int8 or uint8 with 2 * numel(out) elements; out: uint8.
+void pack(const Array& codes, const Array& out) {
+  require_cpu_contiguous(codes, "values");
+  if (codes.dtype() != nb::dtype<uint8_t>() && codes.dtype() != nb::dtype<int8_t>())
+    throw nb::type_error("values: expected int8 or uint8");
+  require<uint8_t>(out, "out");
+  require_numel(codes, 2 * numel(out), "values");
+  int4::pack_cpu(static_cast<const uint8_t*>(codes.data()), numel(out), mptr<uint8_t>(out));
+}
+
+// out: int8 (signed codes) or uint8 (unsigned) with 2 * numel(packed) elements.
+void unpack(const Array& packed, const Array& out) {
+  require<uint8_t>(packed, "packed");
+  require_cpu_contiguous(out, "out");
+  const bool is_signed = out.dtype() == nb::dtype<int8_t>();
+  if (!is_signed && out.dtype() != nb::dtype<uint8_t>()) throw nb::type_error("out: expected int8 or uint8");
+  require_numel(out, 2 * numel(packed), "out");
+  int4::unpack_cpu(cptr<uint8_t>(packed), numel(packed), is_signed, static_cast<uint8_t*>(out.data()));
+}
+
+// x: float32 [N, K]; weight buffers of an [M, K] int4 tensor; out: float32 [N, M].
+void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
+          const Array& out, int64_t N, int64_t K, int64_t M, int64_t group_size) {
+  if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
+  require<float>(x, "x");
+  require<float>(out, "out");
+  require_numel(x, N * K, "x");
+  require_numel(out, N * M, "out");
+  check_buffers(M * K, group_size, qweight, scales, zeros);
+  if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
+  int4::weight_only_gemm_cpu(cptr<float>(x), N, K, M, cptr<uint8_t>(qweight), cptr<float>(scales),
+                             zeros_ptr(zeros), group_size, mptr<float>(out));
+}
+
+// a: uint8 [N, K/2], b: uint8 [M, K/2] (symmetric packed codes); out: int32 [N, M].
+void int4_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K) {
+  if (N < 0 || M < 0 || K < 0 || K % 2) throw std::invalid_argument("bad N, M, K (K must be even)");
+  if (K > gemm::kInt4MaxK) throw std::invalid_argument("K > 33554431: the int32 result could overflow");
+  require<uint8_t>(a, "a");
+  require<uint8_t>(b, "b");
+  require<int32_t>(out, "out");
+  require_numel(a, N * (K / 2), "a");
+  require_numel(b, M * (K / 2), "b");
+  require_numel(out, N * M, "out");
+  gemm::int4_matmul_cpu(cptr<uint8_t>(a), cptr<uint8_t>(b), mptr<int32_t>(out), N, M, K);
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "int4 native codec (asymmetric/symmetric groups), weight-only GEMM and int4 x int4 GEMM; "
+            "called through qformats.int4.";
+  m.def("quantize", &quantize, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
+        nb::arg("group_size"), release_gil());
+  m.def("dequantize", &dequantize, nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
+        nb::arg("out"), nb::arg("group_size"), release_gil());
+  m.def("pack", &pack, nb::arg("values"), nb::arg("out"), release_gil());
+  m.def("unpack", &unpack, nb::arg("packed"), nb::arg("out"), release_gil());
+  m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
+        nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), release_gil());
+  m.def("int4_matmul", &int4_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
+        nb::arg("K"), release_gil());
+}

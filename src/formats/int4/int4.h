@@ -1,0 +1,207 @@
+// int4 pack spec: 4-bit integer codes, two per byte, with one float32 scale (and, in the
+// asymmetric mode, one integer zero point) per group of group_size consecutive values along
+// the last axis. The asymmetric mode is the min-max + integer zero point convention of
+// GPTQ/AWQ/HQQ weights (GPTQ's `Quantizer.find_params` / `quantize`: scale = (xmax - xmin) /
+// maxq, zero = round(-xmin / scale), q = clamp(round(x / scale) + zero, 0, maxq), with the
+// range widened to contain 0); the symmetric mode gives signed codes that multiply as
+// integers (int4 x int4 GEMM).
+//
+// Layout of a tensor [..., K] (K % group_size == 0; group_size a positive multiple of 8):
+//   qweight  uint8   [..., K / 2]           byte j = code[2j] | code[2j + 1] << 4
+//                                           (element 2j in the LOW nibble, 2j+1 in the HIGH)
+//   scales   float32 [..., K / group_size]
+//   zeros    uint8   [..., K / group_size]  asymmetric mode only, in [0, 15]
+// Group g (flat index over all rows) covers values [g*gs, g*gs + gs), bytes
+// [g*gs/2, g*gs/2 + gs/2) of qweight (gs is even, so no byte straddles two groups), scales[g]
+// and zeros[g], whatever the leading shape.
+//
+// Asymmetric (codes 0..15), per group x[0..gs), float32, every operation rounded separately:
+//   lo    = min(min(x), 0),  hi = max(max(x), 0)   (the range contains 0, so 0 is exact;
+//                                                  both are +0 unless some x < 0 / x > 0)
+//   scale = (hi - lo) / 15
+//           -- if hi - lo overflows to +inf (|hi|, |lo| both ~1.7e38 or more): scale =
+//              hi / 15 - lo / 15 instead, which cannot overflow (our extension: the plain
+//              formula would give scale = inf and decode every value to NaN)
+//   scale == 0:  zero = 0 and every code 0
+//   otherwise:   zero = clamp(rint(-lo / scale), 0, 15)
+//                q    = clamp(rint(x / scale) + zero, 0, 15)
+//   rint = round half to even; true float32 divisions; clamp in float before the integer
+//   conversion. Dequantize: x' = float(q - zero) * scale (q - zero an exact small integer).
+//
+// Symmetric (codes -8..7, stored as the two's-complement nibble), per group:
+//   scale = max|x| / 7
+//   scale == 0:  every code 0
+//   otherwise:   q = clamp(rint(x / scale), -8, 7)      (-8 only where a subnormal scale
+//                                                        rounded down: absmax = 45 * 2^-149
+//                                                        gives scale = 6 * 2^-149 and
+//                                                        -absmax / scale = -7.5 -> -8)
+//   Dequantize: x' = float(q) * scale.
+//
+// Why the error stays at half a step although the zero point is rounded: zero is an
+// integer, so q - zero = rint(x / scale) unless clamped, and the decoded grid is the
+// multiples of scale; the clamp window [-zero * scale, (15 - zero) * scale] is [lo, hi]
+// moved by less than scale / 2 at each end, so clamped values move by less than scale / 2.
+// Corner cases: x / scale is finite for every finite x (|x| <= 15 * scale up to rounding),
+// but the clamps are written so that +-inf and NaN (only reachable by calling the kernels
+// directly with non-finite input) still give a defined code. The decode (q - zero) * scale
+// can round past FLT_MAX to +-inf when a group's values come within scale / 2 of FLT_MAX
+// (the grid point nearest such an x lies beyond FLT_MAX); the codes are still the right ones.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "common/fp16.h"
+
+namespace qf::int4 {
+
+constexpr int kAsymMax = 15;       // asymmetric codes 0..15
+constexpr int kSymMin = -8;        // symmetric codes -8..7
+constexpr int kSymMax = 7;
+constexpr int kGroupMultiple = 8;  // group_size must be a positive multiple of this
+
+// Round half to even for |v| <= 2^22 without a libm call: adding 1.5 * 2^23 moves the
+// binary point so that the float32 add itself rounds v to an integer (round to nearest
+// even, the default IEEE mode); subtracting the constant back is exact. Same result as
+// std::nearbyint / np.rint on that range, but vectorizable. Callers clamp v first.
+QF_HOST_DEVICE float rint_small(float v) {
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  return (v + magic) - magic;
+}
+
+// clamp(v, lo, hi) written so that NaN maps to lo (NaN fails every comparison).
+QF_HOST_DEVICE float clamp_nan_lo(float v, float lo, float hi) {
+  v = v > lo ? v : lo;
+  return v < hi ? v : hi;
+}
+
+// Two codes into one byte: element 2j low nibble, element 2j+1 high nibble. Only the low 4
+// bits of each code are kept, which is also the two's-complement nibble of a signed code.
+QF_HOST_DEVICE uint8_t pack_pair(int lo, int hi) {
+  return static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
+}
+// A 4-bit two's-complement nibble n in [0, 15] as a signed value in [-8, 7]: flipping the
+// sign bit maps -8..7 onto 0..15 in order, so (n ^ 8) - 8 undoes it (no signed shifts).
+QF_HOST_DEVICE int nibble_to_signed(int n) { return (n ^ 8) - 8; }
+
+// ---- asymmetric ----------------------------------------------------------------------------
+
+// scale = (hi - lo) / 15, or hi / 15 - lo / 15 where hi - lo overflows (see the header).
+QF_HOST_DEVICE float asym_scale(float lo, float hi) {
+  const float range = hi - lo;
+  if (range == INFINITY) return hi / 15.0f - lo / 15.0f;
+  return range / 15.0f;
+}
+
+// zero = clamp(rint(-lo / scale), 0, 15) for scale > 0. The bounds are integers, so clamping
+// before rounding gives the same result and keeps rint_small in range.
+QF_HOST_DEVICE float asym_zero(float lo, float scale) {
+  return rint_small(clamp_nan_lo(-lo / scale, 0.0f, 15.0f));
+}
+
+// q = clamp(rint(x / scale) + zero, 0, 15) for scale > 0, zero in [0, 15]. Clamping x / scale
+// to [-16, 16] first changes nothing (anything below -16 rounds to <= -16 and ends at 0 after
+// + zero <= 15 and the clamp; anything above 16 ends at 15) and keeps rint_small in range.
+QF_HOST_DEVICE int quantize_value_asym(float x, float scale, float zero) {
+  const float r = rint_small(clamp_nan_lo(x / scale, -16.0f, 16.0f)) + zero;  // exact integer
+  return static_cast<int>(clamp_nan_lo(r, 0.0f, 15.0f));
+}
+
+// One group of gs values (gs even) -> gs / 2 bytes of qw, its scale and zero point.
+template <class T>
+QF_HOST_DEVICE void quantize_group_asym(const T* x, int64_t gs, uint8_t* qw, float* scale_out,
+                                        uint8_t* zero_out) {
+  float lo = 0.0f, hi = 0.0f;  // +0 start: the range always contains 0; -0 never enters
+  for (int64_t j = 0; j < gs; ++j) {
+    const float v = to_f32(x[j]);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  const float scale = asym_scale(lo, hi);
+  *scale_out = scale;
+  if (scale == 0.0f) {  // all values +-0 (or a range so small that range / 15 underflows)
+    *zero_out = 0;
+    for (int64_t j = 0; j < gs / 2; ++j) qw[j] = 0;
+    return;
+  }
+  const float zero = asym_zero(lo, scale);
+  *zero_out = static_cast<uint8_t>(zero);
+  for (int64_t j = 0; j < gs / 2; ++j)
+    qw[j] = pack_pair(quantize_value_asym(to_f32(x[2 * j]), scale, zero),
+                      quantize_value_asym(to_f32(x[2 * j + 1]), scale, zero));
+}
+
+QF_HOST_DEVICE void dequantize_group_asym(const uint8_t* qw, int64_t gs, float scale, uint8_t zero, float* y) {
+  const int z = zero;
+  for (int64_t j = 0; j < gs / 2; ++j) {
+    y[2 * j] = static_cast<float>((qw[j] & 0x0F) - z) * scale;
+    y[2 * j + 1] = static_cast<float>((qw[j] >> 4) - z) * scale;
+  }
+}
+
+// ---- symmetric -----------------------------------------------------------------------------
+
+// q = clamp(rint(x / scale), -8, 7) for scale > 0 (integer bounds: clamp first, then round).
+QF_HOST_DEVICE int quantize_value_sym(float x, float scale) {
+  return static_cast<int>(rint_small(clamp_nan_lo(x / scale, -8.0f, 7.0f)));
+}
+
+template <class T>
+QF_HOST_DEVICE void quantize_group_sym(const T* x, int64_t gs, uint8_t* qw, float* scale_out) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < gs; ++j) {
+    const float v = to_f32(x[j]);
+    const float a = fabsf(v);  // fabsf, not a sign test: |-0.0| must be +0.0 (scale bits)
+    amax = amax > a ? amax : a;
+  }
+  const float scale = amax / 7.0f;
+  *scale_out = scale;
+  if (scale == 0.0f) {
+    for (int64_t j = 0; j < gs / 2; ++j) qw[j] = 0;
+    return;
+  }
+  for (int64_t j = 0; j < gs / 2; ++j)
+    qw[j] = pack_pair(quantize_value_sym(to_f32(x[2 * j]), scale),
+                      quantize_value_sym(to_f32(x[2 * j + 1]), scale));
+}
+
+QF_HOST_DEVICE void dequantize_group_sym(const uint8_t* qw, int64_t gs, float scale, float* y) {
+  for (int64_t j = 0; j < gs / 2; ++j) {
+    y[2 * j] = static_cast<float>(nibble_to_signed(qw[j] & 0x0F)) * scale;
+    y[2 * j + 1] = static_cast<float>(nibble_to_signed(qw[j] >> 4)) * scale;
+  }
+}
+
+// Groups [g0, g1) of either mode (zeros == nullptr: symmetric) into y (which points at the
+// first value of group g0). Serial: the weight-only GEMM calls it from inside its threads.
+QF_HOST_DEVICE void dequantize_groups(const uint8_t* qweight, const float* scales, const uint8_t* zeros,
+                                      int64_t gs, int64_t g0, int64_t g1, float* y) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* qw = qweight + g * (gs / 2);
+    float* yg = y + (g - g0) * gs;
+    if (zeros) dequantize_group_asym(qw, gs, scales[g], zeros[g], yg);
+    else dequantize_group_sym(qw, gs, scales[g], yg);
+  }
+}
+
+// ---- CPU kernels (int4_cpu.cpp), threaded over groups / bytes ------------------------------
+
+// x: n_groups * gs values; qweight: n_groups * gs / 2 bytes; one scale (and zero) per group.
+template <class T>
+void quantize_asym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales, uint8_t* zeros);
+template <class T>
+void quantize_sym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales);
+// zeros == nullptr selects the symmetric decode.
+void dequantize_cpu(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
+                    int64_t gs, float* y);
+
+// n_bytes bytes from 2 * n_bytes codes (low 4 bits of each byte of `codes`, so uint8 0..15
+// and int8 -8..7 alike); and back: signed -> int8 -8..7, else uint8 0..15.
+void pack_cpu(const uint8_t* codes, int64_t n_bytes, uint8_t* packed);
+void unpack_cpu(const uint8_t* packed, int64_t n_bytes, bool is_signed, uint8_t* codes);
+
+// Y [N, M] = X [N, K] . W^T for an int4 weight W [M, K] (zeros == nullptr: symmetric),
+// through gemm::weight_only_gemm_cpu (decodes 16 weight rows at a time, float32 dots).
+void weight_only_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight,
+                          const float* scales, const uint8_t* zeros, int64_t gs, float* Y);
+
+}  // namespace qf::int4

@@ -1,0 +1,20 @@
+// int4 x int4 -> int32 GEMM on the CPU: out[n, m] = sum_k A[n, k] * B[m, k] (A . B^T) for
+// symmetric int4 operands, both packed two signed codes per byte as in formats/int4
+// (element 2j in the low nibble, 2j+1 in the high nibble, two's complement, -8..7).
+// Exact: |a * b| <= 64, so K <= kInt4MaxK keeps every sum inside int32.
+#pragma once
+#include <cstdint>
+
+#include "gemm/int8_int8.h"
+
+namespace qf::gemm {
+
+// Largest K for which an int4 dot product cannot overflow int32: 64 * K <= 2^31 - 1.
+constexpr int64_t kInt4MaxK = 33554431;
+
+// A: uint8 [N, K/2], B: uint8 [M, K/2] (packed), out: int32 [N, M]; K even, K <= kInt4MaxK.
+// The codes are unpacked to int8 (A once, B a tile of rows at a time) and multiplied by the
+// int8 GEMM driver, so both GEMMs share one inner loop.
+void int4_matmul_cpu(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K);
+
+}  // namespace qf::gemm

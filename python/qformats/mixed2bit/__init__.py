@@ -36,8 +36,9 @@ decoded ``s_eff = d * sc``, ``m_eff = dm * mc``, qmax = 3 or 15): the codes pick
 point of the grid ``{q * s_eff - m_eff}``, which covers ``[-m_eff, qmax * s_eff - m_eff]`` while
 x lies in ``[-m, -m + qmax * scale]``, so
 ``|x - x'| <= max(s_eff / 2, |m - m_eff| + qmax * |scale - s_eff|)`` up to float32 rounding;
-the second-order codes make ``|scale - s_eff| <= d / 2`` and ``|m - m_eff| <= dm / 2`` (unless
-clamped at the largest code after the fp16 rounding of d or dm).
+the second-order codes make ``|scale - s_eff| <= d16 / 2`` and ``|m - m_eff| <= dm16 / 2``
+(d16, dm16 the block's fp16 fields; more only where a code is clamped at its maximum after
+the fp16 rounding of d or dm). Outliers decode to their fp16 value exactly.
 """
 from __future__ import annotations
 
@@ -174,8 +175,10 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
         ValueError: w not 2-D, K not a multiple of group_size, non-contiguous, NaN/Inf,
             group_size not a multiple of 16, a ratio outside [0, 1], scale_block < 1,
             sensitivity of the wrong shape, negative or non-finite, too many elements for
-            int32 outlier indices, or values too large for the fp16 second-order scales /
-            outliers (|w| beyond roughly 2.9e6 in a 2-bit group).
+            int32 outlier indices, or values too large for the fp16 second-order fields
+            (message "values too large ..."): in a 2-bit group a minimum below about -9.8e5
+            or a range above about 2.9e6 (4-bit groups: 17x and 85x more), or an fp16 outlier
+            beyond 65504.
     """
     gs = _check_group_size(group_size)
     ratio = _check_ratio(ratio_4bit, "ratio_4bit")

@@ -35,7 +35,7 @@
 //    Per block, S = 15 (2-bit groups: 4-bit scale codes) or 255 (4-bit groups: 8-bit codes):
 //      d = max(scale_i) / S,  dm = max(m_i) / S,  stored fp16 (RNE); d16, dm16 their values.
 //    If any stored fp16 (d, dm or an outlier value) is inf, quantization raises ValueError
-//    ("values too large for mixed2bit's fp16 second-order scales").
+//    (message "values too large for mixed2bit's fp16 second-order scales ...").
 //      sc_i = d16 > 0 ? clamp(rint(scale_i / d16), 0, S) : 0
 //      mc_i = dm16 > 0 ? clamp(rint(m_i / dm16), 0, S) : 0        (rint: half to even)
 // 6. s_eff = d16 * sc, m_eff = dm16 * mc. Codes, per element x of the group (outliers too):

@@ -33,7 +33,8 @@ def device_of(x: Any) -> str:
     return str(x.device) if is_torch(x) else "cpu"
 
 
-def _check_type(x: Any, name: str) -> None:
+def check_type(x: Any, name: str) -> None:
+    """TypeError unless x is a numpy array or a torch tensor."""
     if not (isinstance(x, np.ndarray) or is_torch(x)):
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
@@ -66,7 +67,7 @@ def check_float(
     Raises TypeError (wrong type or dtype), ValueError (shape, layout, non-finite values),
     NotImplementedError (a device without kernels in this build).
     """
-    _check_type(x, name)
+    check_type(x, name)
     dt = dtype_name(x)
     if dt not in FLOAT_DTYPES:
         raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dt}")
@@ -92,7 +93,7 @@ def _all_finite(x: Any) -> bool:
 
 def check_array(x: Any, name: str, dtype: str, shape: Sequence[int] | None = None) -> Any:
     """Validate a packed buffer: type, exact dtype, C-contiguous on the CPU, and shape if given."""
-    _check_type(x, name)
+    check_type(x, name)
     dt = dtype_name(x)
     if dt != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {dt}")

@@ -152,7 +152,7 @@ def pack_int4(values: Any) -> Any:
         TypeError: not an array/tensor, or not int8/uint8.
         ValueError: a scalar, K odd, codes out of range, non-contiguous.
     """
-    A._check_type(values, "values")
+    A.check_type(values, "values")
     dt = A.dtype_name(values)
     if dt not in ("int8", "uint8"):
         raise TypeError(f"values: expected int8 or uint8, got {dt}")

@@ -51,6 +51,7 @@
 #include <cstdint>
 
 #include "common/fp16.h"
+#include "common/rounding.h"
 
 // CUDA note: `int4` is also CUDA's built-in vector type (struct int4 in the global
 // namespace), so code outside namespace qf that says `using namespace qf;` must spell this
@@ -62,15 +63,6 @@ constexpr int kAsymMax = 15;       // asymmetric codes 0..15
 constexpr int kSymMin = -8;        // symmetric codes -8..7
 constexpr int kSymMax = 7;
 constexpr int kGroupMultiple = 8;  // group_size must be a positive multiple of this
-
-// Round half to even for |v| <= 2^22 without a libm call: adding 1.5 * 2^23 moves the
-// binary point so that the float32 add itself rounds v to an integer (round to nearest
-// even, the default IEEE mode); subtracting the constant back is exact. Same result as
-// std::nearbyint / np.rint on that range, but vectorizable. Callers clamp v first.
-QF_HOST_DEVICE float rint_small(float v) {
-  const float magic = 12582912.0f;  // 1.5 * 2^23
-  return (v + magic) - magic;
-}
 
 // clamp(v, lo, hi) written so that NaN maps to lo (NaN fails every comparison).
 QF_HOST_DEVICE float clamp_nan_lo(float v, float lo, float hi) {

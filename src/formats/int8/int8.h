@@ -39,20 +39,11 @@
 #include <cstdint>
 
 #include "common/fp16.h"
+#include "common/rounding.h"
 
 namespace qf::int8 {
 
 constexpr int kQMax = 127;  // codes are symmetric: [-127, 127]
-
-// Round half to even for |v| <= 2^22 without a libm call: adding 1.5 * 2^23 moves the
-// binary point so that the float32 add itself rounds v to an integer (round to nearest
-// even, the default IEEE mode), and subtracting the constant back is exact. Same result as
-// std::nearbyint / np.rint on that range, but vectorizable. Needs the default rounding mode
-// and no fast-math (the build guarantees both), and |v| <= 2^22: callers clamp first.
-QF_HOST_DEVICE float rint_small(float v) {
-  const float magic = 12582912.0f;  // 1.5 * 2^23
-  return (v + magic) - magic;
-}
 
 // The per-unit multiplier 127 / absmax (+inf for absmax == 0 or absmax < ~3.7e-37).
 QF_HOST_DEVICE float multiplier(float absmax) { return static_cast<float>(kQMax) / absmax; }

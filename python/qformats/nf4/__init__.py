@@ -1,0 +1,248 @@
+"""nf4: bitsandbytes' 4-bit NormalFloat (QLoRA, arXiv:2305.14314), byte-compatible with
+bitsandbytes 0.50 ``bitsandbytes.functional.quantize_4bit(A, blocksize, quant_type="nf4",
+compress_statistics=...)`` on the CPU.
+
+The input is flattened and cut into blocks of ``blocksize`` values (32..4096, a power of two;
+default 64; the last block may be partial). Each block stores a float32 ``absmax``; each value a
+4-bit code into the 16 NF4 levels, two per byte, the even element in the high nibble (odd n: the
+last low nibble is the padding code 7). Decoded value: ``CODE[code] * absmax``. With
+``compress_statistics=True`` the absmax vector is itself quantized as bitsandbytes does it: offset
+= its mean, ``absmax - offset`` in blocks of 256 with the signed dynamic 8-bit map (uint8
+``absmax``, float32 ``absmax2`` per 256 blocks, float32 ``offset``). The exact rules, corner cases
+and where bitsandbytes deviates from the obvious reading are in ``src/formats/nf4/nf4.h`` and
+:mod:`qformats.nf4.reference`.
+
+Error bound per block with stored absmax ``A`` (see the tests)::
+
+    |x - x'| <= A * (MAX_HALF_GAP + 2**-21) + 2**-149        MAX_HALF_GAP = 0.1519036
+
+(half of the widest gap between NF4 levels, -1 .. -0.6961928), except in a full block whose
+absmax is below 1e-38 (subnormal input), where bitsandbytes scales by 1/1e-38 and the bound is
+``|x - x'| <= A``. With compressed statistics the decoded absmax ``A'`` replaces ``A`` in the
+decoder, which adds ``|A - A'| <= absmax2 * DYNAMIC_MAX_ERROR (7.05e-3) + 2**-22 * (|A'| + |offset|)``
+(``2 * absmax2`` when absmax2 < 2**-126) times ``|code| <= 1``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import _arrays as A
+from .._core import QuantizedTensor, check_quantized, output_dtype
+from . import _native, reference
+
+FORMAT = "nf4"
+QUANT_TYPE = "nf4"
+BLOCKSIZES = reference.BLOCKSIZES          #: allowed ``blocksize`` values
+DOUBLE_QUANT_BLOCK = reference.DOUBLE_QUANT_BLOCK  #: blocksize of the absmax quantization (256)
+CODE = reference.CODE                      #: the 16 NF4 levels (float32)
+DYNAMIC_MAP = reference.DYNAMIC_MAP        #: the 256-entry map of the compressed absmax (float32)
+MAX_HALF_GAP = reference.MAX_HALF_GAP
+DYNAMIC_MAX_ERROR = reference.DYNAMIC_MAX_ERROR
+
+__all__ = ["quantize", "dequantize", "expected_buffers", "quantize_nf4", "dequantize_nf4", "gemm",
+           "BLOCKSIZES", "CODE", "DYNAMIC_MAP", "reference"]
+
+
+def _check_blocksize(blocksize: Any) -> int:
+    if isinstance(blocksize, bool) or not isinstance(blocksize, (int, np.integer)):
+        raise TypeError(f"blocksize: expected an int, got {type(blocksize).__name__}")
+    if int(blocksize) not in BLOCKSIZES:
+        raise ValueError(f"blocksize must be a power of two in [32, 4096] {BLOCKSIZES}, got {blocksize}")
+    return int(blocksize)
+
+
+def _n_blocks(n: int, blocksize: int) -> int:
+    return -(-n // blocksize)
+
+
+def _all_finite(a: Any) -> bool:
+    return bool(np.isfinite(A.to_numpy(a)).all())
+
+
+def _check_params(params: dict) -> tuple[int, bool]:
+    """(blocksize, compress_statistics) from a params dict; ValueError/TypeError if malformed."""
+    if not isinstance(params, dict):
+        raise TypeError(f"params: expected a dict, got {type(params).__name__}")
+    unknown = set(params) - {"blocksize", "quant_type", "compress_statistics"}
+    if unknown:
+        raise ValueError(f"unknown nf4 parameters {sorted(unknown)}")
+    blocksize = _check_blocksize(params.get("blocksize", 64))
+    if params.get("quant_type", QUANT_TYPE) != QUANT_TYPE:
+        raise ValueError(f"quant_type must be 'nf4', got {params.get('quant_type')!r}")
+    cs = params.get("compress_statistics", False)
+    if not isinstance(cs, bool):
+        raise TypeError(f"compress_statistics: expected a bool, got {type(cs).__name__}")
+    return blocksize, cs
+
+
+def expected_buffers(shape, params) -> dict:
+    """Buffer names -> (dtype, shape) for an nf4 tensor of logical ``shape``.
+
+    ``params``: ``blocksize`` (default 64), ``quant_type`` ("nf4"), ``compress_statistics``
+    (default False). With n = prod(shape) and nb = ceil(n / blocksize): ``packed`` uint8
+    [ceil(n/2)] and ``absmax`` float32 [nb]; compressed: ``absmax`` uint8 [nb], ``absmax2``
+    float32 [ceil(nb/256)], ``offset`` float32 [1]. Raises ValueError/TypeError on bad params.
+    """
+    blocksize, cs = _check_params(params)
+    n = math.prod(int(s) for s in shape)
+    nb = _n_blocks(n, blocksize)
+    bufs = {"packed": ("uint8", ((n + 1) // 2,))}
+    if cs:
+        bufs["absmax"] = ("uint8", (nb,))
+        bufs["absmax2"] = ("float32", (_n_blocks(nb, DOUBLE_QUANT_BLOCK),))
+        bufs["offset"] = ("float32", (1,))
+    else:
+        bufs["absmax"] = ("float32", (nb,))
+    return bufs
+
+
+def quantize_nf4(flat: Any, blocksize: int = 64) -> tuple[Any, Any]:
+    """Quantize a 1-D tensor to NF4 (bitsandbytes ``quantize_4bit(flat, blocksize, quant_type="nf4")``).
+
+    Args:
+        flat: float32, float16 or bfloat16 numpy array / CPU torch tensor ``[n]``, contiguous,
+            finite.
+        blocksize: values per absmax block, a power of two in [32, 4096].
+    Returns:
+        ``(packed, absmax)``: uint8 ``[ceil(n/2)]`` (two codes per byte, the even element in the
+        high nibble) and float32 ``[ceil(n/blocksize)]``, in the library of ``flat``.
+    Raises:
+        TypeError: not a numpy array / torch tensor, not a float dtype, blocksize not an int.
+        ValueError: not 1-D, non-contiguous, NaN or Inf, bad blocksize.
+    """
+    blocksize = _check_blocksize(blocksize)
+    A.check_float(flat, "flat", ndim=1)
+    return _quantize_flat(flat, blocksize)
+
+
+def _quantize_flat(x: Any, blocksize: int) -> tuple[Any, Any]:
+    n = int(np.prod(x.shape, dtype=np.int64))
+    packed = A.empty(x, ((n + 1) // 2,), "uint8")
+    absmax = A.empty(x, (_n_blocks(n, blocksize),), "float32")
+    _native.quantize(x, blocksize, packed, absmax)
+    return packed, absmax
+
+
+def dequantize_nf4(packed: Any, absmax: Any, n: int, blocksize: int = 64) -> Any:
+    """Decode NF4 codes: ``CODE[code] * absmax`` (bitsandbytes ``dequantize_4bit`` in float32).
+
+    Args:
+        packed: uint8 ``[ceil(n/2)]`` from :func:`quantize_nf4`.
+        absmax: float32 ``[ceil(n/blocksize)]`` (decoded, not the compressed uint8 form).
+        n: number of values.
+        blocksize: as used to quantize.
+    Returns:
+        float32 ``[n]`` in the library of ``packed``.
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes, n or blocksize.
+    """
+    n = A.check_int(n, "n")
+    blocksize = _check_blocksize(blocksize)
+    A.check_array(packed, "packed", "uint8", ((n + 1) // 2,))
+    A.check_array(absmax, "absmax", "float32", (_n_blocks(n, blocksize),))
+    out = A.empty(packed, (n,), "float32")
+    _native.dequantize(packed, absmax, blocksize, out)
+    return out
+
+
+def quantize(x: Any, blocksize: int = 64, compress_statistics: bool = False) -> QuantizedTensor:
+    """Quantize ``x`` to an nf4 :class:`~qformats.QuantizedTensor`, as bitsandbytes
+    ``quantize_4bit(x, blocksize=blocksize, compress_statistics=compress_statistics,
+    quant_type="nf4")`` (same bytes).
+
+    Args:
+        x: float32, float16 or bfloat16 numpy array / CPU torch tensor, any shape with ndim >= 1
+            (flattened row-major before blocking), contiguous, finite.
+        blocksize: values per absmax block, a power of two in [32, 4096] (default 64).
+        compress_statistics: also quantize absmax (bitsandbytes' nested/double quantization).
+    Returns:
+        QuantizedTensor with params ``{"blocksize", "quant_type": "nf4", "compress_statistics"}``
+        and buffers as :func:`expected_buffers` (in the library of ``x``).
+    Raises:
+        TypeError: not a numpy array / torch tensor, wrong dtype, blocksize not an int,
+            compress_statistics not a bool.
+        ValueError: a scalar, non-contiguous, NaN or Inf, bad blocksize; with
+            compress_statistics, values so large (~1e38) that the float32 sum of the absmax
+            values overflows (bitsandbytes would store offset = inf and decode NaN).
+    """
+    blocksize = _check_blocksize(blocksize)
+    if not isinstance(compress_statistics, bool):
+        raise TypeError(f"compress_statistics: expected a bool, got {type(compress_statistics).__name__}")
+    A.check_float(x, "x")
+    packed, absmax = _quantize_flat(x, blocksize)
+    buffers = {"packed": packed}
+    if compress_statistics:
+        nb = absmax.shape[0]
+        q = A.empty(x, (nb,), "uint8")
+        absmax2 = A.empty(x, (_n_blocks(nb, DOUBLE_QUANT_BLOCK),), "float32")
+        offset = A.empty(x, (1,), "float32")
+        _native.double_quant(absmax, q, absmax2, offset)
+        if nb and not (_all_finite(offset) and _all_finite(absmax2)):
+            # bitsandbytes stores these bytes too (offset = inf once the float32 sum of absmax
+            # overflows), but such a tensor decodes to NaN: refuse it instead.
+            raise ValueError("x: with compress_statistics=True the float32 sum of the block absmax "
+                             "values overflows (|x| too large, ~1e38); use compress_statistics=False")
+        buffers.update(absmax=q, absmax2=absmax2, offset=offset)
+    else:
+        buffers["absmax"] = absmax
+    params = {"blocksize": blocksize, "quant_type": QUANT_TYPE, "compress_statistics": compress_statistics}
+    return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), params, buffers)
+
+
+def decoded_absmax(q: QuantizedTensor) -> Any:
+    """The float32 per-block absmax of an nf4 QuantizedTensor ([n_blocks]); for compressed
+    statistics ``fl32(fl32(DYNAMIC_MAP[absmax] * absmax2) + offset)``, as bitsandbytes."""
+    q = check_quantized(q, FORMAT)
+    _, cs = _check_params(q.params)
+    absmax = q.buffers["absmax"]
+    if not cs:
+        return absmax
+    out = A.empty(absmax, tuple(absmax.shape), "float32")
+    _native.dequantize_absmax(absmax, q.buffers["absmax2"], q.buffers["offset"], out)
+    return out
+
+
+def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
+    """Decode an nf4 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original dtype):
+    float32 ``CODE[code] * absmax`` rounded once to ``dtype`` (as bitsandbytes ``dequantize_4bit``).
+    Raises TypeError/ValueError for a tensor that is not a valid nf4 QuantizedTensor."""
+    q = check_quantized(q, FORMAT)
+    blocksize, _ = _check_params(q.params)
+    absmax = decoded_absmax(q)
+    packed = q.buffers["packed"]
+    out = A.empty(packed, (q.numel,), "float32")
+    _native.dequantize(packed, absmax, blocksize, out)
+    return A.cast(out.reshape(q.shape), output_dtype(q, dtype))
+
+
+def gemm(x: Any, w: QuantizedTensor) -> Any:
+    """``Y = X . W^T`` with float32 activations and nf4 weights, W decoded a tile at a time.
+
+    Args:
+        x: float32 ``[N, K]`` numpy array / CPU torch tensor, contiguous, finite.
+        w: a 2-D nf4 QuantizedTensor of shape ``[M, K]`` (blocks run over the flattened W, so they
+            may straddle rows when K % blocksize != 0), plain or with compressed statistics.
+    Returns:
+        float32 ``[N, M]`` in the library of ``x``; each dot product is a float32 sum of
+        ``x[n, k] * CODE[code] * absmax`` in the fixed order of ``qformats``' weight-only GEMM.
+    Raises:
+        TypeError: x not float32, w not a QuantizedTensor.
+        ValueError: shapes do not match, w not 2-D, NaN/Inf in x, non-contiguous x.
+    """
+    w = check_quantized(w, FORMAT)
+    A.check_float(x, "x", ndim=2)
+    if A.dtype_name(x) != "float32":
+        raise TypeError(f"x: expected float32 activations, got {A.dtype_name(x)}")
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected a 2-D weight [M, K], got shape {w.shape}")
+    M, K = w.shape
+    if x.shape[1] != K:
+        raise ValueError(f"x: expected shape [N, {K}] to match w {list(w.shape)}, got {tuple(x.shape)}")
+    blocksize, _ = _check_params(w.params)
+    absmax = decoded_absmax(w)
+    out = A.empty(x, (x.shape[0], M), "float32")
+    _native.gemm(x, w.buffers["packed"], absmax, out, M, K, blocksize)
+    return out

@@ -1,0 +1,136 @@
+// qformats.nf4._native: NF4 codec (formats/nf4), the double quantization of absmax, and the
+// fp32-activation x nf4-weight GEMM (gemm/weight_only_cpu.h). Adapters check the arrays, then call
+// the kernels without the GIL.
+#include <nanobind/stl/vector.h>
+
+#include <vector>
+
+#include "bindings/nb_common.h"
+#include "formats/nf4/nf4.h"
+#include "gemm/weight_only_cpu.h"
+
+using namespace qf;
+using namespace qf::bind;
+
+namespace {
+
+void check_blocksize(int64_t blocksize) {
+  if (blocksize < nf4::kMinBlocksize || blocksize > nf4::kMaxBlocksize || (blocksize & (blocksize - 1)))
+    throw std::invalid_argument("blocksize must be a power of two in [32, 4096], got " + std::to_string(blocksize));
+}
+
+int64_t n_blocks_of(int64_t n, int64_t blocksize) { return (n + blocksize - 1) / blocksize; }
+
+// x: float32/float16/bfloat16, any shape (flattened), C-contiguous.
+// packed: uint8 [ceil(n/2)], absmax: float32 [ceil(n/blocksize)].
+void quantize(const Array& x, int64_t blocksize, const Array& packed, const Array& absmax) {
+  check_blocksize(blocksize);
+  require<uint8_t>(packed, "packed");
+  require<float>(absmax, "absmax");
+  const int64_t n = numel(x);
+  require_numel(packed, (n + 1) / 2, "packed");
+  require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
+  dispatch_float(x, "x", [&](auto* px) {
+    nf4::quantize_cpu(px, n, blocksize, mptr<uint8_t>(packed), mptr<float>(absmax));
+  });
+}
+
+// packed uint8 [ceil(n/2)], absmax float32 [ceil(n/blocksize)] -> out float32 [n] (n = out's size).
+void dequantize(const Array& packed, const Array& absmax, int64_t blocksize, const Array& out) {
+  check_blocksize(blocksize);
+  require<uint8_t>(packed, "packed");
+  require<float>(absmax, "absmax");
+  require<float>(out, "out");
+  const int64_t n = numel(out);
+  require_numel(packed, (n + 1) / 2, "packed");
+  require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
+  nf4::dequantize_cpu(cptr<uint8_t>(packed), cptr<float>(absmax), n, blocksize, mptr<float>(out));
+}
+
+// absmax float32 [nb] -> q uint8 [nb], absmax2 float32 [ceil(nb/256)], offset float32 [1].
+void double_quant(const Array& absmax, const Array& q, const Array& absmax2, const Array& offset) {
+  require<float>(absmax, "absmax");
+  require<uint8_t>(q, "q");
+  require<float>(absmax2, "absmax2");
+  require<float>(offset, "offset");
+  const int64_t nb = numel(absmax);
+  require_numel(q, nb, "q");
+  require_numel(absmax2, n_blocks_of(nb, nf4::kDoubleQuantBlock), "absmax2");
+  require_numel(offset, 1, "offset");
+  nf4::double_quant_cpu(cptr<float>(absmax), nb, mptr<uint8_t>(q), mptr<float>(absmax2), mptr<float>(offset));
+}
+
+// q uint8 [nb], absmax2 float32 [ceil(nb/256)], offset float32 [1] -> out float32 [nb].
+void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset, const Array& out) {
+  require<uint8_t>(q, "q");
+  require<float>(absmax2, "absmax2");
+  require<float>(offset, "offset");
+  require<float>(out, "out");
+  const int64_t nb = numel(q);
+  require_numel(out, nb, "out");
+  require_numel(absmax2, n_blocks_of(nb, nf4::kDoubleQuantBlock), "absmax2");
+  require_numel(offset, 1, "offset");
+  const float off = *cptr<float>(offset);
+  nf4::dequantize_absmax_cpu(cptr<uint8_t>(q), cptr<float>(absmax2), off, nb, mptr<float>(out));
+}
+
+// out[N, M] = x[N, K] . W^T with W [M, K] given as nf4 (packed, decoded float32 absmax). The blocks
+// run over the flattened W, so a block may straddle two rows when K % blocksize != 0: the tile
+// decoder works on flat element ranges [m0 * K, m1 * K), which handles that.
+void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Array& out, int64_t M, int64_t K,
+          int64_t blocksize) {
+  check_blocksize(blocksize);
+  if (M < 0 || K < 0) throw std::invalid_argument("M and K must be >= 0");
+  require<float>(x, "x");
+  require<uint8_t>(packed, "packed");
+  require<float>(absmax, "absmax");
+  require<float>(out, "out");
+  if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K)
+    throw std::invalid_argument("x: expected shape [N, " + std::to_string(K) + "]");
+  const int64_t N = static_cast<int64_t>(x.shape(0));
+  const int64_t n = M * K;
+  require_numel(packed, (n + 1) / 2, "packed");
+  require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
+  require_numel(out, N * M, "out");
+  const uint8_t* pw = cptr<uint8_t>(packed);
+  const float* pa = cptr<float>(absmax);
+  gemm::weight_only_gemm_cpu(
+      cptr<float>(x), N, K, M,
+      [&](int64_t m0, int64_t m1, float* tile) { nf4::dequantize_range(pw, pa, m0 * K, m1 * K, blocksize, tile); },
+      mptr<float>(out));
+}
+
+// The format's constants as the native code sees them (tests compare them with the reference).
+nb::dict constants() {
+  nb::dict d;
+  d["code"] = std::vector<float>(std::begin(nf4::kCode), std::end(nf4::kCode));
+  d["midpoints"] = std::vector<float>(std::begin(nf4::kMidpoint), std::end(nf4::kMidpoint));
+  d["dynamic_map"] = std::vector<float>(std::begin(nf4::kDynamicMap), std::end(nf4::kDynamicMap));
+  d["tiny"] = nf4::kTiny;
+  return d;
+}
+
+// Exposed for tests: the torch-order mean, and the 8-bit code of one scaled value.
+float mean_torch_order(const Array& x) {
+  require<float>(x, "x");
+  return nf4::mean_torch_order(cptr<float>(x), numel(x));
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "nf4 (bitsandbytes NormalFloat4) native codec, absmax double quantization and "
+            "fp32 x nf4 GEMM; called through qformats.nf4.";
+  m.def("quantize", &quantize, nb::arg("x"), nb::arg("blocksize"), nb::arg("packed"), nb::arg("absmax"),
+        release_gil());
+  m.def("dequantize", &dequantize, nb::arg("packed"), nb::arg("absmax"), nb::arg("blocksize"), nb::arg("out"),
+        release_gil());
+  m.def("double_quant", &double_quant, nb::arg("absmax"), nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"),
+        release_gil());
+  m.def("dequantize_absmax", &dequantize_absmax, nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"),
+        nb::arg("out"), release_gil());
+  m.def("gemm", &gemm_nf4, nb::arg("x"), nb::arg("packed"), nb::arg("absmax"), nb::arg("out"), nb::arg("M"),
+        nb::arg("K"), nb::arg("blocksize"), release_gil());
+  m.def("mean_torch_order", &mean_torch_order, nb::arg("x"));
+  m.def("constants", &constants);
+}

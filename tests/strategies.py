@@ -97,5 +97,10 @@ def assert_bytes_equal(a: Any, b: Any) -> None:
 
 def _np(x: Any) -> np.ndarray:
     if type(x).__module__.startswith("torch"):
-        return x.detach().cpu().numpy()
+        import torch
+
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:  # numpy has no bfloat16: compare its raw bits
+            x = x.view(torch.int16)
+        return x.numpy()
     return np.asarray(x)

@@ -41,6 +41,8 @@ def check_type(x: Any, name: str) -> None:
 
 def _check_cpu_contiguous(x: Any, name: str) -> None:
     if is_torch(x):
+        if x.requires_grad:
+            raise ValueError(f"{name}: tensor requires grad; pass x.detach() (quantization is not differentiable)")
         if x.device.type != "cpu":
             raise NotImplementedError(
                 f"{name} is on {x.device}: this build of qformats has CPU codecs only for now; "

@@ -18,8 +18,13 @@ struct half_t { uint16_t bits; };
 struct bf16_t { uint16_t bits; };
 static_assert(sizeof(half_t) == 2 && sizeof(bf16_t) == 2, "16-bit storage types");
 
+#if defined(__CUDA_ARCH__)
+QF_HOST_DEVICE uint32_t f32_bits(float f) { return __float_as_uint(f); }
+QF_HOST_DEVICE float f32_from_bits(uint32_t u) { return __uint_as_float(u); }
+#else
 QF_HOST_DEVICE uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 QF_HOST_DEVICE float f32_from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+#endif
 
 // fp32 -> fp16, round to nearest even, with subnormals, overflow to inf, NaN kept NaN.
 // The arithmetic trick of Maratyszcza's FP16 library (also ggml's portable
@@ -70,4 +75,17 @@ QF_HOST_DEVICE float to_f32(float x) { return x; }
 QF_HOST_DEVICE float to_f32(half_t x) { return fp16_bits_to_fp32(x.bits); }
 QF_HOST_DEVICE float to_f32(bf16_t x) { return bf16_bits_to_fp32(x.bits); }
 
+// Element stores used by every dequantizer: float32 results rounded once to the output
+// type (round to nearest even for float16 and bfloat16, as torch's .to() and numpy's astype).
+QF_HOST_DEVICE void from_f32(float v, float* out) { *out = v; }
+QF_HOST_DEVICE void from_f32(float v, half_t* out) { out->bits = fp32_to_fp16_bits(v); }
+QF_HOST_DEVICE void from_f32(float v, bf16_t* out) {
+  const uint32_t u = f32_bits(v);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) { out->bits = static_cast<uint16_t>((u >> 16) | 0x40u); return; }  // quiet NaN
+  out->bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // RNE on the dropped half
+}
+
 }  // namespace qf
+
+// Explicit instantiation over the three element types (float32, float16, bfloat16).
+#define QF_FOR_EACH_INPUT_TYPE(X) X(float) X(::qf::half_t) X(::qf::bf16_t)

@@ -70,6 +70,3 @@ void for_each_block(int64_t n_blocks, Fn&& fn, int64_t grain = kGrainBlocks) {
 }
 
 }  // namespace qf
-
-// Explicit instantiation over the three input element types (float32, float16, bfloat16).
-#define QF_FOR_EACH_INPUT_TYPE(X) X(float) X(::qf::half_t) X(::qf::bf16_t)

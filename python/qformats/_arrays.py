@@ -5,7 +5,8 @@ code runs. torch is optional: numpy-only use never imports it.
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -39,15 +40,23 @@ def check_type(x: Any, name: str) -> None:
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
+def cuda_built() -> bool:
+    from ._runtime import cuda_built as built
+
+    return bool(built())
+
+
 def _check_cpu_contiguous(x: Any, name: str) -> None:
     if is_torch(x):
         if x.requires_grad:
             raise ValueError(f"{name}: tensor requires grad; pass x.detach() (quantization is not differentiable)")
-        if x.device.type != "cpu":
+        if x.device.type == "cuda" and not cuda_built():
             raise NotImplementedError(
-                f"{name} is on {x.device}: this build of qformats has CPU codecs only for now; "
-                f"move it with .cpu()"
+                f"{name} is on {x.device}, but this build of qformats has no CUDA kernels "
+                f"(it was built without nvcc); move it with .cpu()"
             )
+        if x.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"{name} is on {x.device}: only CPU and CUDA are supported")
         if not x.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor; call .contiguous() first")
     elif not x.flags.c_contiguous:
@@ -63,7 +72,7 @@ def check_float(
     finite: bool = True,
 ) -> Any:
     """Validate a float input: numpy array or torch tensor of float32/float16/bfloat16,
-    C-contiguous, on the CPU, at least 1-D (exactly ``ndim`` if given), last axis a
+    C-contiguous, on the CPU (or CUDA, in a CUDA build), at least 1-D (exactly ``ndim`` if given), last axis a
     multiple of ``multiple_of``, no NaN/Inf (when ``finite``). Returns ``x`` unchanged.
 
     Raises TypeError (wrong type or dtype), ValueError (shape, layout, non-finite values),
@@ -94,7 +103,8 @@ def _all_finite(x: Any) -> bool:
 
 
 def check_array(x: Any, name: str, dtype: str, shape: Sequence[int] | None = None) -> Any:
-    """Validate a packed buffer: type, exact dtype, C-contiguous on the CPU, and shape if given."""
+    """Validate a packed buffer: type, exact dtype, C-contiguous on the CPU (or CUDA in a CUDA
+    build), and shape if given."""
     check_type(x, name)
     dt = dtype_name(x)
     if dt != dtype:
@@ -114,12 +124,37 @@ def check_int(v: Any, name: str, *, minimum: int = 0) -> int:
 
 
 def empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
-    """Uninitialized output in the caller's library, on the caller's device."""
+    """Uninitialized output in the caller's library, on the caller's device (torch's caching
+    allocator for CUDA tensors)."""
     shape = tuple(int(s) for s in shape)
     if is_torch(like):
         t = _torch()
         return t.empty(shape, dtype=getattr(t, dtype), device=like.device)
+    if dtype == "bfloat16":
+        raise TypeError("bfloat16 output needs a torch tensor (numpy has no bfloat16)")
     return np.empty(shape, dtype=dtype)
+
+
+def same_device(*named: tuple[str, Any]) -> None:
+    """ValueError unless every (name, array) is on the device of the first."""
+    dev0 = device_of(named[0][1])
+    for name, a in named[1:]:
+        if device_of(a) != dev0:
+            raise ValueError(f"{name} is on {device_of(a)} but {named[0][0]} is on {dev0}; "
+                             f"move them to one device first")
+
+
+@contextmanager
+def stream_for(x: Any) -> Iterator[int]:
+    """The stream argument of a native call on ``x``'s device: 0 on the CPU; for a CUDA tensor,
+    torch's current stream on that device (made the current device meanwhile), so kernels
+    queue behind the caller's work like any torch operation."""
+    if is_torch(x) and x.device.type == "cuda":
+        t = _torch()
+        with t.cuda.device(x.device):
+            yield t.cuda.current_stream(x.device).cuda_stream
+    else:
+        yield 0
 
 
 def zeros(like: Any, shape: Sequence[int], dtype: str) -> Any:

@@ -167,9 +167,19 @@ def check_quantized(q: Any, fmt: str) -> QuantizedTensor:
     return q
 
 
+def float_dtype(dtype: Any) -> str:
+    """'float32' / 'float16' / 'bfloat16' from a name, numpy dtype or torch dtype (TypeError otherwise)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in A.FLOAT_DTYPES:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in A.FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected one of {A.FLOAT_DTYPES}, got {dtype!r}")
+    return name
+
+
 def output_dtype(q: QuantizedTensor, dtype: str | None) -> str:
     """The dtype a dequantize call returns: ``dtype`` if given, else the original one."""
-    dtype = q.dtype if dtype is None else str(dtype).removeprefix("torch.")
-    if dtype not in A.FLOAT_DTYPES:
-        raise TypeError(f"dtype: expected one of {A.FLOAT_DTYPES}, got {dtype!r}")
-    return dtype
+    return float_dtype(q.dtype if dtype is None else dtype)

@@ -10,25 +10,40 @@ using namespace qf::bind;
 namespace {
 
 // x: float [rows, K] (any leading shape, C-contiguous), out: uint8 with K/32 * 18 bytes per row.
-void quantize(const Array& x, const Array& out) {
-  require<uint8_t>(out, "out");
+void quantize(const Array& x, const Array& out, uintptr_t stream) {
+  const Device dev = device_of(x, stream, "x");
+  require<uint8_t>(out, "out", dev);
   const int64_t n = numel(x);
   if (n % q4_0::QK) throw std::invalid_argument("x: element count must be a multiple of 32");
-  require_numel(out, n / q4_0::QK * int64_t(sizeof(q4_0::block_q4_0)), "out");
-  dispatch_float(x, "x", [&](auto* px) {
-    q4_0::quantize_cpu(px, n / q4_0::QK, mptr<q4_0::block_q4_0>(out));
+  const int64_t n_blocks = n / q4_0::QK;
+  require_numel(out, n_blocks * int64_t(sizeof(q4_0::block_q4_0)), "out");
+  auto* y = mptr<q4_0::block_q4_0>(out);
+  dispatch_float(x, "x", dev, [&](auto* px) {
+    if (dev.cuda) {
+      QF_ON_CUDA(q4_0::quantize_cuda(px, n_blocks, y, dev.stream));
+    } else {
+      q4_0::quantize_cpu(px, n_blocks, y);
+    }
   });
 }
 
-void dequantize(const Array& blocks, const Array& out) {
-  require<uint8_t>(blocks, "blocks");
-  require<float>(out, "out");
+// out: float32, float16 or bfloat16 with 32 values per block (decoded in float32, rounded once).
+void dequantize(const Array& blocks, const Array& out, uintptr_t stream) {
+  const Device dev = device_of(blocks, stream, "blocks");
+  require<uint8_t>(blocks, "blocks", dev);
   const int64_t nbytes = numel(blocks);
   if (nbytes % int64_t(sizeof(q4_0::block_q4_0)))
     throw std::invalid_argument("blocks: size must be a multiple of 18 bytes");
   const int64_t n_blocks = nbytes / int64_t(sizeof(q4_0::block_q4_0));
   require_numel(out, n_blocks * q4_0::QK, "out");
-  q4_0::dequantize_cpu(cptr<q4_0::block_q4_0>(blocks), n_blocks, mptr<float>(out));
+  const auto* x = cptr<q4_0::block_q4_0>(blocks);
+  dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (dev.cuda) {
+      QF_ON_CUDA(q4_0::dequantize_cuda(x, n_blocks, py, dev.stream));
+    } else {
+      q4_0::dequantize_cpu(x, n_blocks, py);
+    }
+  });
 }
 
 void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M, int64_t N, int64_t K) {
@@ -46,8 +61,9 @@ void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M,
 
 NB_MODULE(_native, m) {
   m.doc() = "q4_0 (GGML) native codec and q4_0 x q8_1 GEMM; called through qformats.q4_0.";
-  m.def("quantize", &quantize, nb::arg("x"), nb::arg("out"), release_gil());
-  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), release_gil());
+  m.def("quantize", &quantize, nb::arg("x"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
+  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), nb::arg("stream") = 0,
+        release_gil());
   m.def("gemm_q4_0_q8_1", &gemm_q4_0_q8_1, nb::arg("weight_q"), nb::arg("activation_q"),
         nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"), release_gil());
 }

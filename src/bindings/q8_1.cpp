@@ -7,31 +7,47 @@ using namespace qf::bind;
 
 namespace {
 
-void quantize(const Array& x, const Array& out) {
-  require<uint8_t>(out, "out");
+void quantize(const Array& x, const Array& out, uintptr_t stream) {
+  const Device dev = device_of(x, stream, "x");
+  require<uint8_t>(out, "out", dev);
   const int64_t n = numel(x);
   if (n % q8_1::QK) throw std::invalid_argument("x: element count must be a multiple of 32");
-  require_numel(out, n / q8_1::QK * int64_t(sizeof(q8_1::block_q8_1)), "out");
-  dispatch_float(x, "x", [&](auto* px) {
-    q8_1::quantize_cpu(px, n / q8_1::QK, mptr<q8_1::block_q8_1>(out));
+  const int64_t n_blocks = n / q8_1::QK;
+  require_numel(out, n_blocks * int64_t(sizeof(q8_1::block_q8_1)), "out");
+  auto* y = mptr<q8_1::block_q8_1>(out);
+  dispatch_float(x, "x", dev, [&](auto* px) {
+    if (dev.cuda) {
+      QF_ON_CUDA(q8_1::quantize_cuda(px, n_blocks, y, dev.stream));
+    } else {
+      q8_1::quantize_cpu(px, n_blocks, y);
+    }
   });
 }
 
-void dequantize(const Array& blocks, const Array& out) {
-  require<uint8_t>(blocks, "blocks");
-  require<float>(out, "out");
+// out: float32, float16 or bfloat16 with 32 values per block (decoded in float32, rounded once).
+void dequantize(const Array& blocks, const Array& out, uintptr_t stream) {
+  const Device dev = device_of(blocks, stream, "blocks");
+  require<uint8_t>(blocks, "blocks", dev);
   const int64_t nbytes = numel(blocks);
   if (nbytes % int64_t(sizeof(q8_1::block_q8_1)))
     throw std::invalid_argument("blocks: size must be a multiple of 36 bytes");
   const int64_t n_blocks = nbytes / int64_t(sizeof(q8_1::block_q8_1));
   require_numel(out, n_blocks * q8_1::QK, "out");
-  q8_1::dequantize_cpu(cptr<q8_1::block_q8_1>(blocks), n_blocks, mptr<float>(out));
+  const auto* x = cptr<q8_1::block_q8_1>(blocks);
+  dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (dev.cuda) {
+      QF_ON_CUDA(q8_1::dequantize_cuda(x, n_blocks, py, dev.stream));
+    } else {
+      q8_1::dequantize_cpu(x, n_blocks, py);
+    }
+  });
 }
 
 }  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "q8_1 (GGML) native codec; called through qformats.q8_1.";
-  m.def("quantize", &quantize, nb::arg("x"), nb::arg("out"), release_gil());
-  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), release_gil());
+  m.def("quantize", &quantize, nb::arg("x"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
+  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), nb::arg("stream") = 0,
+        release_gil());
 }

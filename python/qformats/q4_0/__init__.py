@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
 FORMAT = "q4_0"
@@ -28,7 +29,8 @@ def quantize_q4_0(x: Any) -> Any:
 
     Args:
         x: float32, float16 or bfloat16 array/tensor ``[..., K]``, K a multiple of 32,
-            C-contiguous, on the CPU, finite.
+            C-contiguous, finite; numpy, torch on the CPU, or torch on a CUDA device (CUDA
+            builds; launched on the current stream).
     Returns:
         uint8 ``[..., K // 32, 18]`` in the same library (numpy/torch) as ``x``.
     Raises:
@@ -38,7 +40,8 @@ def quantize_q4_0(x: Any) -> Any:
     """
     A.check_float(x, "x", multiple_of=QK)
     out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
-    _native.quantize(x, out)
+    with A.stream_for(x) as stream:
+        _native.quantize(x, out, stream)
     if A.fp16_field_overflowed(out, 0):
         # llama.cpp would store d = inf here and decode inf/NaN; refuse instead of returning
         # blocks that cannot be decoded.
@@ -46,14 +49,16 @@ def quantize_q4_0(x: Any) -> Any:
     return out
 
 
-def dequantize_q4_0(x_q: Any, K: int) -> Any:
+def dequantize_q4_0(x_q: Any, K: int, dtype: str = "float32") -> Any:
     """Decode q4_0 blocks.
 
     Args:
         x_q: uint8 ``[..., K // 32, 18]`` as returned by :func:`quantize_q4_0`.
         K: values per row (a multiple of 32).
+        dtype: output dtype, "float32" (default), "float16" or "bfloat16" (torch only); values
+            are decoded in float32 and rounded once to it.
     Returns:
-        float32 ``[..., K]`` in the library of ``x_q``.
+        ``[..., K]`` of ``dtype``, in the library and on the device of ``x_q``.
     Raises:
         TypeError / ValueError: wrong dtype, or shape not ``[..., K // 32, 18]``.
     """
@@ -63,8 +68,9 @@ def dequantize_q4_0(x_q: Any, K: int) -> Any:
     A.check_array(x_q, "x_q", "uint8")
     if x_q.ndim < 2 or tuple(x_q.shape[-2:]) != (K // QK, BLOCK_BYTES):
         raise ValueError(f"x_q: expected shape [..., {K // QK}, {BLOCK_BYTES}], got {tuple(x_q.shape)}")
-    out = A.empty(x_q, (*x_q.shape[:-2], K), "float32")
-    _native.dequantize(x_q, out)
+    out = A.empty(x_q, (*x_q.shape[:-2], K), _float_dtype(dtype))
+    with A.stream_for(x_q) as stream:
+        _native.dequantize(x_q, out, stream)
     return out
 
 
@@ -88,7 +94,7 @@ def quantize(x: Any) -> QuantizedTensor:
 def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     """Decode a q4_0 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original)."""
     q = check_quantized(q, FORMAT)
-    return A.cast(dequantize_q4_0(q.buffers["blocks"], q.shape[-1]), output_dtype(q, dtype))
+    return dequantize_q4_0(q.buffers["blocks"], q.shape[-1], output_dtype(q, dtype))
 
 
 def gemm_q4_0_q8_1(weight_q: Any, activation_q: Any, M: int, N: int, K: int) -> Any:

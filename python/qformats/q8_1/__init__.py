@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
 FORMAT = "q8_1"
@@ -27,7 +28,8 @@ def quantize_q8_1(x: Any) -> Any:
     """Quantize to q8_1 blocks along the last axis.
 
     Args:
-        x: float32, float16 or bfloat16 ``[..., K]``, K a multiple of 32, C-contiguous, CPU, finite.
+        x: float32, float16 or bfloat16 ``[..., K]``, K a multiple of 32, C-contiguous, finite;
+            numpy, torch on the CPU, or torch on a CUDA device (CUDA builds; current stream).
     Returns:
         uint8 ``[..., K // 32, 36]`` in the library of ``x``.
     Raises:
@@ -40,7 +42,8 @@ def quantize_q8_1(x: Any) -> Any:
     """
     A.check_float(x, "x", multiple_of=QK)
     out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
-    _native.quantize(x, out)
+    with A.stream_for(x) as stream:
+        _native.quantize(x, out, stream)
     if A.fp16_field_overflowed(out, 0):
         # llama.cpp would store d = inf here and decode inf/NaN; refuse instead of returning
         # blocks that cannot be decoded.
@@ -48,16 +51,19 @@ def quantize_q8_1(x: Any) -> Any:
     return out
 
 
-def dequantize_q8_1(x_q: Any, K: int) -> Any:
-    """Decode q8_1 blocks uint8 ``[..., K // 32, 36]`` to float32 ``[..., K]``."""
+def dequantize_q8_1(x_q: Any, K: int, dtype: str = "float32") -> Any:
+    """Decode q8_1 blocks uint8 ``[..., K // 32, 36]`` to ``[..., K]`` of ``dtype`` (float32
+    default, float16, or bfloat16 for torch), decoded in float32 and rounded once, in the
+    library and on the device of ``x_q``."""
     K = A.check_int(K, "K")
     if K % QK:
         raise ValueError(f"K={K} is not a multiple of {QK}")
     A.check_array(x_q, "x_q", "uint8")
     if x_q.ndim < 2 or tuple(x_q.shape[-2:]) != (K // QK, BLOCK_BYTES):
         raise ValueError(f"x_q: expected shape [..., {K // QK}, {BLOCK_BYTES}], got {tuple(x_q.shape)}")
-    out = A.empty(x_q, (*x_q.shape[:-2], K), "float32")
-    _native.dequantize(x_q, out)
+    out = A.empty(x_q, (*x_q.shape[:-2], K), _float_dtype(dtype))
+    with A.stream_for(x_q) as stream:
+        _native.dequantize(x_q, out, stream)
     return out
 
 
@@ -80,4 +86,4 @@ def quantize(x: Any) -> QuantizedTensor:
 def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     """Decode a q8_1 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original)."""
     q = check_quantized(q, FORMAT)
-    return A.cast(dequantize_q8_1(q.buffers["blocks"], q.shape[-1]), output_dtype(q, dtype))
+    return dequantize_q8_1(q.buffers["blocks"], q.shape[-1], output_dtype(q, dtype))

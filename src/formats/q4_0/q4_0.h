@@ -74,9 +74,17 @@ QF_HOST_DEVICE void dequantize_block(const block_q4_0* x, float* y) {
   }
 }
 
-// CPU kernels (q4_0_cpu.cpp): n_blocks consecutive blocks, threaded for large inputs.
+// Kernels over n_blocks consecutive blocks; T = float, half_t or bf16_t (the input type for
+// quantize, the output type for dequantize: decoded in float32, rounded once to T).
+// CPU (q4_0_cpu.cpp), threaded for large inputs:
 template <class T>
 void quantize_cpu(const T* x, int64_t n_blocks, block_q4_0* y);
-void dequantize_cpu(const block_q4_0* x, int64_t n_blocks, float* y);
+template <class T>
+void dequantize_cpu(const block_q4_0* x, int64_t n_blocks, T* y);
+// CUDA (q4_0_cuda.cu): launched on `stream` (a cudaStream_t) on the current device.
+template <class T>
+void quantize_cuda(const T* x, int64_t n_blocks, block_q4_0* y, void* stream);
+template <class T>
+void dequantize_cuda(const block_q4_0* x, int64_t n_blocks, T* y, void* stream);
 
 }  // namespace qf::q4_0

@@ -64,8 +64,17 @@ QF_HOST_DEVICE void dequantize_block(const block_q8_1* x, float* y) {
   for (int j = 0; j < QK; ++j) y[j] = static_cast<float>(x->qs[j]) * d;
 }
 
+// Kernels over n_blocks consecutive blocks; T = float, half_t or bf16_t (the input type for
+// quantize, the output type for dequantize: decoded in float32, rounded once to T).
+// CPU (q8_1_cpu.cpp), threaded for large inputs:
 template <class T>
 void quantize_cpu(const T* x, int64_t n_blocks, block_q8_1* y);
-void dequantize_cpu(const block_q8_1* x, int64_t n_blocks, float* y);
+template <class T>
+void dequantize_cpu(const block_q8_1* x, int64_t n_blocks, T* y);
+// CUDA (q8_1_cuda.cu): launched on `stream` (a cudaStream_t) on the current device.
+template <class T>
+void quantize_cuda(const T* x, int64_t n_blocks, block_q8_1* y, void* stream);
+template <class T>
+void dequantize_cuda(const block_q8_1* x, int64_t n_blocks, T* y, void* stream);
 
 }  // namespace qf::q8_1

@@ -1,0 +1,77 @@
+// CUDA helpers shared by every format's kernels: error checks that become Python exceptions,
+// grid sizing, and coalesced byte copies between global and shared memory.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace qf::cuda {
+
+// cudaError_t -> std::runtime_error (nanobind turns it into a Python RuntimeError).
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+// After a launch: configuration errors show up here, execution errors at the next sync.
+inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
+
+inline cudaStream_t stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+inline unsigned grid_for(int64_t n_items, int items_per_cta) {
+  const int64_t g = (n_items + items_per_cta - 1) / items_per_cta;
+  if (g > 0x7FFFFFFF) throw std::invalid_argument("input too large for one launch");
+  return static_cast<unsigned>(g);
+}
+
+__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// The CTA copies nbytes from src to dst, 16 bytes per thread per step when both ends are
+// 16-byte aligned (whole sectors per warp instruction), bytewise otherwise. One side is
+// shared memory (always 16-byte aligned here), the other a CTA's contiguous slice of a global
+// array; blockwise formats stage their odd-sized records (18, 36 bytes...) this way so that
+// global memory sees full, coalesced transactions.
+__device__ inline void cta_copy(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src, int64_t nbytes) {
+  int64_t done = 0;
+  if (aligned16(dst) && aligned16(src)) {
+    const int64_t n16 = nbytes / 16;
+    for (int64_t i = threadIdx.x; i < n16; i += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    done = n16 * 16;
+  }
+  for (int64_t i = done + threadIdx.x; i < nbytes; i += blockDim.x) dst[i] = src[i];
+}
+
+// N consecutive elements of T from global memory into registers: 16-byte loads when the
+// source is aligned (the caller passes `vec` from a host-side check of the base pointer;
+// every record then starts 16-byte aligned too), element loads otherwise. N * sizeof(T) must
+// be a multiple of 16 for the vector path.
+template <class T, int N>
+__device__ inline void load_run(const T* __restrict__ src, T (&dst)[N], bool vec) {
+  static_assert((N * sizeof(T)) % 16 == 0, "vector path needs whole 16-byte words");
+  if (vec) {
+    uint4 w[N * sizeof(T) / 16];
+#pragma unroll
+    for (int i = 0; i < int(N * sizeof(T) / 16); ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+    memcpy(dst, w, sizeof(w));  // register-to-register: compiles to nothing
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = src[i];
+  }
+}
+
+template <class T, int N>
+__device__ inline void store_run(T* __restrict__ dst, const T (&src)[N], bool vec) {
+  static_assert((N * sizeof(T)) % 16 == 0, "vector path needs whole 16-byte words");
+  if (vec) {
+    uint4 w[N * sizeof(T) / 16];
+    memcpy(w, src, sizeof(w));
+#pragma unroll
+    for (int i = 0; i < int(N * sizeof(T) / 16); ++i) reinterpret_cast<uint4*>(dst)[i] = w[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = src[i];
+  }
+}
+
+}  // namespace qf::cuda

@@ -21,3 +21,16 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"{SHARED} is absent")
     return SHARED
+
+
+def cuda_device_available() -> bool:
+    try:
+        import qformats
+
+        return qformats.cuda_available()
+    except Exception:  # a broken build must fail the CPU tests, not hide here
+        return False
+
+
+#: Marks a test that needs a CUDA device and a CUDA build; such tests skip elsewhere.
+requires_cuda = pytest.mark.skipif(not cuda_device_available(), reason="no CUDA device / CUDA build")

@@ -104,3 +104,23 @@ def _np(x: Any) -> np.ndarray:
             x = x.view(torch.int16)
         return x.numpy()
     return np.asarray(x)
+
+
+def on_cuda(x: Any) -> Any:
+    """The same values as a torch tensor on the current CUDA device."""
+    import torch
+
+    return (x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))).cuda()
+
+
+def misaligned_copy(x: Any) -> Any:
+    """A contiguous CUDA copy of x whose data pointer is NOT 16-byte aligned (a view at element
+    offset 1 of a larger buffer), to exercise the kernels' unaligned paths."""
+    import torch
+
+    t = on_cuda(x)
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import importlib
 
+from ._arrays import skip_finite_check
 from ._core import FORMATS, QuantizedTensor
 from .io import load, save
 
 __version__ = "0.1.0"
-__all__ = ["FORMATS", "QuantizedTensor", "save", "load", "cuda_available", "__version__", *FORMATS]
+__all__ = ["FORMATS", "QuantizedTensor", "save", "load", "cuda_available", "skip_finite_check", "__version__", *FORMATS]
 
 
 def cuda_available() -> bool:

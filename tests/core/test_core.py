@@ -114,3 +114,14 @@ def test_dequantize_dtype_override_and_errors():
         qt.dequantize(dtype="bfloat16")  # numpy buffers cannot hold bfloat16
     with pytest.raises(ValueError, match="expected a q8_1"):
         q8_1.dequantize(qt)
+
+
+def test_skip_finite_check_scope():
+    x = np.zeros((1, 32), np.float32)
+    x[0, 3] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        q4_0.quantize_q4_0(x)
+    with qformats.skip_finite_check():
+        q4_0.quantize_q4_0(x)  # no scan: no error (output unspecified for NaN input)
+    with pytest.raises(ValueError, match="NaN"):
+        q4_0.quantize_q4_0(x)  # restored on exit

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything the GPU machine does, in one call (the device tool runs it in the repo root):
+#   tools/gpu_check.sh [build] [test] [bench] [sanitize]      (default: all four)
+# build:    pip install --no-build-isolation . for sm_90 only (CI compiles sm_75..sm_90)
+# test:     the whole test suite; the GPU tests (tests/*/test_*_cuda.py) run here
+# bench:    benchmarks/codecs.py (median of CUDA events, rotated buffers, % of copy bandwidth)
+# sanitize: compute-sanitizer memcheck and racecheck over the GPU tests (PATTERN below)
+# Logs go to $OUT (the device tool brings them back) or /tmp/qformats-gpu.
+set -uo pipefail
+OUT=${OUT:-/tmp/qformats-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
+stages=${*:-build test bench sanitize}
+# Wheels carried to the machine (bitsandbytes for the nf4 comparisons), see the device README.
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+status=0
+for stage in $stages; do
+  echo "=== $stage"
+  case $stage in
+    build)
+      t0=$(date +%s)
+      python3 -m pip install --no-build-isolation --no-deps -q . -Cbuild-dir=build/gpu \
+        -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      echo "built in $(( $(date +%s) - t0 )) s"
+      python3 -c "import qformats; print('cuda_available:', qformats.cuda_available())" ;;
+    test)
+      python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    bench)
+      python3 benchmarks/codecs.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/codecs.txt" | tail -60 ;;
+    sanitize)
+      pattern=${SANITIZE_K:-"cuda and (large or misaligned or stream or poison)"}
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
+          python3 -m pytest tests -q -p no:cacheprovider -k "$pattern" >"$OUT/sanitize-$tool.log" 2>&1
+        rc=$?
+        echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitize-$tool.log" | tail -3 | tr '\n' ' ')"
+        [ $rc = 0 ] || status=1
+      done ;;
+  esac
+done
+exit $status

@@ -110,6 +110,12 @@ def test_cli_errors(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_cli_model_after_formats(capsys, tmp_path):
+    # `--formats q4_0 MODEL`: MODEL is taken back from --formats (here: not a model folder).
+    assert cli.main(["compare", "--formats", "q4_0", str(tmp_path), "--no-progress"]) == 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err
+
+
 def test_cli_usage_errors(capsys):
     assert cli.main([]) == 2
     assert cli.main(["compare", "--max-tokens", "-1"]) == 2

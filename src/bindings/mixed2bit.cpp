@@ -1,7 +1,9 @@
 // qformats.mixed2bit._native: mixed 2/4-bit codec (formats/mixed2bit) and the fp32-activation x
-// mixed2bit-weight GEMM. Adapters check every array (dtype, contiguity, size from the dims), then
-// call the kernels without the GIL. The Python layer allocates all outputs: n4 and n_out are
-// known from the parameters before the call, so every buffer size is.
+// mixed2bit-weight GEMM. Adapters check every array (device, dtype, contiguity, size from the
+// dims), then call the CPU or CUDA kernels without the GIL. The Python layer allocates all
+// outputs (n4 and n_out are known from the parameters before the call, so every buffer size is)
+// and, for CUDA calls, the kernels' scratch workspace (sized by *_workspace_bytes) as torch
+// tensors on the caller's stream. The GEMM is CPU-only for now.
 #include "bindings/nb_common.h"
 #include "formats/mixed2bit/mixed2bit.h"
 
@@ -11,9 +13,9 @@ namespace m2 = qf::mixed2bit;
 
 namespace {
 
-// float16 arrays (numpy float16 / torch.float16): dtype code Float, 16 bits.
-void require_f16(const Array& a, const char* name) {
-  require_cpu_contiguous(a, name);
+// float16 arrays (numpy float16 / torch.float16): dtype code Float, 16 bits, on device d.
+void require_f16(const Array& a, const char* name, const Device& d) {
+  require_contiguous_on(a, name, d);
   const auto dt = a.dtype();
   if (!(dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && dt.bits == 16 && dt.lanes == 1))
     throw nb::type_error((std::string(name) + ": expected float16").c_str());
@@ -32,19 +34,19 @@ m2::Dims make_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_bl
   return d;
 }
 
-// Checks the nine buffers against the dims: dtypes, contiguity, element counts.
-void check_buffers(const m2::Dims& d, const Array& group_map, const Array& codes2, const Array& codes4,
-                   const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
-                   const Array& outlier_idx, const Array& outlier_val) {
-  require<uint8_t>(group_map, "group_map");
-  require<int32_t>(codes2, "codes2");
-  require<int32_t>(codes4, "codes4");
-  require<uint8_t>(scales2, "scales2");
-  require<uint8_t>(scales4, "scales4");
-  require_f16(so2, "so2");
-  require_f16(so4, "so4");
-  require<int32_t>(outlier_idx, "outlier_idx");
-  require_f16(outlier_val, "outlier_val");
+// Checks the nine buffers against the dims: device, dtypes, contiguity, element counts.
+void check_buffers(const m2::Dims& d, const Device& dev, const Array& group_map, const Array& codes2,
+                   const Array& codes4, const Array& scales2, const Array& scales4, const Array& so2,
+                   const Array& so4, const Array& outlier_idx, const Array& outlier_val) {
+  require<uint8_t>(group_map, "group_map", dev);
+  require<int32_t>(codes2, "codes2", dev);
+  require<int32_t>(codes4, "codes4", dev);
+  require<uint8_t>(scales2, "scales2", dev);
+  require<uint8_t>(scales4, "scales4", dev);
+  require_f16(so2, "so2", dev);
+  require_f16(so4, "so4", dev);
+  require<int32_t>(outlier_idx, "outlier_idx", dev);
+  require_f16(outlier_val, "outlier_val", dev);
   require_numel(group_map, d.map_bytes(), "group_map");
   require_numel(codes2, d.n2() * d.words2(), "codes2");
   require_numel(codes4, d.n4 * d.words4(), "codes4");
@@ -64,47 +66,101 @@ m2::ConstBuffers const_buffers(const Array& group_map, const Array& codes2, cons
           cptr<half_t>(so4),        cptr<int32_t>(outlier_idx), cptr<half_t>(outlier_val)};
 }
 
-// w: float [rows, K]; sensitivity: float32 [K] or None; outputs as in mixed2bit.h.
+// The CUDA kernels' scratch: a uint8 array on the call's device (None on the CPU).
+struct Workspace {
+  void* data = nullptr;
+  int64_t bytes = 0;
+};
+Workspace workspace_of(const Array& ws, const Device& dev) {
+  Workspace w;
+  if (!dev.cuda) return w;  // the CPU kernels allocate their own scratch; a workspace is ignored
+  if (!ws.is_valid()) throw std::invalid_argument("workspace: a CUDA call needs a workspace array");
+  require<uint8_t>(ws, "workspace", dev);
+  w.data = ws.data();
+  w.bytes = numel(ws);
+  return w;
+}
+
+// Bytes of workspace quantize / dequantize need on CUDA for these dims (the CUDA device of the
+// call must be current: the size comes from CUB's query).
+int64_t quantize_workspace_bytes(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
+                                 int64_t n_out) {
+  const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
+  (void)d;
+  QF_ON_CUDA(return m2::quantize_workspace_bytes_cuda(d));
+}
+
+int64_t dequantize_workspace_bytes(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
+                                   int64_t n_out) {
+  const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
+  (void)d;
+  QF_ON_CUDA(return m2::dequantize_workspace_bytes_cuda(d));
+}
+
+// w: float [rows, K]; sensitivity: float32 [K] or None; outputs as in mixed2bit.h; workspace:
+// uint8 of quantize_workspace_bytes() on CUDA (None on the CPU).
 void quantize(const Array& w, const Array& sensitivity, int64_t group_size, int64_t scale_block,
               int64_t n4, int64_t n_out, const Array& group_map, const Array& codes2,
               const Array& codes4, const Array& scales2, const Array& scales4, const Array& so2,
-              const Array& so4, const Array& outlier_idx, const Array& outlier_val) {
+              const Array& so4, const Array& outlier_idx, const Array& outlier_val, const Array& workspace,
+              uintptr_t stream) {
+  const Device dev = device_of(w, stream, "w");
   if (w.ndim() != 2) throw std::invalid_argument("w: expected a 2-D array");
   const m2::Dims d = make_dims(static_cast<int64_t>(w.shape(0)), static_cast<int64_t>(w.shape(1)),
                                group_size, scale_block, n4, n_out);
-  check_buffers(d, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
   const float* sens = nullptr;
   if (sensitivity.is_valid()) {  // None when selecting by range
-    require<float>(sensitivity, "sensitivity");
+    require<float>(sensitivity, "sensitivity", dev);
     require_numel(sensitivity, d.K, "sensitivity");
     sens = cptr<float>(sensitivity);
   }
+  const Workspace ws = workspace_of(workspace, dev);
+  (void)ws;  // unused in CPU-only builds
   const m2::Buffers out{mptr<uint8_t>(group_map), mptr<uint32_t>(codes2), mptr<uint32_t>(codes4),
                         mptr<uint8_t>(scales2),   mptr<uint8_t>(scales4), mptr<half_t>(so2),
                         mptr<half_t>(so4),        mptr<int32_t>(outlier_idx), mptr<half_t>(outlier_val)};
-  dispatch_float(w, "w", [&](auto* pw) { m2::quantize_cpu(pw, sens, d, out); });
+  dispatch_float(w, "w", dev, [&](auto* pw) {
+    if (dev.cuda) {
+      QF_ON_CUDA(m2::quantize_cuda(pw, sens, d, out, ws.data, ws.bytes, dev.stream));
+    } else {
+      m2::quantize_cpu(pw, sens, d, out);
+    }
+  });
 }
 
+// out: float32, float16 or bfloat16 [rows * K] (decoded in float32, rounded once); workspace:
+// uint8 of dequantize_workspace_bytes() on CUDA (None on the CPU).
 void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
                 int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
                 const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
-                const Array& outlier_idx, const Array& outlier_val, const Array& out) {
+                const Array& outlier_idx, const Array& outlier_val, const Array& out, const Array& workspace,
+                uintptr_t stream) {
+  const Device dev = device_of(out, stream, "out");
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
-  check_buffers(d, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
-  require<float>(out, "out");
-  require_numel(out, rows * K, "out");
-  m2::dequantize_cpu(const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx,
-                                   outlier_val),
-                     d, mptr<float>(out));
+  check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  const Workspace ws = workspace_of(workspace, dev);
+  (void)ws;  // unused in CPU-only builds
+  const m2::ConstBuffers q =
+      const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  dispatch_float_out(out, "out", dev, [&](auto* py) {
+    require_numel(out, rows * K, "out");
+    if (dev.cuda) {
+      QF_ON_CUDA(m2::dequantize_cuda(q, d, py, ws.data, ws.bytes, dev.stream));
+    } else {
+      m2::dequantize_cpu(q, d, py);
+    }
+  });
 }
 
-// Y [N, rows] = X [N, K] . W^T.
+// Y [N, rows] = X [N, K] . W^T. CPU only for now: CUDA arrays are refused by the checks.
 void gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
           int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
           const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
           const Array& outlier_idx, const Array& outlier_val, const Array& out) {
+  const Device cpu;  // every array must be a CPU array
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
-  check_buffers(d, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  check_buffers(d, cpu, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
   require<float>(x, "x");
   require<float>(out, "out");
   if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K)
@@ -117,20 +173,30 @@ void gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t s
 }
 
 // values: uint8 with 16 * numel(out) elements; out: int32.
-void pack_2bit(const Array& values, const Array& out) {
-  require<uint8_t>(values, "values");
-  require<int32_t>(out, "out");
+void pack_2bit(const Array& values, const Array& out, uintptr_t stream) {
+  const Device dev = device_of(values, stream, "values");
+  require<uint8_t>(values, "values", dev);
+  require<int32_t>(out, "out", dev);
   require_numel(values, numel(out) * m2::kCodes2PerWord, "values");
-  m2::pack_2bit_cpu(cptr<uint8_t>(values), numel(out), mptr<uint32_t>(out));
+  if (dev.cuda) {
+    QF_ON_CUDA(m2::pack_2bit_cuda(cptr<uint8_t>(values), numel(out), mptr<uint32_t>(out), dev.stream));
+  } else {
+    m2::pack_2bit_cpu(cptr<uint8_t>(values), numel(out), mptr<uint32_t>(out));
+  }
 }
 
 // packed: int32; out: uint8 with at most 16 * numel(packed) elements.
-void unpack_2bit(const Array& packed, const Array& out) {
-  require<int32_t>(packed, "packed");
-  require<uint8_t>(out, "out");
+void unpack_2bit(const Array& packed, const Array& out, uintptr_t stream) {
+  const Device dev = device_of(packed, stream, "packed");
+  require<int32_t>(packed, "packed", dev);
+  require<uint8_t>(out, "out", dev);
   if (numel(out) > numel(packed) * m2::kCodes2PerWord)
     throw std::invalid_argument("out: more elements than the packed words hold");
-  m2::unpack_2bit_cpu(cptr<uint32_t>(packed), numel(out), mptr<uint8_t>(out));
+  if (dev.cuda) {
+    QF_ON_CUDA(m2::unpack_2bit_cuda(cptr<uint32_t>(packed), numel(out), mptr<uint8_t>(out), dev.stream));
+  } else {
+    m2::unpack_2bit_cpu(cptr<uint32_t>(packed), numel(out), mptr<uint8_t>(out));
+  }
 }
 
 }  // namespace
@@ -141,15 +207,21 @@ NB_MODULE(_native, m) {
   m.def("quantize", &quantize, nb::arg("w"), nb::arg("sensitivity").none(), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"),
         nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
-        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), release_gil());
+        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"),
+        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, release_gil());
   m.def("dequantize", &dequantize, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"),
         nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
-        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"), release_gil());
+        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"),
+        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, release_gil());
+  m.def("quantize_workspace_bytes", &quantize_workspace_bytes, nb::arg("rows"), nb::arg("K"),
+        nb::arg("group_size"), nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
+  m.def("dequantize_workspace_bytes", &dequantize_workspace_bytes, nb::arg("rows"), nb::arg("K"),
+        nb::arg("group_size"), nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
   m.def("gemm", &gemm, nb::arg("x"), nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"),
         nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
         nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"), release_gil());
-  m.def("pack_2bit", &pack_2bit, nb::arg("values"), nb::arg("out"), release_gil());
-  m.def("unpack_2bit", &unpack_2bit, nb::arg("packed"), nb::arg("out"), release_gil());
+  m.def("pack_2bit", &pack_2bit, nb::arg("values"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
+  m.def("unpack_2bit", &unpack_2bit, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
 }

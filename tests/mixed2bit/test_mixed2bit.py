@@ -460,6 +460,31 @@ def test_expected_buffers_and_validate():
         M.dequantize(w)
 
 
+def test_dequantize_writes_the_requested_dtype():
+    # Decoded in float32 and rounded once to the output dtype: the bytes of a cast of the
+    # float32 result (float16 overflow -> inf included).
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((33, 96)).astype(np.float32)
+    big = (w * 3e4).astype(np.float32)  # decodes beyond float16's range
+    for qt in (M.quantize(w, outlier_ratio=0.01, ratio_4bit=0.2), M.quantize(big, ratio_4bit=0.2)):
+        y32 = M.dequantize(qt, "float32")
+        assert y32.dtype == np.float32
+        y16 = M.dequantize(qt, "float16")
+        assert y16.dtype == np.float16
+        with np.errstate(over="ignore"):
+            assert_bytes_equal(y16, y32.astype(np.float16))
+        with pytest.raises(TypeError, match="bfloat16"):
+            M.dequantize(qt, "bfloat16")  # numpy buffers: numpy has no bfloat16
+        qtt = QuantizedTensor(qt.format, qt.shape, qt.dtype, qt.params,
+                              {k: torch.from_numpy(v) for k, v in qt.buffers.items()})
+        for dtype in ("float32", "float16", "bfloat16"):
+            got = M.dequantize(qtt, dtype)
+            assert got.dtype == getattr(torch, dtype)
+            assert_bytes_equal(got, torch.from_numpy(y32).to(getattr(torch, dtype)))
+    assert np.isinf(M.dequantize(M.quantize(big, ratio_4bit=0.2), "float16")).any()
+
+
 def test_native_rejects_inconsistent_buffers():
     w = np.random.default_rng(4).standard_normal((4, 64)).astype(np.float32)
     qt = M.quantize(w, outlier_ratio=0.05)

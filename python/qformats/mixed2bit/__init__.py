@@ -39,6 +39,16 @@ x lies in ``[-m, -m + qmax * scale]``, so
 the second-order codes make ``|scale - s_eff| <= d16 / 2`` and ``|m - m_eff| <= dm16 / 2``
 (d16, dm16 the block's fp16 fields; more only where a code is clamped at its maximum after
 the fp16 rounding of d or dm). Outliers decode to their fp16 value exactly.
+
+Devices: numpy arrays and torch tensors on the CPU, and (CUDA builds) torch tensors on a CUDA
+device: quantize, dequantize, pack_2bit and unpack_2bit then run there, on torch's current
+stream, with the same bytes as the CPU. The CUDA quantizer selects the 4-bit groups and the
+outliers with an exact radix select (the CPU's total orders), takes its scratch memory from
+torch's allocator, and waits for its kernels once at the end (a 16-byte copy of error flags) so
+that the "values too large" ValueError is raised by the call, as on the CPU. The CUDA
+dequantizer is asynchronous; buffers that contradict their params (map popcount != n4, outlier
+indices not increasing or out of range), which the CPU rejects with ValueError, decode to NaN
+there. :func:`gemm` is CPU-only for now.
 """
 from __future__ import annotations
 
@@ -154,14 +164,16 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
     """Quantize a weight matrix to mixed 2/4-bit groups.
 
     Args:
-        w: float32, float16 or bfloat16 array/tensor ``[rows, K]`` (C-contiguous, CPU, finite),
-            K a multiple of ``group_size``.
+        w: float32, float16 or bfloat16 array/tensor ``[rows, K]`` (C-contiguous, finite), K a
+            multiple of ``group_size``; numpy, torch on the CPU, or torch on a CUDA device (CUDA
+            builds: kernels on the current stream, buffers on that device; the call waits for
+            its kernels once at the end, to raise the "values too large" error like the CPU).
         group_size: values per group along K; a multiple of 16 (default 16).
         ratio_4bit: fraction of groups stored as 4-bit, in [0, 1] (default 0.1); exactly
             ``floor(ratio_4bit * n_groups + 0.5)`` groups. 0 gives plain 2-bit.
         sensitivity: optional per-column importance, float ``[K]``, finite, >= 0 (e.g. a
-            Hessian diagonal / mean squared activation); not stored. Given, groups are ranked
-            by ``sum(sensitivity * w**2)`` instead of their range.
+            Hessian diagonal / mean squared activation), on any device; not stored. Given,
+            groups are ranked by ``sum(sensitivity * w**2)`` instead of their range.
         outlier_ratio: fraction of the 2-bit groups' elements kept as fp16 outliers (largest
             |w| first), in [0, 1] (default 0). Needs rows * K < 2**31 when non-zero.
         scale_block: groups per second-order block (fp16 [d, dm] pair), >= 1 (default 16).
@@ -196,15 +208,35 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
               "selection": "range" if sens is None else "sensitivity", "n4": n4, "n_out": n_out}
     shapes = expected_buffers((rows, K), params)
     bufs = {name: A.empty(w, shape, dt) for name, (dt, shape) in shapes.items()}
-    _native.quantize(w, sens, gs, sb, n4, n_out, *(bufs[n] for n in BUFFER_NAMES))
+    _quantize_into(w, sens, gs, sb, n4, n_out, bufs)
     return QuantizedTensor(FORMAT, (rows, K), A.dtype_name(w), params, bufs)
+
+
+def _on_cuda(x: Any) -> bool:
+    return A.is_torch(x) and x.device.type == "cuda"
+
+
+def _quantize_into(w: Any, sens: np.ndarray | None, gs: int, sb: int, n4: int, n_out: int,
+                   bufs: dict) -> None:
+    """The native quantizer writing every buffer of ``bufs`` (checked arguments). On CUDA the
+    sensitivity is copied to w's device and the kernels' scratch is a torch uint8 tensor
+    (torch's caching allocator on the current stream, so torch accounts for it)."""
+    with A.stream_for(w) as stream:
+        ws = None
+        if _on_cuda(w):
+            rows, K = (int(s) for s in w.shape)
+            if sens is not None:
+                sens = A._torch().from_numpy(sens).to(w.device)
+            ws = A.empty(w, (_native.quantize_workspace_bytes(rows, K, gs, sb, n4, n_out),), "uint8")
+        _native.quantize(w, sens, gs, sb, n4, n_out, *(bufs[n] for n in BUFFER_NAMES), ws, stream)
 
 
 def _native_args(q: QuantizedTensor) -> tuple:
     """(rows, K, group_size, scale_block, n4, n_out, *buffers) after checking the buffers."""
     p = q.params
     for name, (dt, _) in expected_buffers(q.shape, p).items():
-        A.check_array(q.buffers[name], name, dt)  # CPU, C-contiguous (validate checked shapes)
+        A.check_array(q.buffers[name], name, dt)  # C-contiguous, supported device (validate checked shapes)
+    A.same_device(*((n, q.buffers[n]) for n in BUFFER_NAMES))
     return (*q.shape, p["group_size"], p["scale_block"], p["n4"], p["n_out"],
             *(q.buffers[n] for n in BUFFER_NAMES))
 
@@ -213,21 +245,29 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     """Decode a mixed2bit QuantizedTensor.
 
     Args:
-        q: a mixed2bit :class:`~qformats.QuantizedTensor` (buffers on the CPU).
+        q: a mixed2bit :class:`~qformats.QuantizedTensor` (buffers numpy, torch on the CPU, or
+            torch on a CUDA device: decoded there, on the current stream, asynchronously).
         dtype: output dtype, "float32", "float16" or "bfloat16" (default: the original dtype).
     Returns:
-        ``[rows, K]`` in ``dtype``, in the buffers' library: ``q * s_eff - m_eff`` per element
-        (float32), outliers replaced by their fp16 values, then cast.
+        ``[rows, K]`` in ``dtype``, in the buffers' library and device: ``q * s_eff - m_eff`` per
+        element in float32, outliers replaced by their fp16 values, rounded once to ``dtype``.
     Raises:
         TypeError: not a QuantizedTensor, or a bad dtype. ValueError: another format, or
-        buffers that do not match the params (shape, dtype, map count, outlier indices).
+        buffers that do not match the params (shape, dtype, device; on the CPU also the map
+        count and the outlier indices: on CUDA such buffers decode to all-NaN instead, since
+        raising would need a synchronization).
         NotImplementedError: buffers on a device without kernels in this build.
     """
     q = check_quantized(q, FORMAT)
     args = _native_args(q)
-    out = A.empty(q.buffers["codes2"], q.shape, "float32")
-    _native.dequantize(*args, out)
-    return A.cast(out, output_dtype(q, dtype))
+    like = q.buffers["codes2"]
+    out = A.empty(like, q.shape, output_dtype(q, dtype))
+    with A.stream_for(like) as stream:
+        ws = None
+        if _on_cuda(like):
+            ws = A.empty(like, (_native.dequantize_workspace_bytes(*args[:6]),), "uint8")
+        _native.dequantize(*args, out, ws, stream)
+    return out
 
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
@@ -237,15 +277,20 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     Args:
         x: float ``[N, K]`` array/tensor (float16/bfloat16 are converted to float32 first),
             C-contiguous, CPU, finite.
-        w: a mixed2bit QuantizedTensor of shape ``[M, K]``.
+        w: a mixed2bit QuantizedTensor of shape ``[M, K]`` (CPU buffers).
     Returns:
         float32 ``[N, M]`` in the library of ``x``; each dot product sums the K products in
         float32 with 8 interleaved partial sums.
     Raises:
         TypeError / ValueError: as :func:`dequantize` for ``w``; x not a float array, not 2-D,
             K mismatch, non-contiguous or non-finite.
+        NotImplementedError: x or w on a CUDA device (the GEMM is CPU-only for now).
     """
     w = check_quantized(w, FORMAT)
+    A.check_type(x, "x")
+    if _on_cuda(x) or any(_on_cuda(b) for b in w.buffers.values()):
+        raise NotImplementedError("mixed2bit.gemm runs on the CPU only for now; move x and w there "
+                                  "(x.cpu(), w.to('cpu')) or use dequantize on the GPU")
     A.check_float(x, "x", ndim=2)
     M, K = w.shape
     if x.shape[1] != K:
@@ -273,9 +318,10 @@ def pack_2bit(values: Any) -> Any:
 
     Args:
         values: integer array/tensor ``[..., n]`` (n a multiple of 16, at least 1-D,
-            C-contiguous, CPU) with values in 0..3.
+            C-contiguous; CPU or, in CUDA builds, a CUDA device) with values in 0..3.
     Returns:
-        int32 ``[..., n // 16]`` in the library of ``values`` (bit 31 may be set: negative).
+        int32 ``[..., n // 16]`` in the library and on the device of ``values`` (bit 31 may be
+        set: negative).
     Raises:
         TypeError: not an array/tensor, or not an integer dtype.
         ValueError: a scalar, n not a multiple of 16, non-contiguous, or a value outside 0..3.
@@ -292,7 +338,8 @@ def pack_2bit(values: Any) -> Any:
     else:
         v8 = np.ascontiguousarray(values, dtype=np.uint8)
     out = A.empty(values, (*values.shape[:-1], values.shape[-1] // 16), "int32")
-    _native.pack_2bit(v8, out)
+    with A.stream_for(values) as stream:
+        _native.pack_2bit(v8, out, stream)
     return out
 
 
@@ -300,10 +347,12 @@ def unpack_2bit(packed: Any, num_elements: int) -> Any:
     """Inverse of :func:`pack_2bit`: the first ``num_elements`` 2-bit values of ``packed``.
 
     Args:
-        packed: int32 array/tensor (any shape, C-contiguous, CPU), read in flat order.
+        packed: int32 array/tensor (any shape, C-contiguous; CPU or, in CUDA builds, a CUDA
+            device), read in flat order.
         num_elements: values to unpack, 0 <= num_elements <= 16 * packed.size.
     Returns:
-        uint8 ``[num_elements]`` (flattened) in the library of ``packed``, values 0..3.
+        uint8 ``[num_elements]`` (flattened) in the library and on the device of ``packed``,
+        values 0..3.
     Raises:
         TypeError: not an int32 array/tensor or num_elements not an int.
         ValueError: num_elements negative or more than the words hold; non-contiguous.
@@ -314,7 +363,8 @@ def unpack_2bit(packed: Any, num_elements: int) -> Any:
     if n > 16 * size:
         raise ValueError(f"num_elements={n} exceeds the {16 * size} values of {size} words")
     out = A.empty(packed, (n,), "uint8")
-    _native.unpack_2bit(packed, out)
+    with A.stream_for(packed) as stream:
+        _native.unpack_2bit(packed, out, stream)
     return out
 
 

@@ -77,6 +77,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "common/fp16.h"
@@ -138,8 +139,21 @@ struct ConstBuffers {
   const half_t* outlier_val;
 };
 
+// Throws std::invalid_argument unless the dims are consistent (every kernel checks them).
+inline void check_dims(const Dims& d) {
+  if (d.rows < 0 || d.K < 0 || d.group_size < kGroupMultiple || d.group_size % kGroupMultiple ||
+      d.K % d.group_size || d.scale_block < 1)
+    throw std::invalid_argument("mixed2bit: bad rows/K/group_size/scale_block");
+  if (d.n4 < 0 || d.n4 > d.n_groups())
+    throw std::invalid_argument("mixed2bit: n4 out of range [0, n_groups]");
+  if (d.n_out < 0 || d.n_out > d.n2() * d.group_size)
+    throw std::invalid_argument("mixed2bit: n_out out of range [0, elements of 2-bit groups]");
+  if (d.n_out > 0 && d.rows * d.K > int64_t(INT32_MAX))
+    throw std::invalid_argument("mixed2bit: outliers need rows * K < 2^31 (int32 indices)");
+}
+
 // ---------------------------------------------------------------------------------------------
-// Per-group rules (shared by the CPU kernels and, later, CUDA)
+// Per-group rules, shared by the CPU kernels and the CUDA kernels (same functions, same bytes)
 // ---------------------------------------------------------------------------------------------
 
 // Round half to even (numpy's rint) under the default rounding mode.
@@ -188,12 +202,22 @@ QF_HOST_DEVICE float sensitivity_score(const T* x, const float* sens, int gs) {
   return s;
 }
 
-// Step 4: first-order scale and zero offset m of one group. `outl` points at the sorted flat
-// indices of the outliers that fall in this group (n_outl of them), `base` is the group's
-// first flat index; those elements are skipped.
+// Step 2's total order on float scores as an unsigned key: flipping all bits of negatives and
+// the sign bit of non-negatives makes unsigned order equal float order for every non-NaN
+// value (-0 < +0, but scores are never -0). NaN scores are rejected (the "too large" error).
+// The n4 groups first in (key descending, id ascending) order are 4-bit.
+QF_HOST_DEVICE uint32_t score_order_key(float f) {
+  const uint32_t b = f32_bits(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Step 4, the part that reads the values: the group's range hi - lo and m = 0 - lo over its
+// non-outlier values. `outl` points at the sorted flat indices of the outliers that fall in
+// this group (n_outl of them; may be null when 0), `base` is the group's first flat index;
+// those elements are skipped.
 template <class T>
-QF_HOST_DEVICE void first_order(const T* x, int gs, int qmax, const int32_t* outl, int64_t n_outl,
-                                int64_t base, float* scale, float* m) {
+QF_HOST_DEVICE void group_range_m(const T* x, int gs, const int32_t* outl, int64_t n_outl, int64_t base,
+                                  float* range, float* m) {
   bool any = false;
   float mn = 0.0f, mx = 0.0f;
   int64_t o = 0;
@@ -206,10 +230,12 @@ QF_HOST_DEVICE void first_order(const T* x, int gs, int qmax, const int32_t* out
   }
   const float lo = mn < 0.0f ? mn : 0.0f;   // the grid always holds 0 (m >= 0)
   const float hi = mx;                      // 0 for an empty group
-  const float range = hi - lo;              // >= +0: hi >= lo, and hi is never -0
-  *scale = range / static_cast<float>(qmax);
+  *range = hi - lo;                         // >= +0: hi >= lo, and hi is never -0
   *m = 0.0f - lo;                           // +0 (not -0) when lo = 0
 }
+
+// Step 4, the rest: the first-order scale from the range (qmax = 3 or 15).
+QF_HOST_DEVICE float first_order_scale(float range, int qmax) { return range / static_cast<float>(qmax); }
 
 // Step 5: one second-order fp16 field from the block's largest first-order value.
 QF_HOST_DEVICE uint16_t second_order_bits(float block_max, int S) {
@@ -273,6 +299,48 @@ QF_HOST_DEVICE void decode_group(const uint32_t* words, int gs, float s_eff, flo
   }
 }
 
+// Step 5 for one second-order block: the n groups ids[0..n) (consecutive in their list, all
+// 2-bit or all 4-bit: qmax, S), their ranges and m's by group id -> the fp16 fields d, dm.
+// Every value is >= +0 and not NaN, so the max does not depend on the order.
+template <class Id>
+QF_HOST_DEVICE void second_order_block(const Id* ids, int64_t n, const float* range, const float* m, int qmax,
+                                       int S, uint16_t* d_bits, uint16_t* dm_bits) {
+  float ms = 0.0f, mm = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float sc = first_order_scale(range[ids[j]], qmax), z = m[ids[j]];
+    ms = sc > ms ? sc : ms;
+    mm = z > mm ? z : mm;
+  }
+  *d_bits = second_order_bits(ms, S);
+  *dm_bits = second_order_bits(mm, S);
+}
+
+// Steps 5 + 6 for one group of BITS = 2 or 4 bits: its second-order codes sc, mc against its
+// block's fp16 fields, then its packed codes.
+template <int BITS, class T>
+QF_HOST_DEVICE void quantize_group(const T* x, int gs, float range, float m, uint16_t d_bits, uint16_t dm_bits,
+                                   int* sc, int* mc, uint32_t* words) {
+  constexpr int qmax = (1 << BITS) - 1;
+  constexpr int S = BITS == 2 ? kS2 : kS4;
+  *sc = param_code(first_order_scale(range, qmax), fp16_bits_to_fp32(d_bits), S);
+  *mc = param_code(m, fp16_bits_to_fp32(dm_bits), S);
+  encode_group<BITS>(x, gs, effective(d_bits, *sc), effective(dm_bits, *mc), words);
+}
+
+// Decoded (effective) scale and offset of the group at slot j of its list (4-bit or 2-bit).
+QF_HOST_DEVICE void group_params(const ConstBuffers& q, bool is4, int64_t j, int64_t B, float* s_eff,
+                                 float* m_eff) {
+  const int64_t b = j / B;
+  if (is4) {
+    *s_eff = effective(q.so4[2 * b].bits, q.scales4[2 * j]);
+    *m_eff = effective(q.so4[2 * b + 1].bits, q.scales4[2 * j + 1]);
+  } else {
+    const uint8_t codes = q.scales2[j];
+    *s_eff = effective(q.so2[2 * b].bits, codes & 0x0F);
+    *m_eff = effective(q.so2[2 * b + 1].bits, codes >> 4);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // CPU kernels (mixed2bit_cpu.cpp)
 // ---------------------------------------------------------------------------------------------
@@ -299,8 +367,10 @@ RowIndex build_row_index(const ConstBuffers& q, const Dims& dims);
 void decode_rows_cpu(const ConstBuffers& q, const Dims& dims, const RowIndex& index, int64_t r0,
                      int64_t r1, float* y);
 
-// Decode the whole tensor into y float32 [rows, K], threaded over rows.
-void dequantize_cpu(const ConstBuffers& q, const Dims& dims, float* y);
+// Decode the whole tensor into y [rows, K] of T = float, half_t or bf16_t (decoded in float32,
+// outliers included, then rounded once to T), threaded over rows.
+template <class T>
+void dequantize_cpu(const ConstBuffers& q, const Dims& dims, T* y);
 
 // Y [N, M=rows] = X [N, K] . W^T, W decoded a tile of rows at a time (gemm/weight_only_cpu.h).
 void gemm_cpu(const float* X, int64_t N, const ConstBuffers& q, const Dims& dims, float* Y);
@@ -309,5 +379,32 @@ void gemm_cpu(const float* X, int64_t N, const ConstBuffers& q, const Dims& dims
 // values are masked to 2 bits. unpack_2bit: the first n values of the packed words.
 void pack_2bit_cpu(const uint8_t* values, int64_t n_words, uint32_t* out);
 void unpack_2bit_cpu(const uint32_t* packed, int64_t n, uint8_t* out);
+
+// ---------------------------------------------------------------------------------------------
+// CUDA kernels (mixed2bit_cuda.cu): every pointer on the current device, launched on `stream`
+// (a cudaStream_t). The quantizer and dequantizer need a device workspace of at least
+// *_workspace_bytes_cuda(dims) bytes (the caller allocates it, e.g. as a torch uint8 tensor,
+// on the same stream; any alignment); the size queries need the device current.
+// ---------------------------------------------------------------------------------------------
+
+// Same result and errors as quantize_cpu. Synchronizes the stream once at the end (one 16-byte
+// device-to-host copy of the error flags): the "too large" ValueError must be raised by this
+// call, as on the CPU.
+int64_t quantize_workspace_bytes_cuda(const Dims& dims);
+template <class T>
+void quantize_cuda(const T* w, const float* sens, const Dims& dims, const Buffers& out, void* workspace,
+                   int64_t workspace_bytes, void* stream);
+
+// Same bytes as dequantize_cpu for consistent buffers; asynchronous (no host synchronization).
+// Inconsistent buffers (group_map popcount != n4, outlier_idx not strictly increasing or out of
+// range: the CPU's ValueError) are detected on the device and decode to all-NaN instead,
+// never reading or writing out of bounds.
+int64_t dequantize_workspace_bytes_cuda(const Dims& dims);
+template <class T>
+void dequantize_cuda(const ConstBuffers& q, const Dims& dims, T* y, void* workspace, int64_t workspace_bytes,
+                     void* stream);
+
+void pack_2bit_cuda(const uint8_t* values, int64_t n_words, uint32_t* out, void* stream);
+void unpack_2bit_cuda(const uint32_t* packed, int64_t n, uint8_t* out, void* stream);
 
 }  // namespace qf::mixed2bit

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "common/parallel.h"
@@ -17,28 +18,8 @@ namespace {
 
 constexpr int64_t kGrainGroups = 1024;  // groups of >= 16 values: >= 64 KiB of fp32 per thread
 
-void check_dims(const Dims& d) {
-  if (d.rows < 0 || d.K < 0 || d.group_size < kGroupMultiple || d.group_size % kGroupMultiple ||
-      d.K % d.group_size || d.scale_block < 1)
-    throw std::invalid_argument("mixed2bit: bad rows/K/group_size/scale_block");
-  if (d.n4 < 0 || d.n4 > d.n_groups())
-    throw std::invalid_argument("mixed2bit: n4 out of range [0, n_groups]");
-  if (d.n_out < 0 || d.n_out > d.n2() * d.group_size)
-    throw std::invalid_argument("mixed2bit: n_out out of range [0, elements of 2-bit groups]");
-  if (d.n_out > 0 && d.rows * d.K > int64_t(INT32_MAX))
-    throw std::invalid_argument("mixed2bit: outliers need rows * K < 2^31 (int32 indices)");
-}
-
-// Step 2's total order on float scores as an unsigned key: flipping all bits of negatives and
-// the sign bit of non-negatives makes unsigned order equal float order for every non-NaN
-// value (-0 < +0, but scores are never -0). NaN scores are rejected before this is used.
-uint32_t order_key(float f) {
-  const uint32_t b = f32_bits(f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
 struct GroupKey {
-  uint32_t key;  // order_key(score)
+  uint32_t key;  // score_order_key(score)
   int64_t id;    // group id
 };
 // "a before b" in step 2: larger score first, then the smaller id.
@@ -47,19 +28,15 @@ bool group_before(const GroupKey& a, const GroupKey& b) {
 }
 
 // Step 5 over one list (2-bit or 4-bit groups in id order): [d, dm] fp16 per block of B.
-void second_order_list(const std::vector<int64_t>& list, const float* scale, const float* m,
-                       int64_t B, int S, half_t* so) {
+void second_order_list(const std::vector<int64_t>& list, const float* range, const float* m, int64_t B,
+                       int qmax, int S, half_t* so) {
   const int64_t n = static_cast<int64_t>(list.size());
   const int64_t n_blocks = (n + B - 1) / B;
   for_each_block(n_blocks, [&](int64_t b) {
-    float ms = 0.0f, mm = 0.0f;  // every value is >= +0 and not NaN, so max is unique
-    for (int64_t j = b * B, e = std::min(n, (b + 1) * B); j < e; ++j) {
-      const float s = scale[list[j]], z = m[list[j]];
-      ms = s > ms ? s : ms;
-      mm = z > mm ? z : mm;
-    }
-    so[2 * b].bits = second_order_bits(ms, S);
-    so[2 * b + 1].bits = second_order_bits(mm, S);
+    uint16_t d, dm;
+    second_order_block(list.data() + b * B, std::min(n, (b + 1) * B) - b * B, range, m, qmax, S, &d, &dm);
+    so[2 * b].bits = d;
+    so[2 * b + 1].bits = dm;
   });
 }
 
@@ -94,7 +71,7 @@ void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers
     std::fill(is4.begin(), is4.end(), uint8_t(1));
   } else if (n4 > 0) {
     std::vector<GroupKey> keys(static_cast<size_t>(ng));
-    for (int64_t g = 0; g < ng; ++g) keys[g] = {order_key(score[g]), g};
+    for (int64_t g = 0; g < ng; ++g) keys[g] = {score_order_key(score[g]), g};
     std::nth_element(keys.begin(), keys.begin() + n4, keys.end(), group_before);
     for (int64_t i = 0; i < n4; ++i) is4[keys[i].id] = 1;
   }
@@ -125,9 +102,9 @@ void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers
     out.outlier_val[i].bits = fp32_to_fp16_bits(to_f32(w[oidx[i]]));
   }
 
-  // 4. First-order scale and m per group, outliers left out (they are a contiguous run of the
-  // sorted index list: groups are contiguous in flat order).
-  std::vector<float> scale(static_cast<size_t>(ng)), m(static_cast<size_t>(ng));
+  // 4. First-order range and m per group, outliers left out (they are a contiguous run of the
+  // sorted index list: groups are contiguous in flat order); scale = range / qmax.
+  std::vector<float> range(static_cast<size_t>(ng)), m(static_cast<size_t>(ng));
   for_each_block(ng, [&](int64_t g) {
     const int64_t base = g * gs;
     const int32_t* const o_begin = oidx.data();
@@ -138,7 +115,7 @@ void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers
       o0 = std::lower_bound(o_begin, o_end, base);
       n_in = std::lower_bound(o0, o_end, base + gs) - o0;
     }
-    first_order(w + base, gs, is4[g] ? kQmax4 : kQmax2, o0, n_in, base, &scale[g], &m[g]);
+    group_range_m(w + base, gs, o0, n_in, base, &range[g], &m[g]);
   }, kGrainGroups);
 
   // 5. The two lists in id order, each group's slot in its list, and the second order.
@@ -150,8 +127,8 @@ void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers
     slot[g] = static_cast<int64_t>(list.size());
     list.push_back(g);
   }
-  second_order_list(list2, scale.data(), m.data(), B, kS2, out.so2);
-  second_order_list(list4, scale.data(), m.data(), B, kS4, out.so4);
+  second_order_list(list2, range.data(), m.data(), B, kQmax2, kS2, out.so2);
+  second_order_list(list4, range.data(), m.data(), B, kQmax4, kS4, out.so4);
   if (any_not_finite(out.so2, 2 * dims.blocks2()) || any_not_finite(out.so4, 2 * dims.blocks4()) ||
       any_not_finite(out.outlier_val, n_out))
     throw std::invalid_argument(kTooLargeMessage);
@@ -161,19 +138,16 @@ void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers
   for_each_block(ng, [&](int64_t g) {
     const int64_t j = slot[g], b = j / B;
     const T* x = w + g * gs;
+    int sc, mc;
     if (is4[g]) {
-      const uint16_t d = out.so4[2 * b].bits, dm = out.so4[2 * b + 1].bits;
-      const int sc = param_code(scale[g], fp16_bits_to_fp32(d), kS4);
-      const int mc = param_code(m[g], fp16_bits_to_fp32(dm), kS4);
+      quantize_group<4>(x, gs, range[g], m[g], out.so4[2 * b].bits, out.so4[2 * b + 1].bits, &sc, &mc,
+                        out.codes4 + j * w4);
       out.scales4[2 * j] = static_cast<uint8_t>(sc);
       out.scales4[2 * j + 1] = static_cast<uint8_t>(mc);
-      encode_group<4>(x, gs, effective(d, sc), effective(dm, mc), out.codes4 + j * w4);
     } else {
-      const uint16_t d = out.so2[2 * b].bits, dm = out.so2[2 * b + 1].bits;
-      const int sc = param_code(scale[g], fp16_bits_to_fp32(d), kS2);
-      const int mc = param_code(m[g], fp16_bits_to_fp32(dm), kS2);
+      quantize_group<2>(x, gs, range[g], m[g], out.so2[2 * b].bits, out.so2[2 * b + 1].bits, &sc, &mc,
+                        out.codes2 + j * w2);
       out.scales2[j] = static_cast<uint8_t>(sc | mc << 4);
-      encode_group<2>(x, gs, effective(d, sc), effective(dm, mc), out.codes2 + j * w2);
     }
   }, kGrainGroups);
 
@@ -227,17 +201,13 @@ void decode_rows_cpu(const ConstBuffers& q, const Dims& dims, const RowIndex& ix
     int64_t i4 = ix.n4_before[r], i2 = r * G - i4;  // this row's first slots in each list
     for (int64_t c = 0; c < G; ++c) {
       const int64_t g = r * G + c;
+      float s_eff, m_eff;
       if ((q.group_map[g >> 3] >> (g & 7)) & 1) {
-        const int64_t b = i4 / B;
-        const float s_eff = effective(q.so4[2 * b].bits, q.scales4[2 * i4]);
-        const float m_eff = effective(q.so4[2 * b + 1].bits, q.scales4[2 * i4 + 1]);
+        group_params(q, true, i4, B, &s_eff, &m_eff);
         decode_group<4>(q.codes4 + i4 * w4, gs, s_eff, m_eff, yr + c * gs);
         ++i4;
       } else {
-        const int64_t b = i2 / B;
-        const uint8_t codes = q.scales2[i2];
-        const float s_eff = effective(q.so2[2 * b].bits, codes & 0x0F);
-        const float m_eff = effective(q.so2[2 * b + 1].bits, codes >> 4);
+        group_params(q, false, i2, B, &s_eff, &m_eff);
         decode_group<2>(q.codes2 + i2 * w2, gs, s_eff, m_eff, yr + c * gs);
         ++i2;
       }
@@ -247,11 +217,21 @@ void decode_rows_cpu(const ConstBuffers& q, const Dims& dims, const RowIndex& ix
   }
 }
 
-void dequantize_cpu(const ConstBuffers& q, const Dims& dims, float* y) {
+template <class T>
+void dequantize_cpu(const ConstBuffers& q, const Dims& dims, T* y) {
   const RowIndex ix = build_row_index(q, dims);
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(dims.K, 1));
+  const int64_t K = dims.K;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   parallel_for(dims.rows, grain, [&](int64_t r0, int64_t r1) {
-    decode_rows_cpu(q, dims, ix, r0, r1, y + r0 * dims.K);
+    if constexpr (std::is_same_v<T, float>) {
+      decode_rows_cpu(q, dims, ix, r0, r1, y + r0 * K);
+    } else {  // a row at a time in float32, then rounded once to T
+      std::vector<float> row(static_cast<size_t>(K));
+      for (int64_t r = r0; r < r1; ++r) {
+        decode_rows_cpu(q, dims, ix, r, r + 1, row.data());
+        for (int64_t k = 0; k < K; ++k) from_f32(row[k], y + r * K + k);
+      }
+    }
   });
 }
 
@@ -277,8 +257,9 @@ void unpack_2bit_cpu(const uint32_t* packed, int64_t n, uint8_t* out) {
   }, 1 << 16);
 }
 
-#define QF_INSTANTIATE(T) \
-  template void quantize_cpu<T>(const T*, const float*, const Dims&, const Buffers&);
+#define QF_INSTANTIATE(T)                                                              \
+  template void quantize_cpu<T>(const T*, const float*, const Dims&, const Buffers&); \
+  template void dequantize_cpu<T>(const ConstBuffers&, const Dims&, T*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

@@ -19,69 +19,108 @@ void check_group_size(int64_t gs) {
     throw std::invalid_argument("group_size must be a positive multiple of 8");
 }
 
-// Checks the packed buffers of n values in groups of gs; returns the group count.
-// zeros may be None (symmetric).
+// Checks the packed buffers of n values in groups of gs on device `dev`; returns the group
+// count. zeros may be None (symmetric).
 int64_t check_buffers(int64_t n, int64_t gs, const Array& qweight, const Array& scales,
-                      const std::optional<Array>& zeros) {
+                      const std::optional<Array>& zeros, const Device& dev) {
   check_group_size(gs);
   if (n % gs) throw std::invalid_argument("element count must be a multiple of group_size");
-  require<uint8_t>(qweight, "qweight");
-  require<float>(scales, "scales");
+  require<uint8_t>(qweight, "qweight", dev);
+  require<float>(scales, "scales", dev);
   require_numel(qweight, n / 2, "qweight");
   require_numel(scales, n / gs, "scales");
   if (zeros) {
-    require<uint8_t>(*zeros, "zeros");
+    require<uint8_t>(*zeros, "zeros", dev);
     require_numel(*zeros, n / gs, "zeros");
   }
   return n / gs;
+}
+
+// The same for CPU-only callers (the GEMMs).
+int64_t check_buffers(int64_t n, int64_t gs, const Array& qweight, const Array& scales,
+                      const std::optional<Array>& zeros) {
+  return check_buffers(n, gs, qweight, scales, zeros, Device{});
 }
 
 const uint8_t* zeros_ptr(const std::optional<Array>& zeros) {
   return zeros ? cptr<uint8_t>(*zeros) : nullptr;
 }
 
-// x: float [..., K] (C-contiguous); zeros None selects the symmetric mode.
+// x: float [..., K] (C-contiguous); zeros None selects the symmetric mode. All arrays on the
+// CPU, or all on one CUDA device (launched on `stream`).
 void quantize(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
-              int64_t group_size) {
-  const int64_t n_groups = check_buffers(numel(x), group_size, qweight, scales, zeros);
-  dispatch_float(x, "x", [&](auto* px) {
-    if (zeros)
-      int4::quantize_asym_cpu(px, n_groups, group_size, mptr<uint8_t>(qweight), mptr<float>(scales),
-                              mptr<uint8_t>(*zeros));
-    else
-      int4::quantize_sym_cpu(px, n_groups, group_size, mptr<uint8_t>(qweight), mptr<float>(scales));
+              int64_t group_size, uintptr_t stream) {
+  const Device dev = device_of(x, stream, "x");
+  const int64_t n_groups = check_buffers(numel(x), group_size, qweight, scales, zeros, dev);
+  auto* qw = mptr<uint8_t>(qweight);
+  auto* sc = mptr<float>(scales);
+  auto* zp = zeros ? mptr<uint8_t>(*zeros) : nullptr;
+  dispatch_float(x, "x", dev, [&](auto* px) {
+    if (dev.cuda) {
+      if (zp) {
+        QF_ON_CUDA(qf::int4::quantize_asym_cuda(px, n_groups, group_size, qw, sc, zp, dev.stream));
+      } else {
+        QF_ON_CUDA(qf::int4::quantize_sym_cuda(px, n_groups, group_size, qw, sc, dev.stream));
+      }
+    } else if (zp) {
+      qf::int4::quantize_asym_cpu(px, n_groups, group_size, qw, sc, zp);
+    } else {
+      qf::int4::quantize_sym_cpu(px, n_groups, group_size, qw, sc);
+    }
   });
 }
 
+// out: float32, float16 or bfloat16 (decoded in float32, rounded once).
 void dequantize(const Array& qweight, const Array& scales, const std::optional<Array>& zeros, const Array& out,
-                int64_t group_size) {
-  require<float>(out, "out");
-  const int64_t n_groups = check_buffers(numel(out), group_size, qweight, scales, zeros);
-  int4::dequantize_cpu(cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), n_groups, group_size,
-                       mptr<float>(out));
+                int64_t group_size, uintptr_t stream) {
+  const Device dev = device_of(qweight, stream, "qweight");
+  const int64_t n_groups = check_buffers(numel(out), group_size, qweight, scales, zeros, dev);
+  const auto* qw = cptr<uint8_t>(qweight);
+  const auto* sc = cptr<float>(scales);
+  const uint8_t* zp = zeros_ptr(zeros);
+  dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (dev.cuda) {
+      QF_ON_CUDA(qf::int4::dequantize_cuda(qw, sc, zp, n_groups, group_size, py, dev.stream));
+    } else {
+      qf::int4::dequantize_cpu(qw, sc, zp, n_groups, group_size, py);
+    }
+  });
 }
 
 // codes: int8 or uint8 with 2 * numel(out) elements; out: uint8.
-void pack(const Array& codes, const Array& out) {
-  require_cpu_contiguous(codes, "values");
+void pack(const Array& codes, const Array& out, uintptr_t stream) {
+  const Device dev = device_of(codes, stream, "values");
+  require_contiguous_on(codes, "values", dev);
   if (codes.dtype() != nb::dtype<uint8_t>() && codes.dtype() != nb::dtype<int8_t>())
     throw nb::type_error("values: expected int8 or uint8");
-  require<uint8_t>(out, "out");
+  require<uint8_t>(out, "out", dev);
   require_numel(codes, 2 * numel(out), "values");
-  int4::pack_cpu(static_cast<const uint8_t*>(codes.data()), numel(out), mptr<uint8_t>(out));
+  const auto* pc = static_cast<const uint8_t*>(codes.data());
+  if (dev.cuda) {
+    QF_ON_CUDA(qf::int4::pack_cuda(pc, numel(out), mptr<uint8_t>(out), dev.stream));
+  } else {
+    qf::int4::pack_cpu(pc, numel(out), mptr<uint8_t>(out));
+  }
 }
 
 // out: int8 (signed codes) or uint8 (unsigned) with 2 * numel(packed) elements.
-void unpack(const Array& packed, const Array& out) {
-  require<uint8_t>(packed, "packed");
-  require_cpu_contiguous(out, "out");
+void unpack(const Array& packed, const Array& out, uintptr_t stream) {
+  const Device dev = device_of(packed, stream, "packed");
+  require<uint8_t>(packed, "packed", dev);
+  require_contiguous_on(out, "out", dev);
   const bool is_signed = out.dtype() == nb::dtype<int8_t>();
   if (!is_signed && out.dtype() != nb::dtype<uint8_t>()) throw nb::type_error("out: expected int8 or uint8");
   require_numel(out, 2 * numel(packed), "out");
-  int4::unpack_cpu(cptr<uint8_t>(packed), numel(packed), is_signed, static_cast<uint8_t*>(out.data()));
+  auto* pc = static_cast<uint8_t*>(out.data());
+  if (dev.cuda) {
+    QF_ON_CUDA(qf::int4::unpack_cuda(cptr<uint8_t>(packed), numel(packed), is_signed, pc, dev.stream));
+  } else {
+    qf::int4::unpack_cpu(cptr<uint8_t>(packed), numel(packed), is_signed, pc);
+  }
 }
 
-// x: float32 [N, K]; weight buffers of an [M, K] int4 tensor; out: float32 [N, M].
+// x: float32 [N, K]; weight buffers of an [M, K] int4 tensor; out: float32 [N, M]. The GEMMs
+// are CPU only (CUDA GEMMs are a later issue): CUDA arrays get "expected a CPU array".
 void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
           const Array& out, int64_t N, int64_t K, int64_t M, int64_t group_size) {
   if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
@@ -114,11 +153,11 @@ NB_MODULE(_native, m) {
   m.doc() = "int4 native codec (asymmetric/symmetric groups), weight-only GEMM and int4 x int4 GEMM; "
             "called through qformats.int4.";
   m.def("quantize", &quantize, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
-        nb::arg("group_size"), release_gil());
+        nb::arg("group_size"), nb::arg("stream") = 0, release_gil());
   m.def("dequantize", &dequantize, nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
-        nb::arg("out"), nb::arg("group_size"), release_gil());
-  m.def("pack", &pack, nb::arg("values"), nb::arg("out"), release_gil());
-  m.def("unpack", &unpack, nb::arg("packed"), nb::arg("out"), release_gil());
+        nb::arg("out"), nb::arg("group_size"), nb::arg("stream") = 0, release_gil());
+  m.def("pack", &pack, nb::arg("values"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
+  m.def("unpack", &unpack, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
         nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), release_gil());
   m.def("int4_matmul", &int4_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"), nb::arg("M"),

@@ -11,32 +11,50 @@ namespace {
 
 // x: float [...] (C-contiguous), q: int8 with as many elements, scale: float32 with one
 // element per unit of unit_len consecutive values (numel(x) == numel(scale) * unit_len).
-void quantize(const Array& x, const Array& q, const Array& scale, int64_t unit_len) {
-  require<int8_t>(q, "q");
-  require<float>(scale, "scale");
+// All on the CPU, or all on one CUDA device (launched on `stream`).
+void quantize(const Array& x, const Array& q, const Array& scale, int64_t unit_len, uintptr_t stream) {
+  const Device dev = device_of(x, stream, "x");
+  require<int8_t>(q, "q", dev);
+  require<float>(scale, "scale", dev);
   if (unit_len < 0) throw std::invalid_argument("unit_len must be >= 0");
   const int64_t n = numel(x), n_units = numel(scale);
   if (n != n_units * unit_len)
     throw std::invalid_argument("x: element count must be numel(scale) * unit_len");
   require_numel(q, n, "q");
-  dispatch_float(x, "x", [&](auto* px) {
-    int8::quantize_cpu(px, n_units, unit_len, mptr<int8_t>(q), mptr<float>(scale));
+  auto* pq = mptr<int8_t>(q);
+  auto* ps = mptr<float>(scale);
+  dispatch_float(x, "x", dev, [&](auto* px) {
+    if (dev.cuda) {
+      QF_ON_CUDA(int8::quantize_cuda(px, n_units, unit_len, pq, ps, dev.stream));
+    } else {
+      int8::quantize_cpu(px, n_units, unit_len, pq, ps);
+    }
   });
 }
 
-void dequantize(const Array& q, const Array& scale, const Array& out, int64_t unit_len) {
-  require<int8_t>(q, "q");
-  require<float>(scale, "scale");
-  require<float>(out, "out");
+// out: float32, float16 or bfloat16 (decoded in float32, rounded once).
+void dequantize(const Array& q, const Array& scale, const Array& out, int64_t unit_len, uintptr_t stream) {
+  const Device dev = device_of(q, stream, "q");
+  require<int8_t>(q, "q", dev);
+  require<float>(scale, "scale", dev);
   if (unit_len < 0) throw std::invalid_argument("unit_len must be >= 0");
   const int64_t n = numel(q), n_units = numel(scale);
   if (n != n_units * unit_len)
     throw std::invalid_argument("q: element count must be numel(scale) * unit_len");
   require_numel(out, n, "out");
-  int8::dequantize_cpu(cptr<int8_t>(q), cptr<float>(scale), n_units, unit_len, mptr<float>(out));
+  const auto* pq = cptr<int8_t>(q);
+  const auto* ps = cptr<float>(scale);
+  dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (dev.cuda) {
+      QF_ON_CUDA(int8::dequantize_cuda(pq, ps, n_units, unit_len, py, dev.stream));
+    } else {
+      int8::dequantize_cpu(pq, ps, n_units, unit_len, py);
+    }
+  });
 }
 
-// a: int8 [N, K], b: int8 [M, K], out: int32 [N, M].
+// a: int8 [N, K], b: int8 [M, K], out: int32 [N, M]. CPU only (a CUDA GEMM is a later issue):
+// CUDA arrays get "expected a CPU array".
 void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K) {
   if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
   if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
@@ -54,9 +72,9 @@ void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, in
 NB_MODULE(_native, m) {
   m.doc() = "int8 (symmetric absmax) native codec and int8 x int8 -> int32 GEMM; called through qformats.int8.";
   m.def("quantize", &quantize, nb::arg("x"), nb::arg("q"), nb::arg("scale"), nb::arg("unit_len"),
-        release_gil());
+        nb::arg("stream") = 0, release_gil());
   m.def("dequantize", &dequantize, nb::arg("q"), nb::arg("scale"), nb::arg("out"), nb::arg("unit_len"),
-        release_gil());
+        nb::arg("stream") = 0, release_gil());
   m.def("int8_matmul", &int8_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"),
         nb::arg("M"), nb::arg("K"), release_gil());
 }

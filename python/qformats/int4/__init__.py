@@ -45,6 +45,14 @@ def _check_params(group_size: Any, symmetric: Any) -> dict:
     return {"group_size": gs, "symmetric": symmetric}
 
 
+def _cpu_only(name: str, *arrays: Any) -> None:
+    """NotImplementedError for a CUDA tensor passed to a function without CUDA kernels yet."""
+    for a in arrays:
+        if a is not None and A.device_of(a) != "cpu":
+            raise NotImplementedError(f"{name}: CPU only for now (no CUDA kernel yet); got a tensor on "
+                                      f"{A.device_of(a)}, move the operands with .cpu()")
+
+
 def _buffer_shapes(shape: tuple, p: dict) -> dict:
     lead, k = tuple(shape[:-1]), int(shape[-1])
     out = {"qweight": ("uint8", (*lead, k // 2)),
@@ -87,8 +95,9 @@ def quantize(x: Any, group_size: int = 128, symmetric: bool = False) -> Quantize
     """Quantize to int4 groups along the last axis.
 
     Args:
-        x: float32, float16 or bfloat16 numpy array / torch CPU tensor ``[..., K]``,
-            C-contiguous, finite, at least 1-D; computed in float32 (exact for 16-bit input).
+        x: float32, float16 or bfloat16 numpy array / torch tensor ``[..., K]``,
+            C-contiguous, finite, at least 1-D, on the CPU or (CUDA builds) a CUDA device,
+            launched on the current stream; computed in float32 (exact for 16-bit input).
         group_size: values per group, a positive multiple of 8 (32/64/128 typical);
             K % group_size == 0.
         symmetric: False (default) for GPTQ-style codes 0..15 with a zero point per group,
@@ -97,7 +106,7 @@ def quantize(x: Any, group_size: int = 128, symmetric: bool = False) -> Quantize
         A :class:`~qformats.QuantizedTensor` (format "int4", params ``{"group_size",
         "symmetric"}``) with buffers ``qweight`` (uint8 ``[..., K // 2]``), ``scales``
         (float32 ``[..., K // group_size]``) and, asymmetric only, ``zeros`` (uint8, same
-        shape as scales), in the library of ``x``.
+        shape as scales), in the library and on the device of ``x``.
     Raises:
         TypeError: not a numpy array / torch tensor, not a float dtype, group_size not an
             int, symmetric not a bool.
@@ -107,37 +116,42 @@ def quantize(x: Any, group_size: int = 128, symmetric: bool = False) -> Quantize
     p = _check_params(group_size, symmetric)
     A.check_float(x, "x", multiple_of=p["group_size"])
     bufs = {name: A.empty(x, shape, dt) for name, (dt, shape) in _buffer_shapes(tuple(x.shape), p).items()}
-    _native.quantize(x, bufs["qweight"], bufs["scales"], bufs.get("zeros"), p["group_size"])
+    with A.stream_for(x) as stream:
+        _native.quantize(x, bufs["qweight"], bufs["scales"], bufs.get("zeros"), p["group_size"], stream)
     return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), p, bufs)
 
 
 def _decode_args(q: QuantizedTensor) -> tuple:
     """(qweight, scales, zeros or None, group_size) of a validated int4 QuantizedTensor,
-    checked to be C-contiguous CPU buffers."""
+    checked to be C-contiguous buffers on one device."""
     b = q.buffers
     qweight = A.check_array(b["qweight"], "qweight", "uint8")
     scales = A.check_array(b["scales"], "scales", "float32")
     zeros = None if q.params.get("symmetric", False) else A.check_array(b["zeros"], "zeros", "uint8")
+    A.same_device(("qweight", qweight), ("scales", scales), *([("zeros", zeros)] if zeros is not None else []))
     return qweight, scales, zeros, q.params.get("group_size", 128)
 
 
 def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     """Decode an int4 QuantizedTensor: ``(q - zero) * scale`` (asymmetric) or ``q * scale``
-    (symmetric), in float32, then cast.
+    (symmetric), in float32, rounded once to ``dtype`` (written directly: one pass).
 
     Args:
         q: a QuantizedTensor of format "int4" (validated against :func:`expected_buffers`).
-        dtype: "float32", "float16" or "bfloat16" (default: the dtype ``q`` was made from).
+        dtype: "float32", "float16" or "bfloat16" (default: the dtype ``q`` was made from;
+            bfloat16 needs torch buffers).
     Returns:
-        ``q.shape`` array/tensor in the buffers' library.
+        ``q.shape`` array/tensor in the buffers' library, on their device.
     Raises:
-        TypeError: not a QuantizedTensor, or a bad dtype. ValueError: malformed buffers.
+        TypeError: not a QuantizedTensor, or a bad dtype. ValueError: malformed buffers, or
+            buffers on different devices.
     """
     q = check_quantized(q, FORMAT)
     qweight, scales, zeros, gs = _decode_args(q)
-    out = A.empty(qweight, q.shape, "float32")
-    _native.dequantize(qweight, scales, zeros, out, gs)
-    return A.cast(out, output_dtype(q, dtype))
+    out = A.empty(qweight, q.shape, output_dtype(q, dtype))
+    with A.stream_for(qweight) as stream:
+        _native.dequantize(qweight, scales, zeros, out, gs, stream)
+    return out
 
 
 def pack_int4(values: Any) -> Any:
@@ -145,9 +159,10 @@ def pack_int4(values: Any) -> Any:
 
     Args:
         values: int8 codes in [-8, 7] (stored as two's-complement nibbles) or uint8 codes in
-            [0, 15], ``[..., K]`` with K even; numpy array or torch CPU tensor, C-contiguous.
+            [0, 15], ``[..., K]`` with K even; numpy array or torch tensor (CPU or CUDA),
+            C-contiguous.
     Returns:
-        uint8 ``[..., K // 2]`` in the library of ``values``.
+        uint8 ``[..., K // 2]`` in the library and on the device of ``values``.
     Raises:
         TypeError: not an array/tensor, or not int8/uint8.
         ValueError: a scalar, K odd, codes out of range, non-contiguous.
@@ -165,7 +180,8 @@ def pack_int4(values: Any) -> Any:
         if vmin < lo or vmax > hi:
             raise ValueError(f"values: {dt} codes must lie in [{lo}, {hi}], got [{vmin}, {vmax}]")
     out = A.empty(values, (*values.shape[:-1], values.shape[-1] // 2), "uint8")
-    _native.pack(values, out)
+    with A.stream_for(values) as stream:
+        _native.pack(values, out, stream)
     return out
 
 
@@ -173,10 +189,11 @@ def unpack_int4(packed: Any, signed: bool = False) -> Any:
     """Inverse of :func:`pack_int4`.
 
     Args:
-        packed: uint8 ``[..., K // 2]`` (numpy array or torch CPU tensor, C-contiguous).
+        packed: uint8 ``[..., K // 2]`` (numpy array or torch tensor, CPU or CUDA,
+            C-contiguous).
         signed: False: codes as uint8 0..15; True: as int8 -8..7 (two's-complement nibbles).
     Returns:
-        ``[..., K]`` uint8 or int8 in the library of ``packed``.
+        ``[..., K]`` uint8 or int8 in the library and on the device of ``packed``.
     Raises:
         TypeError: not an array/tensor or not uint8, ``signed`` not a bool.
         ValueError: a scalar, non-contiguous.
@@ -187,7 +204,8 @@ def unpack_int4(packed: Any, signed: bool = False) -> Any:
     if packed.ndim < 1:
         raise ValueError("packed: expected at least 1-D input, got a scalar")
     out = A.empty(packed, (*packed.shape[:-1], 2 * packed.shape[-1]), "int8" if signed else "uint8")
-    _native.unpack(packed, out)
+    with A.stream_for(packed) as stream:
+        _native.unpack(packed, out, stream)
     return out
 
 
@@ -196,7 +214,8 @@ def int4_matmul(a: Any, b: Any) -> Any:
 
     Args:
         a: uint8 ``[N, K // 2]``: signed nibbles (e.g. ``quantize(..., symmetric=True)``'s
-            ``qweight``, or :func:`pack_int4` of int8 codes), numpy or torch CPU.
+            ``qweight``, or :func:`pack_int4` of int8 codes), numpy or torch CPU (CPU only
+            for now).
         b: uint8 ``[M, K // 2]``, the same packing.
     Returns:
         int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]`` over the unpacked signed
@@ -204,9 +223,11 @@ def int4_matmul(a: Any, b: Any) -> Any:
     Raises:
         TypeError: not arrays/tensors, or not uint8.
         ValueError: not 2-D, K mismatch, K > 33554431, non-contiguous.
+        NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
     """
     A.check_array(a, "a", "uint8")
     A.check_array(b, "b", "uint8")
+    _cpu_only("int4_matmul", a, b)
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"int4_matmul: expected 2-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     (N, KB), (M, KBb) = a.shape, b.shape
@@ -229,16 +250,18 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
 
     Args:
         x: ``[N, K]`` float32 (float16/bfloat16 are converted to float32 exactly), numpy or
-            torch CPU, C-contiguous, finite.
-        w: a 2-D int4 QuantizedTensor ``[M, K]``, either mode.
+            torch CPU, C-contiguous, finite (CPU only for now).
+        w: a 2-D int4 QuantizedTensor ``[M, K]``, either mode, with CPU buffers.
     Returns:
         float32 ``[N, M]`` in the library of ``x``.
     Raises:
         TypeError: x not a float array/tensor, w not a QuantizedTensor.
         ValueError: x not 2-D, w not 2-D or not int4, K mismatch, non-contiguous, NaN/Inf.
+        NotImplementedError: x or w on a CUDA device (no CUDA GEMM yet).
     """
     A.check_float(x, "x", ndim=2)
     w = check_quantized(w, FORMAT)
+    _cpu_only("gemm", x, *w.buffers.values())
     if len(w.shape) != 2:
         raise ValueError(f"gemm: w must be a 2-D int4 tensor [M, K], got shape {w.shape}")
     (N, K), (M, Kw) = x.shape, w.shape

@@ -84,16 +84,38 @@ def _quantize(x: Any, params: dict) -> tuple:
     shape = tuple(x.shape)
     q = A.empty(x, shape, "int8")
     scale = A.empty(x, _scale_shape(shape, params), "float32")
-    _native.quantize(x, q, scale, _unit_len(shape, params))
+    with A.stream_for(x) as stream:
+        _native.quantize(x, q, scale, _unit_len(shape, params), stream)
     return q, scale
+
+
+def _decode(codes: Any, scale: Any, shape: tuple, unit_len: int, dtype: str) -> Any:
+    """``codes * scale`` decoded in float32 and rounded once to ``dtype``, in one native pass
+    on the buffers' device."""
+    A.check_array(codes, "q", "int8")
+    A.check_array(scale, "scale", "float32")
+    A.same_device(("q", codes), ("scale", scale))
+    out = A.empty(codes, shape, dtype)
+    with A.stream_for(codes) as stream:
+        _native.dequantize(codes, scale, out, unit_len, stream)
+    return out
+
+
+def _cpu_only(name: str, *arrays: Any) -> None:
+    """NotImplementedError for a CUDA tensor passed to a function without CUDA kernels yet."""
+    for a in arrays:
+        if A.device_of(a) != "cpu":
+            raise NotImplementedError(f"{name}: CPU only for now (no CUDA kernel yet); got a tensor on "
+                                      f"{A.device_of(a)}, move the operands with .cpu()")
 
 
 def quantize(x: Any, granularity: str = "row", group_size: int = 128) -> QuantizedTensor:
     """Quantize to symmetric absmax int8.
 
     Args:
-        x: float32, float16 or bfloat16 numpy array / torch CPU tensor ``[..., K]``,
-            C-contiguous, finite, at least 1-D. Computed in float32 (exact for 16-bit input).
+        x: float32, float16 or bfloat16 numpy array / torch tensor ``[..., K]``,
+            C-contiguous, finite, at least 1-D; on the CPU or (CUDA builds) a CUDA device,
+            launched on the current stream. Computed in float32 (exact for 16-bit input).
         granularity: "tensor" (one scale), "row" (one per slice along the last axis, as
             bitsandbytes' vector-wise quantization) or "group" (one per ``group_size``
             consecutive values along the last axis).
@@ -103,7 +125,7 @@ def quantize(x: Any, granularity: str = "row", group_size: int = 128) -> Quantiz
         A :class:`~qformats.QuantizedTensor` (format "int8", params ``{"granularity": ...}``
         plus ``"group_size"`` for "group") with buffers ``q`` (int8, ``x.shape``) and
         ``scale`` (float32: ``[1] * ndim``, ``[..., 1]`` or ``[..., K // group_size]``), in
-        the library of ``x``.
+        the library and on the device of ``x``.
     Raises:
         TypeError: not a numpy array / torch tensor, not a float dtype, group_size not an int.
         ValueError: unknown granularity, group_size < 1, K not divisible by group_size, a
@@ -115,30 +137,30 @@ def quantize(x: Any, granularity: str = "row", group_size: int = 128) -> Quantiz
 
 
 def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
-    """Decode an int8 QuantizedTensor: ``q * scale`` in float32, then cast.
+    """Decode an int8 QuantizedTensor: ``q * scale`` in float32, rounded once to ``dtype``
+    (written directly: one pass).
 
     Args:
         q: a QuantizedTensor of format "int8" (validated against :func:`expected_buffers`).
-        dtype: "float32", "float16" or "bfloat16" (default: the dtype ``q`` was made from).
+        dtype: "float32", "float16" or "bfloat16" (default: the dtype ``q`` was made from;
+            bfloat16 needs torch buffers).
     Returns:
-        ``q.shape`` array/tensor in the buffers' library.
+        ``q.shape`` array/tensor in the buffers' library, on their device.
     Raises:
-        TypeError: not a QuantizedTensor, or a bad dtype. ValueError: malformed buffers.
+        TypeError: not a QuantizedTensor, or a bad dtype. ValueError: malformed buffers, or
+            buffers on different devices.
     """
     q = check_quantized(q, FORMAT)
-    codes, scale = q.buffers["q"], q.buffers["scale"]
-    A.check_array(codes, "q", "int8")
-    A.check_array(scale, "scale", "float32")
-    out = A.empty(codes, q.shape, "float32")
-    _native.dequantize(codes, scale, out, _unit_len(q.shape, q.params))
-    return A.cast(out, output_dtype(q, dtype))
+    return _decode(q.buffers["q"], q.buffers["scale"], q.shape, _unit_len(q.shape, q.params),
+                   output_dtype(q, dtype))
 
 
 def quantize_tensor(x: Any) -> tuple:
     """Per-tensor symmetric int8 (one scale for the whole tensor).
 
     Args:
-        x: float32/float16/bfloat16 ``[...]`` (at least 1-D), C-contiguous, finite, CPU.
+        x: float32/float16/bfloat16 ``[...]`` (at least 1-D), C-contiguous, finite; CPU or
+            a CUDA device.
     Returns:
         ``(q, scale)``: q int8 of ``x.shape``, scale float32 of shape ``[1] * x.ndim``
         (``absmax / 127``), in the library of ``x``.
@@ -152,12 +174,14 @@ def dequantize_tensor(q: Any, scale: Any) -> Any:
     """Decode per-tensor int8: float32 ``q * scale``.
 
     Args:
-        q: int8 array/tensor (at least 1-D, C-contiguous, CPU).
-        scale: float32 array/tensor with exactly one element (e.g. shape ``[1] * q.ndim``).
+        q: int8 array/tensor (at least 1-D, C-contiguous; CPU or a CUDA device).
+        scale: float32 array/tensor with exactly one element (e.g. shape ``[1] * q.ndim``),
+            on the device of ``q``.
     Returns:
-        float32 of ``q.shape`` in the library of ``q``.
+        float32 of ``q.shape`` in the library and on the device of ``q``.
     Raises:
-        TypeError: wrong types or dtypes. ValueError: scale not a single element, layout.
+        TypeError: wrong types or dtypes. ValueError: scale not a single element, layout,
+            devices differ.
     """
     A.check_array(q, "q", "int8")
     A.check_array(scale, "scale", "float32")
@@ -168,16 +192,15 @@ def dequantize_tensor(q: Any, scale: Any) -> Any:
         n_scale *= int(s)
     if n_scale != 1:
         raise ValueError(f"scale: expected a single element, got shape {tuple(scale.shape)}")
-    out = A.empty(q, tuple(q.shape), "float32")
-    _native.dequantize(q, scale, out, reference.unit_len(tuple(q.shape), "tensor", 0))
-    return out
+    shape = tuple(q.shape)
+    return _decode(q, scale, shape, reference.unit_len(shape, "tensor", 0), "float32")
 
 
 def int8_matmul(a: Any, b: Any) -> Any:
     """Exact integer ``A . B^T`` (bitsandbytes' ``int8_linear_matmul`` convention).
 
     Args:
-        a: int8 ``[N, K]`` (numpy array or torch CPU tensor, C-contiguous).
+        a: int8 ``[N, K]`` (numpy array or torch CPU tensor, C-contiguous; CPU only for now).
         b: int8 ``[M, K]``.
     Returns:
         int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]``, in the library of ``a``.
@@ -185,9 +208,11 @@ def int8_matmul(a: Any, b: Any) -> Any:
     Raises:
         TypeError: not arrays/tensors, or not int8.
         ValueError: not 2-D, K mismatch, K > 131071, non-contiguous.
+        NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
     """
     A.check_array(a, "a", "int8")
     A.check_array(b, "b", "int8")
+    _cpu_only("int8_matmul", a, b)
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"int8_matmul: expected 2-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     (N, K), (M, Kb) = a.shape, b.shape

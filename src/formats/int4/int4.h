@@ -78,6 +78,10 @@ QF_HOST_DEVICE uint8_t pack_pair(int lo, int hi) {
 // A 4-bit two's-complement nibble n in [0, 15] as a signed value in [-8, 7]: flipping the
 // sign bit maps -8..7 onto 0..15 in order, so (n ^ 8) - 8 undoes it (no signed shifts).
 QF_HOST_DEVICE int nibble_to_signed(int n) { return (n ^ 8) - 8; }
+// One unpacked code byte: signed -> the int8 bit pattern of -8..7, else 0..15.
+QF_HOST_DEVICE uint8_t unpack_nibble(int n, bool is_signed) {
+  return static_cast<uint8_t>(is_signed ? nibble_to_signed(n) : n);
+}
 
 // ---- asymmetric ----------------------------------------------------------------------------
 
@@ -102,35 +106,54 @@ QF_HOST_DEVICE int quantize_value_asym(float x, float scale, float zero) {
   return static_cast<int>(clamp_nan_lo(r, 0.0f, 15.0f));
 }
 
+// Running extrema of a group, started at lo = hi = +0 (the range always contains 0). A -0
+// input never enters (-0 < +0 and -0 > +0 are false), so lo is +0 or negative and hi is +0
+// or positive: min and max are then exact and order-free, and partial extrema of any split
+// of a group (threads, lanes, segments) combine with the same two steps to the serial result.
+QF_HOST_DEVICE float min_step(float lo, float v) { return v < lo ? v : lo; }
+QF_HOST_DEVICE float max_step(float hi, float v) { return v > hi ? v : hi; }
+
+// A group's scale and zero point from its extrema: zero = 0 where scale == 0 (all values
+// +-0, or a range so small that range / 15 underflows).
+struct AsymParams {
+  float scale;
+  float zero;  // an integer in [0, 15]
+};
+QF_HOST_DEVICE AsymParams asym_params(float lo, float hi) {
+  const float scale = asym_scale(lo, hi);
+  return {scale, scale == 0.0f ? 0.0f : asym_zero(lo, scale)};
+}
+// One asymmetric code; every code of a scale-0 group is 0.
+QF_HOST_DEVICE int asym_code(float x, AsymParams p) {
+  return p.scale == 0.0f ? 0 : quantize_value_asym(x, p.scale, p.zero);
+}
+// One decoded value: (q - zero) * scale, q - zero an exact small integer.
+QF_HOST_DEVICE float decode_asym(int q, int zero, float scale) { return static_cast<float>(q - zero) * scale; }
+
 // One group of gs values (gs even) -> gs / 2 bytes of qw, its scale and zero point.
 template <class T>
 QF_HOST_DEVICE void quantize_group_asym(const T* x, int64_t gs, uint8_t* qw, float* scale_out,
                                         uint8_t* zero_out) {
-  float lo = 0.0f, hi = 0.0f;  // +0 start: the range always contains 0; -0 never enters
+  float lo = 0.0f, hi = 0.0f;  // +0 start: see min_step
   for (int64_t j = 0; j < gs; ++j) {
     const float v = to_f32(x[j]);
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
+    lo = min_step(lo, v);
+    hi = max_step(hi, v);
   }
-  const float scale = asym_scale(lo, hi);
-  *scale_out = scale;
-  if (scale == 0.0f) {  // all values +-0 (or a range so small that range / 15 underflows)
-    *zero_out = 0;
-    for (int64_t j = 0; j < gs / 2; ++j) qw[j] = 0;
-    return;
-  }
-  const float zero = asym_zero(lo, scale);
-  *zero_out = static_cast<uint8_t>(zero);
+  const AsymParams p = asym_params(lo, hi);
+  *scale_out = p.scale;
+  *zero_out = static_cast<uint8_t>(p.zero);
   for (int64_t j = 0; j < gs / 2; ++j)
-    qw[j] = pack_pair(quantize_value_asym(to_f32(x[2 * j]), scale, zero),
-                      quantize_value_asym(to_f32(x[2 * j + 1]), scale, zero));
+    qw[j] = pack_pair(asym_code(to_f32(x[2 * j]), p), asym_code(to_f32(x[2 * j + 1]), p));
 }
 
-QF_HOST_DEVICE void dequantize_group_asym(const uint8_t* qw, int64_t gs, float scale, uint8_t zero, float* y) {
+// T = float, half_t or bf16_t: decoded in float32, rounded once to T.
+template <class T>
+QF_HOST_DEVICE void dequantize_group_asym(const uint8_t* qw, int64_t gs, float scale, uint8_t zero, T* y) {
   const int z = zero;
   for (int64_t j = 0; j < gs / 2; ++j) {
-    y[2 * j] = static_cast<float>((qw[j] & 0x0F) - z) * scale;
-    y[2 * j + 1] = static_cast<float>((qw[j] >> 4) - z) * scale;
+    from_f32(decode_asym(qw[j] & 0x0F, z, scale), y + 2 * j);
+    from_f32(decode_asym(qw[j] >> 4, z, scale), y + 2 * j + 1);
   }
 }
 
@@ -141,39 +164,44 @@ QF_HOST_DEVICE int quantize_value_sym(float x, float scale) {
   return static_cast<int>(rint_small(clamp_nan_lo(x / scale, -8.0f, 7.0f)));
 }
 
+// One step of the running max |x| (start: +0). fabsf, not a sign test: |-0.0| must be +0.0
+// (scale bits); partial maxima (all >= +0) combine with max_step, exactly and in any order.
+QF_HOST_DEVICE float absmax_step(float amax, float v) {
+  const float a = fabsf(v);
+  return amax > a ? amax : a;
+}
+QF_HOST_DEVICE float sym_scale(float amax) { return amax / 7.0f; }
+// One symmetric code; every code of a scale-0 group is 0.
+QF_HOST_DEVICE int sym_code(float x, float scale) { return scale == 0.0f ? 0 : quantize_value_sym(x, scale); }
+// One decoded value from a stored nibble: signed code * scale.
+QF_HOST_DEVICE float decode_sym(int nibble, float scale) { return static_cast<float>(nibble_to_signed(nibble)) * scale; }
+
 template <class T>
 QF_HOST_DEVICE void quantize_group_sym(const T* x, int64_t gs, uint8_t* qw, float* scale_out) {
   float amax = 0.0f;
-  for (int64_t j = 0; j < gs; ++j) {
-    const float v = to_f32(x[j]);
-    const float a = fabsf(v);  // fabsf, not a sign test: |-0.0| must be +0.0 (scale bits)
-    amax = amax > a ? amax : a;
-  }
-  const float scale = amax / 7.0f;
+  for (int64_t j = 0; j < gs; ++j) amax = absmax_step(amax, to_f32(x[j]));
+  const float scale = sym_scale(amax);
   *scale_out = scale;
-  if (scale == 0.0f) {
-    for (int64_t j = 0; j < gs / 2; ++j) qw[j] = 0;
-    return;
-  }
   for (int64_t j = 0; j < gs / 2; ++j)
-    qw[j] = pack_pair(quantize_value_sym(to_f32(x[2 * j]), scale),
-                      quantize_value_sym(to_f32(x[2 * j + 1]), scale));
+    qw[j] = pack_pair(sym_code(to_f32(x[2 * j]), scale), sym_code(to_f32(x[2 * j + 1]), scale));
 }
 
-QF_HOST_DEVICE void dequantize_group_sym(const uint8_t* qw, int64_t gs, float scale, float* y) {
+template <class T>
+QF_HOST_DEVICE void dequantize_group_sym(const uint8_t* qw, int64_t gs, float scale, T* y) {
   for (int64_t j = 0; j < gs / 2; ++j) {
-    y[2 * j] = static_cast<float>(nibble_to_signed(qw[j] & 0x0F)) * scale;
-    y[2 * j + 1] = static_cast<float>(nibble_to_signed(qw[j] >> 4)) * scale;
+    from_f32(decode_sym(qw[j] & 0x0F, scale), y + 2 * j);
+    from_f32(decode_sym(qw[j] >> 4, scale), y + 2 * j + 1);
   }
 }
 
 // Groups [g0, g1) of either mode (zeros == nullptr: symmetric) into y (which points at the
 // first value of group g0). Serial: the weight-only GEMM calls it from inside its threads.
+template <class T>
 QF_HOST_DEVICE void dequantize_groups(const uint8_t* qweight, const float* scales, const uint8_t* zeros,
-                                      int64_t gs, int64_t g0, int64_t g1, float* y) {
+                                      int64_t gs, int64_t g0, int64_t g1, T* y) {
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qw = qweight + g * (gs / 2);
-    float* yg = y + (g - g0) * gs;
+    T* yg = y + (g - g0) * gs;
     if (zeros) dequantize_group_asym(qw, gs, scales[g], zeros[g], yg);
     else dequantize_group_sym(qw, gs, scales[g], yg);
   }
@@ -186,14 +214,31 @@ template <class T>
 void quantize_asym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales, uint8_t* zeros);
 template <class T>
 void quantize_sym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales);
-// zeros == nullptr selects the symmetric decode.
+// zeros == nullptr selects the symmetric decode. T = float, half_t or bf16_t (decoded in
+// float32, rounded once to T).
+template <class T>
 void dequantize_cpu(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
-                    int64_t gs, float* y);
+                    int64_t gs, T* y);
 
 // n_bytes bytes from 2 * n_bytes codes (low 4 bits of each byte of `codes`, so uint8 0..15
 // and int8 -8..7 alike); and back: signed -> int8 -8..7, else uint8 0..15.
 void pack_cpu(const uint8_t* codes, int64_t n_bytes, uint8_t* packed);
 void unpack_cpu(const uint8_t* packed, int64_t n_bytes, bool is_signed, uint8_t* codes);
+
+// ---- CUDA kernels (int4_cuda.cu): the same signatures plus `stream` (a cudaStream_t), launched
+// on the current device, every pointer device memory. Groups that do not fit one CTA (gs >
+// 16384, or > 4096 on the unaligned path) take two extra small kernels and a stream-ordered
+// workspace of a few bytes per 16K values.
+template <class T>
+void quantize_asym_cuda(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales,
+                        uint8_t* zeros, void* stream);
+template <class T>
+void quantize_sym_cuda(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales, void* stream);
+template <class T>
+void dequantize_cuda(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
+                     int64_t gs, T* y, void* stream);
+void pack_cuda(const uint8_t* codes, int64_t n_bytes, uint8_t* packed, void* stream);
+void unpack_cuda(const uint8_t* packed, int64_t n_bytes, bool is_signed, uint8_t* codes, void* stream);
 
 // Y [N, M] = X [N, K] . W^T for an int4 weight W [M, K] (zeros == nullptr: symmetric),
 // through gemm::weight_only_gemm_cpu (decodes 16 weight rows at a time, float32 dots).

@@ -26,8 +26,9 @@ void quantize_sym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight
   }, group_grain(gs));
 }
 
+template <class T>
 void dequantize_cpu(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
-                    int64_t gs, float* y) {
+                    int64_t gs, T* y) {
   parallel_for(n_groups, group_grain(gs), [&](int64_t g0, int64_t g1) {
     dequantize_groups(qweight, scales, zeros, gs, g0, g1, y + g0 * gs);
   });
@@ -42,10 +43,9 @@ void pack_cpu(const uint8_t* codes, int64_t n_bytes, uint8_t* packed) {
 void unpack_cpu(const uint8_t* packed, int64_t n_bytes, bool is_signed, uint8_t* codes) {
   parallel_for(n_bytes, kGrainValues, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
-      const int lo = packed[j] & 0x0F, hi = packed[j] >> 4;
       // Signed codes are written as int8 bytes: the value's two's-complement bit pattern.
-      codes[2 * j] = static_cast<uint8_t>(is_signed ? nibble_to_signed(lo) : lo);
-      codes[2 * j + 1] = static_cast<uint8_t>(is_signed ? nibble_to_signed(hi) : hi);
+      codes[2 * j] = unpack_nibble(packed[j] & 0x0F, is_signed);
+      codes[2 * j + 1] = unpack_nibble(packed[j] >> 4, is_signed);
     }
   });
 }
@@ -62,7 +62,8 @@ void weight_only_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const
 
 #define QF_INSTANTIATE(T)                                                                          \
   template void quantize_asym_cpu<T>(const T*, int64_t, int64_t, uint8_t*, float*, uint8_t*);      \
-  template void quantize_sym_cpu<T>(const T*, int64_t, int64_t, uint8_t*, float*);
+  template void quantize_sym_cpu<T>(const T*, int64_t, int64_t, uint8_t*, float*);                 \
+  template void dequantize_cpu<T>(const uint8_t*, const float*, const uint8_t*, int64_t, int64_t, T*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

@@ -59,15 +59,21 @@ QF_HOST_DEVICE int8_t quantize_value(float x, float m) {
   return static_cast<int8_t>(rint_small(v));
 }
 
+// One step of the running max |x| (start: amax = +0). fabsf, not a sign test: |-0.0| must
+// be +0.0 (scale bits), so every partial maximum is +0 or positive and never -0.
+QF_HOST_DEVICE float absmax_step(float amax, float v) {
+  const float a = fabsf(v);
+  return amax > a ? amax : a;
+}
+// Combines two partial maxima (both >= +0): max is exact, so partial maxima of any split
+// of a unit (threads, lanes, segments) combine in any order to the serial result.
+QF_HOST_DEVICE float max_combine(float a, float b) { return a > b ? a : b; }
+
 // max |x| over a run; exact, so partial maxima may be combined in any order.
 template <class T>
 QF_HOST_DEVICE float absmax_run(const T* x, int64_t n) {
   float amax = 0.0f;  // +0: an empty run or a run of +-0 gives absmax +0 (and scale +0)
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = to_f32(x[j]);
-    const float a = fabsf(v);  // fabsf, not a sign test: |-0.0| must be +0.0 (scale bits)
-    amax = amax > a ? amax : a;
-  }
+  for (int64_t j = 0; j < n; ++j) amax = absmax_step(amax, to_f32(x[j]));
   return amax;
 }
 
@@ -76,14 +82,30 @@ QF_HOST_DEVICE void quantize_run(const T* x, int64_t n, float m, int8_t* q) {
   for (int64_t j = 0; j < n; ++j) q[j] = quantize_value(to_f32(x[j]), m);
 }
 
-QF_HOST_DEVICE void dequantize_run(const int8_t* q, int64_t n, float scale, float* y) {
-  for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(q[j]) * scale;
+// One decoded value: q * scale in float32 (then rounded once to the output type).
+QF_HOST_DEVICE float dequantize_value(int8_t q, float scale) { return static_cast<float>(q) * scale; }
+
+// T = float, half_t or bf16_t: decoded in float32, rounded once to T.
+template <class T>
+QF_HOST_DEVICE void dequantize_run(const int8_t* q, int64_t n, float scale, T* y) {
+  for (int64_t j = 0; j < n; ++j) from_f32(dequantize_value(q[j], scale), y + j);
 }
 
-// CPU kernels (int8_cpu.cpp), threaded. n_units units of unit_len consecutive values each
-// (n_units * unit_len values in all; unit_len may be 0, then every scale is 0).
+// Kernels over n_units units of unit_len consecutive values each (n_units * unit_len values
+// in all; unit_len may be 0, then every scale is 0). T = float, half_t or bf16_t: the input
+// type for quantize, the output type for dequantize.
+// CPU (int8_cpu.cpp), threaded:
 template <class T>
 void quantize_cpu(const T* x, int64_t n_units, int64_t unit_len, int8_t* q, float* scale);
-void dequantize_cpu(const int8_t* q, const float* scale, int64_t n_units, int64_t unit_len, float* y);
+template <class T>
+void dequantize_cpu(const int8_t* q, const float* scale, int64_t n_units, int64_t unit_len, T* y);
+// CUDA (int8_cuda.cu): launched on `stream` (a cudaStream_t) on the current device; every
+// pointer is device memory. Units that do not fit one CTA (per-tensor, very long rows) take
+// two extra small kernels and a stream-ordered workspace of a few bytes per 16K values.
+template <class T>
+void quantize_cuda(const T* x, int64_t n_units, int64_t unit_len, int8_t* q, float* scale, void* stream);
+template <class T>
+void dequantize_cuda(const int8_t* q, const float* scale, int64_t n_units, int64_t unit_len, T* y,
+                     void* stream);
 
 }  // namespace qf::int8

@@ -49,7 +49,7 @@ void quantize_cpu(const T* x, int64_t n_units, int64_t unit_len, int8_t* q, floa
   parallel_for(n_units, kGrainValues, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       float amax = 0.0f;
-      for (int64_t s = 0; s < seg.per_unit; ++s) amax = std::max(amax, part[size_t(u * seg.per_unit + s)]);
+      for (int64_t s = 0; s < seg.per_unit; ++s) amax = max_combine(amax, part[size_t(u * seg.per_unit + s)]);
       mult[size_t(u)] = multiplier(amax);
       scale[u] = scale_of(amax);
     }
@@ -63,7 +63,8 @@ void quantize_cpu(const T* x, int64_t n_units, int64_t unit_len, int8_t* q, floa
   });
 }
 
-void dequantize_cpu(const int8_t* q, const float* scale, int64_t n_units, int64_t unit_len, float* y) {
+template <class T>
+void dequantize_cpu(const int8_t* q, const float* scale, int64_t n_units, int64_t unit_len, T* y) {
   if (n_units <= 0 || unit_len <= 0) return;
   const Segments seg(n_units, unit_len);
   parallel_for(seg.count, seg.grain, [&](int64_t i0, int64_t i1) {
@@ -74,7 +75,9 @@ void dequantize_cpu(const int8_t* q, const float* scale, int64_t n_units, int64_
   });
 }
 
-#define QF_INSTANTIATE(T) template void quantize_cpu<T>(const T*, int64_t, int64_t, int8_t*, float*);
+#define QF_INSTANTIATE(T)                                                          \
+  template void quantize_cpu<T>(const T*, int64_t, int64_t, int8_t*, float*); \
+  template void dequantize_cpu<T>(const int8_t*, const float*, int64_t, int64_t, T*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

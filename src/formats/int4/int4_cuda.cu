@@ -1,6 +1,6 @@
 // int4 CUDA codec: the per-value rules of int4.h (min_step / max_step / absmax_step,
 // asym_params, asym_code, sym_scale, sym_code, pack_pair, decode_asym, decode_sym) under the
-// team work split of formats/int8/unitwise_cuda.cuh, so GPU bytes equal CPU bytes by
+// team work split of common/unitwise_cuda.cuh, so GPU bytes equal CPU bytes by
 // construction. Inside this file the namespace is always spelled qf::int4 (or reached from
 // inside it): `int4` alone is also CUDA's built-in vector type.
 //
@@ -17,7 +17,7 @@
 // pack / unpack: 4 packed bytes per thread (8-byte code loads/stores when aligned).
 #include "common/cuda_utils.cuh"
 #include "formats/int4/int4.h"
-#include "formats/int8/unitwise_cuda.cuh"
+#include "common/unitwise_cuda.cuh"
 
 namespace qf::int4 {
 namespace {

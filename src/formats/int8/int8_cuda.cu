@@ -15,7 +15,7 @@
 // 16-byte stores) per chunk, the unit's scale read once per thread.
 #include "common/cuda_utils.cuh"
 #include "formats/int8/int8.h"
-#include "formats/int8/unitwise_cuda.cuh"
+#include "common/unitwise_cuda.cuh"
 
 namespace qf::int8 {
 namespace {

@@ -1,7 +1,5 @@
 // Work split of the CUDA codecs whose scale covers a run of L consecutive values (a "unit":
-// int8 tensors / rows / groups, int4 groups), L known only at run time. Nothing here is
-// int8-specific: int4_cuda.cu includes it too (it belongs in src/common/ once shared files
-// may change).
+// int8 tensors / rows / groups, int4 groups), L known only at run time.
 //
 // A unit is cut into chunks of V consecutive values (V = 8 on the vector path: 16-byte loads
 // for 16-bit inputs, two for float32; smaller where pointers or L do not allow it). A "team"

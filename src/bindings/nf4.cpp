@@ -21,60 +21,95 @@ void check_blocksize(int64_t blocksize) {
 
 int64_t n_blocks_of(int64_t n, int64_t blocksize) { return (n + blocksize - 1) / blocksize; }
 
+// Each codec adapter runs where its first array lives: CPU arrays on the CPU kernels, CUDA arrays on
+// the CUDA kernels, launched on `stream` (torch's current stream, passed by the Python layer, which
+// also made the arrays' device current). Every array of a call must be on that device.
+
 // x: float32/float16/bfloat16, any shape (flattened), C-contiguous.
 // packed: uint8 [ceil(n/2)], absmax: float32 [ceil(n/blocksize)].
-void quantize(const Array& x, int64_t blocksize, const Array& packed, const Array& absmax) {
+void quantize(const Array& x, int64_t blocksize, const Array& packed, const Array& absmax, uintptr_t stream) {
   check_blocksize(blocksize);
-  require<uint8_t>(packed, "packed");
-  require<float>(absmax, "absmax");
+  const Device dev = device_of(x, stream, "x");
+  require<uint8_t>(packed, "packed", dev);
+  require<float>(absmax, "absmax", dev);
   const int64_t n = numel(x);
   require_numel(packed, (n + 1) / 2, "packed");
   require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
-  dispatch_float(x, "x", [&](auto* px) {
-    nf4::quantize_cpu(px, n, blocksize, mptr<uint8_t>(packed), mptr<float>(absmax));
+  auto* pk = mptr<uint8_t>(packed);
+  auto* am = mptr<float>(absmax);
+  dispatch_float(x, "x", dev, [&](auto* px) {
+    if (dev.cuda) {
+      QF_ON_CUDA(nf4::quantize_cuda(px, n, blocksize, pk, am, dev.stream));
+    } else {
+      nf4::quantize_cpu(px, n, blocksize, pk, am);
+    }
   });
 }
 
-// packed uint8 [ceil(n/2)], absmax float32 [ceil(n/blocksize)] -> out float32 [n] (n = out's size).
-void dequantize(const Array& packed, const Array& absmax, int64_t blocksize, const Array& out) {
+// packed uint8 [ceil(n/2)], absmax float32 [ceil(n/blocksize)] -> out [n] (n = out's size) of
+// float32, float16 or bfloat16 (decoded in float32, rounded once).
+void dequantize(const Array& packed, const Array& absmax, int64_t blocksize, const Array& out, uintptr_t stream) {
   check_blocksize(blocksize);
-  require<uint8_t>(packed, "packed");
-  require<float>(absmax, "absmax");
-  require<float>(out, "out");
+  const Device dev = device_of(packed, stream, "packed");
+  require<uint8_t>(packed, "packed", dev);
+  require<float>(absmax, "absmax", dev);
   const int64_t n = numel(out);
   require_numel(packed, (n + 1) / 2, "packed");
   require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
-  nf4::dequantize_cpu(cptr<uint8_t>(packed), cptr<float>(absmax), n, blocksize, mptr<float>(out));
+  const auto* pk = cptr<uint8_t>(packed);
+  const auto* am = cptr<float>(absmax);
+  dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (dev.cuda) {
+      QF_ON_CUDA(nf4::dequantize_cuda(pk, am, n, blocksize, py, dev.stream));
+    } else {
+      nf4::dequantize_cpu(pk, am, n, blocksize, py);
+    }
+  });
 }
 
 // absmax float32 [nb] -> q uint8 [nb], absmax2 float32 [ceil(nb/256)], offset float32 [1].
-void double_quant(const Array& absmax, const Array& q, const Array& absmax2, const Array& offset) {
-  require<float>(absmax, "absmax");
-  require<uint8_t>(q, "q");
-  require<float>(absmax2, "absmax2");
-  require<float>(offset, "offset");
+void double_quant(const Array& absmax, const Array& q, const Array& absmax2, const Array& offset, uintptr_t stream) {
+  const Device dev = device_of(absmax, stream, "absmax");
+  require<float>(absmax, "absmax", dev);
+  require<uint8_t>(q, "q", dev);
+  require<float>(absmax2, "absmax2", dev);
+  require<float>(offset, "offset", dev);
   const int64_t nb = numel(absmax);
   require_numel(q, nb, "q");
   require_numel(absmax2, n_blocks_of(nb, nf4::kDoubleQuantBlock), "absmax2");
   require_numel(offset, 1, "offset");
-  nf4::double_quant_cpu(cptr<float>(absmax), nb, mptr<uint8_t>(q), mptr<float>(absmax2), mptr<float>(offset));
+  if (dev.cuda) {
+    QF_ON_CUDA(nf4::double_quant_cuda(cptr<float>(absmax), nb, mptr<uint8_t>(q), mptr<float>(absmax2),
+                                      mptr<float>(offset), dev.stream));
+  } else {
+    nf4::double_quant_cpu(cptr<float>(absmax), nb, mptr<uint8_t>(q), mptr<float>(absmax2), mptr<float>(offset));
+  }
 }
 
 // q uint8 [nb], absmax2 float32 [ceil(nb/256)], offset float32 [1] -> out float32 [nb].
-void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset, const Array& out) {
-  require<uint8_t>(q, "q");
-  require<float>(absmax2, "absmax2");
-  require<float>(offset, "offset");
-  require<float>(out, "out");
+void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset, const Array& out,
+                       uintptr_t stream) {
+  const Device dev = device_of(q, stream, "q");
+  require<uint8_t>(q, "q", dev);
+  require<float>(absmax2, "absmax2", dev);
+  require<float>(offset, "offset", dev);
+  require<float>(out, "out", dev);
   const int64_t nb = numel(q);
   require_numel(out, nb, "out");
   require_numel(absmax2, n_blocks_of(nb, nf4::kDoubleQuantBlock), "absmax2");
   require_numel(offset, 1, "offset");
-  const float off = *cptr<float>(offset);
-  nf4::dequantize_absmax_cpu(cptr<uint8_t>(q), cptr<float>(absmax2), off, nb, mptr<float>(out));
+  if (dev.cuda) {
+    // The offset stays on the device: the kernel reads it (no host round trip).
+    QF_ON_CUDA(nf4::dequantize_absmax_cuda(cptr<uint8_t>(q), cptr<float>(absmax2), cptr<float>(offset), nb,
+                                           mptr<float>(out), dev.stream));
+  } else {
+    const float off = *cptr<float>(offset);
+    nf4::dequantize_absmax_cpu(cptr<uint8_t>(q), cptr<float>(absmax2), off, nb, mptr<float>(out));
+  }
 }
 
-// out[N, M] = x[N, K] . W^T with W [M, K] given as nf4 (packed, decoded float32 absmax). The blocks
+// out[N, M] = x[N, K] . W^T with W [M, K] given as nf4 (packed, decoded float32 absmax); CPU arrays
+// only for now (the CPU-only checks refuse CUDA arrays with a ValueError). The blocks
 // run over the flattened W, so a block may straddle two rows when K % blocksize != 0: the tile
 // decoder works on flat element ranges [m0 * K, m1 * K), which handles that.
 void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Array& out, int64_t M, int64_t K,
@@ -122,13 +157,13 @@ NB_MODULE(_native, m) {
   m.doc() = "nf4 (bitsandbytes NormalFloat4) native codec, absmax double quantization and "
             "fp32 x nf4 GEMM; called through qformats.nf4.";
   m.def("quantize", &quantize, nb::arg("x"), nb::arg("blocksize"), nb::arg("packed"), nb::arg("absmax"),
-        release_gil());
+        nb::arg("stream") = 0, release_gil());
   m.def("dequantize", &dequantize, nb::arg("packed"), nb::arg("absmax"), nb::arg("blocksize"), nb::arg("out"),
-        release_gil());
+        nb::arg("stream") = 0, release_gil());
   m.def("double_quant", &double_quant, nb::arg("absmax"), nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"),
-        release_gil());
+        nb::arg("stream") = 0, release_gil());
   m.def("dequantize_absmax", &dequantize_absmax, nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"),
-        nb::arg("out"), release_gil());
+        nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &gemm_nf4, nb::arg("x"), nb::arg("packed"), nb::arg("absmax"), nb::arg("out"), nb::arg("M"),
         nb::arg("K"), nb::arg("blocksize"), release_gil());
   m.def("mean_torch_order", &mean_torch_order, nb::arg("x"));

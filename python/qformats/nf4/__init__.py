@@ -21,6 +21,11 @@ absmax is below 1e-38 (subnormal input), where bitsandbytes scales by 1/1e-38 an
 ``|x - x'| <= A``. With compressed statistics the decoded absmax ``A'`` replaces ``A`` in the
 decoder, which adds ``|A - A'| <= absmax2 * DYNAMIC_MAX_ERROR (7.05e-3) + 2**-22 * (|A'| + |offset|)``
 (``2 * absmax2`` when absmax2 < 2**-126) times ``|code| <= 1``.
+
+Devices: numpy arrays and CPU tensors run the CPU kernels; CUDA tensors (CUDA builds) run the
+CUDA kernels on the tensor's device, on torch's current stream, with outputs on that device and
+the same bytes as the CPU (offset included: computed on the device in torch's CPU summation
+order). :func:`gemm` is CPU-only for now.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
 FORMAT = "nf4"
@@ -59,7 +65,17 @@ def _n_blocks(n: int, blocksize: int) -> int:
 
 
 def _all_finite(a: Any) -> bool:
-    return bool(np.isfinite(A.to_numpy(a)).all())
+    if A.is_torch(a):  # on the tensor's device: only the answer crosses to the host
+        return bool(a.isfinite().all())
+    return bool(np.isfinite(a).all())
+
+
+def _cpu_only(name: str, *arrays: Any) -> None:
+    """NotImplementedError for a CUDA tensor passed to a function without CUDA kernels yet."""
+    for a in arrays:
+        if A.device_of(a) != "cpu":
+            raise NotImplementedError(f"{name}: CPU only for now (no CUDA kernel yet); got a tensor on "
+                                      f"{A.device_of(a)}, move the operands with .cpu()")
 
 
 def _check_params(params: dict) -> tuple[int, bool]:
@@ -103,12 +119,13 @@ def quantize_nf4(flat: Any, blocksize: int = 64) -> tuple[Any, Any]:
     """Quantize a 1-D tensor to NF4 (bitsandbytes ``quantize_4bit(flat, blocksize, quant_type="nf4")``).
 
     Args:
-        flat: float32, float16 or bfloat16 numpy array / CPU torch tensor ``[n]``, contiguous,
-            finite.
+        flat: float32, float16 or bfloat16 numpy array / torch tensor ``[n]``, contiguous,
+            finite; on the CPU or (CUDA builds) a CUDA device, launched on the current stream.
         blocksize: values per absmax block, a power of two in [32, 4096].
     Returns:
         ``(packed, absmax)``: uint8 ``[ceil(n/2)]`` (two codes per byte, the even element in the
-        high nibble) and float32 ``[ceil(n/blocksize)]``, in the library of ``flat``.
+        high nibble) and float32 ``[ceil(n/blocksize)]``, in the library and on the device of
+        ``flat``.
     Raises:
         TypeError: not a numpy array / torch tensor, not a float dtype, blocksize not an int.
         ValueError: not 1-D, non-contiguous, NaN or Inf, bad blocksize.
@@ -122,30 +139,44 @@ def _quantize_flat(x: Any, blocksize: int) -> tuple[Any, Any]:
     n = int(np.prod(x.shape, dtype=np.int64))
     packed = A.empty(x, ((n + 1) // 2,), "uint8")
     absmax = A.empty(x, (_n_blocks(n, blocksize),), "float32")
-    _native.quantize(x, blocksize, packed, absmax)
+    with A.stream_for(x) as stream:
+        _native.quantize(x, blocksize, packed, absmax, stream)
     return packed, absmax
 
 
-def dequantize_nf4(packed: Any, absmax: Any, n: int, blocksize: int = 64) -> Any:
-    """Decode NF4 codes: ``CODE[code] * absmax`` (bitsandbytes ``dequantize_4bit`` in float32).
+def _decode(packed: Any, absmax: Any, shape: tuple, blocksize: int, dtype: str) -> Any:
+    """``CODE[code] * absmax`` in float32, rounded once to ``dtype``, written directly by the
+    native kernel (one pass) on the buffers' device."""
+    A.same_device(("packed", packed), ("absmax", absmax))
+    out = A.empty(packed, shape, dtype)
+    with A.stream_for(packed) as stream:
+        _native.dequantize(packed, absmax, blocksize, out, stream)
+    return out
+
+
+def dequantize_nf4(packed: Any, absmax: Any, n: int, blocksize: int = 64, dtype: str = "float32") -> Any:
+    """Decode NF4 codes: ``CODE[code] * absmax`` (bitsandbytes ``dequantize_4bit``).
 
     Args:
         packed: uint8 ``[ceil(n/2)]`` from :func:`quantize_nf4`.
-        absmax: float32 ``[ceil(n/blocksize)]`` (decoded, not the compressed uint8 form).
+        absmax: float32 ``[ceil(n/blocksize)]`` (decoded, not the compressed uint8 form), on the
+            device of ``packed``.
         n: number of values.
         blocksize: as used to quantize.
+        dtype: output dtype, "float32" (default), "float16" or "bfloat16" (torch only): decoded
+            in float32 and rounded once (nearest even).
     Returns:
-        float32 ``[n]`` in the library of ``packed``.
+        ``[n]`` of ``dtype`` in the library and on the device of ``packed``.
     Raises:
-        TypeError / ValueError: wrong dtypes, shapes, n or blocksize.
+        TypeError / ValueError: wrong dtypes, shapes, n, blocksize or dtype; buffers on
+            different devices.
     """
     n = A.check_int(n, "n")
     blocksize = _check_blocksize(blocksize)
+    dtype = _float_dtype(dtype)
     A.check_array(packed, "packed", "uint8", ((n + 1) // 2,))
     A.check_array(absmax, "absmax", "float32", (_n_blocks(n, blocksize),))
-    out = A.empty(packed, (n,), "float32")
-    _native.dequantize(packed, absmax, blocksize, out)
-    return out
+    return _decode(packed, absmax, (n,), blocksize, dtype)
 
 
 def quantize(x: Any, blocksize: int = 64, compress_statistics: bool = False) -> QuantizedTensor:
@@ -154,13 +185,14 @@ def quantize(x: Any, blocksize: int = 64, compress_statistics: bool = False) -> 
     quant_type="nf4")`` (same bytes).
 
     Args:
-        x: float32, float16 or bfloat16 numpy array / CPU torch tensor, any shape with ndim >= 1
-            (flattened row-major before blocking), contiguous, finite.
+        x: float32, float16 or bfloat16 numpy array / torch tensor, any shape with ndim >= 1
+            (flattened row-major before blocking), contiguous, finite; on the CPU or (CUDA
+            builds) a CUDA device, launched on the current stream.
         blocksize: values per absmax block, a power of two in [32, 4096] (default 64).
         compress_statistics: also quantize absmax (bitsandbytes' nested/double quantization).
     Returns:
         QuantizedTensor with params ``{"blocksize", "quant_type": "nf4", "compress_statistics"}``
-        and buffers as :func:`expected_buffers` (in the library of ``x``).
+        and buffers as :func:`expected_buffers` (in the library and on the device of ``x``).
     Raises:
         TypeError: not a numpy array / torch tensor, wrong dtype, blocksize not an int,
             compress_statistics not a bool.
@@ -179,7 +211,8 @@ def quantize(x: Any, blocksize: int = 64, compress_statistics: bool = False) -> 
         q = A.empty(x, (nb,), "uint8")
         absmax2 = A.empty(x, (_n_blocks(nb, DOUBLE_QUANT_BLOCK),), "float32")
         offset = A.empty(x, (1,), "float32")
-        _native.double_quant(absmax, q, absmax2, offset)
+        with A.stream_for(x) as stream:
+            _native.double_quant(absmax, q, absmax2, offset, stream)
         if nb and not (_all_finite(offset) and _all_finite(absmax2)):
             # bitsandbytes stores these bytes too (offset = inf once the float32 sum of absmax
             # overflows), but such a tensor decodes to NaN: refuse it instead.
@@ -200,22 +233,25 @@ def decoded_absmax(q: QuantizedTensor) -> Any:
     absmax = q.buffers["absmax"]
     if not cs:
         return absmax
+    absmax2, offset = q.buffers["absmax2"], q.buffers["offset"]
+    A.same_device(("absmax", absmax), ("absmax2", absmax2), ("offset", offset))
     out = A.empty(absmax, tuple(absmax.shape), "float32")
-    _native.dequantize_absmax(absmax, q.buffers["absmax2"], q.buffers["offset"], out)
+    with A.stream_for(absmax) as stream:
+        _native.dequantize_absmax(absmax, absmax2, offset, out, stream)
     return out
 
 
 def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
-    """Decode an nf4 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original dtype):
-    float32 ``CODE[code] * absmax`` rounded once to ``dtype`` (as bitsandbytes ``dequantize_4bit``).
-    Raises TypeError/ValueError for a tensor that is not a valid nf4 QuantizedTensor."""
+    """Decode an nf4 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original dtype;
+    bfloat16 needs torch buffers): float32 ``CODE[code] * absmax`` rounded once to ``dtype``, as
+    bitsandbytes ``dequantize_4bit``, written directly (one pass), in the buffers' library and on
+    their device. Raises TypeError/ValueError for a tensor that is not a valid nf4
+    QuantizedTensor (or whose buffers are on different devices)."""
     q = check_quantized(q, FORMAT)
     blocksize, _ = _check_params(q.params)
-    absmax = decoded_absmax(q)
-    packed = q.buffers["packed"]
-    out = A.empty(packed, (q.numel,), "float32")
-    _native.dequantize(packed, absmax, blocksize, out)
-    return A.cast(out.reshape(q.shape), output_dtype(q, dtype))
+    dtype = output_dtype(q, dtype)
+    A.same_device(*q.buffers.items())
+    return _decode(q.buffers["packed"], decoded_absmax(q), q.shape, blocksize, dtype)
 
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
@@ -224,15 +260,19 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     Args:
         x: float32 ``[N, K]`` numpy array / CPU torch tensor, contiguous, finite.
         w: a 2-D nf4 QuantizedTensor of shape ``[M, K]`` (blocks run over the flattened W, so they
-            may straddle rows when K % blocksize != 0), plain or with compressed statistics.
+            may straddle rows when K % blocksize != 0), plain or with compressed statistics; CPU
+            buffers (the GEMM has no CUDA kernel yet).
     Returns:
         float32 ``[N, M]`` in the library of ``x``; each dot product is a float32 sum of
         ``x[n, k] * CODE[code] * absmax`` in the fixed order of ``qformats``' weight-only GEMM.
     Raises:
         TypeError: x not float32, w not a QuantizedTensor.
         ValueError: shapes do not match, w not 2-D, NaN/Inf in x, non-contiguous x.
+        NotImplementedError: x or a buffer of w on a CUDA device.
     """
     w = check_quantized(w, FORMAT)
+    A.check_type(x, "x")
+    _cpu_only("nf4.gemm", x, *w.buffers.values())
     A.check_float(x, "x", ndim=2)
     if A.dtype_name(x) != "float32":
         raise TypeError(f"x: expected float32 activations, got {A.dtype_name(x)}")

@@ -58,7 +58,13 @@
 // Float16 / bfloat16 inputs: bitsandbytes converts them to float32 (exact) before anything else,
 // so the codes and absmax equal those of the float32 input with the same values. Its
 // dequantize_4bit to fp16/bf16 computes the float32 product and rounds it once (nearest even);
-// the Python layer does the same (decode to float32, then cast).
+// the dequantize kernels do the same, writing the output type directly (from_f32).
+//
+// CUDA (nf4_cuda.cu) runs the same per-value rules (the QF_HOST_DEVICE functions below; the tables
+// are read through accessors that see __constant__ copies on the device), so GPU bytes equal CPU
+// bytes: absmax is a max of non-negative values (order-free), the 4-bit code is counted by a
+// 4-step binary search equal to code_of for every float (code_of_search), and the offset is summed
+// in the same torch order by one CTA (the cascade helpers at the end of this file).
 //
 // Caveats of bitsandbytes 0.50 itself (the tests pin them down):
 // * torch splits a float32 sum of >= 32768 values across its intra-op threads, so for more than
@@ -84,75 +90,105 @@ constexpr int kPadCode = 7;             // code of 0.0: odd-length padding
 
 // The 16 NF4 values, bitsandbytes get_4bit_type("nf4") (= create_normal_map(0.9677083), the
 // normal-quantile levels of QLoRA, normalized to [-1, 1]) as exact float32 hex literals.
-constexpr float kCode[16] = {
-    -0x1p+0f,        -0x1.647362p-1f, -0x1.0cd66p-1f,  -0x1.94654p-2f,
-    -0x1.23449ap-2f, -0x1.7a6a7ep-3f, -0x1.74f0e2p-4f, 0.0f,
-    0x1.45f5fep-4f,  0x1.4995c6p-3f,  0x1.f809bap-3f,  0x1.5a0674p-2f,
+#define QF_NF4_CODE_VALUES \
+    -0x1p+0f,        -0x1.647362p-1f, -0x1.0cd66p-1f,  -0x1.94654p-2f, \
+    -0x1.23449ap-2f, -0x1.7a6a7ep-3f, -0x1.74f0e2p-4f, 0.0f, \
+    0x1.45f5fep-4f,  0x1.4995c6p-3f,  0x1.f809bap-3f,  0x1.5a0674p-2f, \
     0x1.c3497p-2f,   0x1.200f56p-1f,  0x1.722766p-1f,  0x1p+0f,
-};
+constexpr float kCode[16] = {QF_NF4_CODE_VALUES};
 // Decision boundaries: (kCode[j] + kCode[j+1]) / 2 in float32 (bitsandbytes computes them the same
 // way, _get_4bit_quantize_bounds). Decimal: -0.8480964, -0.6106329, -0.45999527, -0.33967942,
 // -0.2346074, -0.13791174, -0.045525018, 0.03979015, 0.12025525, 0.20352125, 0.29201376,
 // 0.38931254, 0.50166345, 0.6427869, 0.8614784.
-constexpr float kMidpoint[15] = {
-    -0x1.b239bp-1f,  -0x1.38a4ep-1f,  -0x1.d709p-2f,   -0x1.5bd4ecp-2f,  -0x1.e079d8p-3f,
-    -0x1.1a7178p-3f, -0x1.74f0e2p-5f, 0x1.45f5fep-5f,  0x1.ec90c4p-4f,   0x1.a0cfcp-3f,
+#define QF_NF4_MIDPOINT_VALUES \
+    -0x1.b239bp-1f,  -0x1.38a4ep-1f,  -0x1.d709p-2f,   -0x1.5bd4ecp-2f,  -0x1.e079d8p-3f, \
+    -0x1.1a7178p-3f, -0x1.74f0e2p-5f, 0x1.45f5fep-5f,  0x1.ec90c4p-4f,   0x1.a0cfcp-3f, \
     0x1.2b05a8p-2f,  0x1.8ea7f2p-2f,  0x1.00da08p-1f,  0x1.491b5ep-1f,   0x1.b913b4p-1f,
-};
+constexpr float kMidpoint[15] = {QF_NF4_MIDPOINT_VALUES};
 // fl32(1e-38): bitsandbytes' absmax.clamp(min=1e-38) (a subnormal, bits 0x006CE3EE).
 constexpr float kTiny = 0x1.b38fb8p-127f;
 
 // The signed dynamic 8-bit map, bitsandbytes create_dynamic_map(signed=True) (8-bit Approximations
 // for Parallelism in Deep Learning, arXiv:1511.04561), float32, sorted ascending. Entry 0 is
 // -0.99296874 (bitsandbytes 0.50 no longer overwrites it with -1 on the CPU).
-constexpr float kDynamicMap[256] = {
-    -0x1.fc6666p-1f, -0x1.f53334p-1f, -0x1.eep-1f, -0x1.e6ccccp-1f, -0x1.df999ap-1f, -0x1.d86666p-1f,
-    -0x1.d13334p-1f, -0x1.cap-1f, -0x1.c2ccccp-1f, -0x1.bb999ap-1f, -0x1.b46666p-1f, -0x1.ad3334p-1f,
-    -0x1.a6p-1f, -0x1.9eccccp-1f, -0x1.97999ap-1f, -0x1.906666p-1f, -0x1.893334p-1f, -0x1.82p-1f,
-    -0x1.7accccp-1f, -0x1.73999ap-1f, -0x1.6c6668p-1f, -0x1.653334p-1f, -0x1.5ep-1f, -0x1.56ccccp-1f,
-    -0x1.4f999ap-1f, -0x1.486668p-1f, -0x1.413334p-1f, -0x1.3ap-1f, -0x1.32ccccp-1f, -0x1.2b999ap-1f,
-    -0x1.246668p-1f, -0x1.1d3334p-1f, -0x1.16p-1f, -0x1.0eccccp-1f, -0x1.079998p-1f, -0x1.006666p-1f,
-    -0x1.f26664p-2f, -0x1.e4p-2f, -0x1.d59998p-2f, -0x1.c73334p-2f, -0x1.b8ccccp-2f, -0x1.aa6666p-2f,
-    -0x1.9cp-2f, -0x1.8d9998p-2f, -0x1.7f3334p-2f, -0x1.70ccccp-2f, -0x1.626666p-2f, -0x1.54p-2f,
-    -0x1.459998p-2f, -0x1.373334p-2f, -0x1.28ccccp-2f, -0x1.1a6668p-2f, -0x1.0cp-2f, -0x1.fb3332p-3f,
-    -0x1.de6666p-3f, -0x1.c1999ap-3f, -0x1.a4ccccp-3f, -0x1.88p-3f, -0x1.6b3334p-3f, -0x1.4e6666p-3f,
-    -0x1.31999ap-3f, -0x1.14ccccp-3f, -0x1.fp-4f, -0x1.b66668p-4f, -0x1.93d70ap-4f, -0x1.8851eep-4f,
-    -0x1.7ccccep-4f, -0x1.7147aep-4f, -0x1.65c29p-4f, -0x1.5a3d7p-4f, -0x1.4eb854p-4f, -0x1.433334p-4f,
-    -0x1.37ae14p-4f, -0x1.2c28f6p-4f, -0x1.20a3d6p-4f, -0x1.151ebap-4f, -0x1.09999ap-4f, -0x1.fc28f6p-5f,
-    -0x1.e51ebap-5f, -0x1.ce147ap-5f, -0x1.b70a3ep-5f, -0x1.ap-5f, -0x1.88f5c2p-5f, -0x1.71eb86p-5f,
-    -0x1.5ae146p-5f, -0x1.43d70ap-5f, -0x1.2ccccep-5f, -0x1.15c29p-5f, -0x1.fd70a4p-6f, -0x1.cf5c2ap-6f,
-    -0x1.a147aep-6f, -0x1.733334p-6f, -0x1.451ebap-6f, -0x1.170a3ep-6f, -0x1.d1eb86p-7f, -0x1.75c29p-7f,
-    -0x1.3e76c8p-7f, -0x1.2c083p-7f, -0x1.19999ap-7f, -0x1.072b02p-7f, -0x1.e978d4p-8f, -0x1.c49ba6p-8f,
-    -0x1.9fbe76p-8f, -0x1.7ae148p-8f, -0x1.56041ap-8f, -0x1.3126e8p-8f, -0x1.0c49bap-8f, -0x1.ced914p-9f,
-    -0x1.851eb8p-9f, -0x1.3b645ap-9f, -0x1.e353f8p-10f, -0x1.4fdf3ap-10f, -0x1.eecbfep-11f, -0x1.b3d07cp-11f,
-    -0x1.78d5p-11f, -0x1.3dd982p-11f, -0x1.02de02p-11f, -0x1.8fc506p-12f, -0x1.19ce0ap-12f, -0x1.47ae16p-13f,
-    -0x1.743e96p-14f, -0x1.15df66p-14f, -0x1.6f0068p-15f, -0x1.64840cp-16f, -0x1.040bfep-17f, -0x1.b43528p-19f,
-    -0x1.27476ep-21f, 0x0.0p+0f, 0x1.27476ep-21f, 0x1.b43528p-19f, 0x1.040bfep-17f, 0x1.64840cp-16f,
-    0x1.6f0068p-15f, 0x1.15df66p-14f, 0x1.743e96p-14f, 0x1.47ae16p-13f, 0x1.19ce0ap-12f, 0x1.8fc506p-12f,
-    0x1.02de02p-11f, 0x1.3dd982p-11f, 0x1.78d5p-11f, 0x1.b3d07cp-11f, 0x1.eecbfep-11f, 0x1.4fdf3ap-10f,
-    0x1.e353f8p-10f, 0x1.3b645ap-9f, 0x1.851eb8p-9f, 0x1.ced914p-9f, 0x1.0c49bap-8f, 0x1.3126e8p-8f,
-    0x1.56041ap-8f, 0x1.7ae148p-8f, 0x1.9fbe76p-8f, 0x1.c49ba6p-8f, 0x1.e978d4p-8f, 0x1.072b02p-7f,
-    0x1.19999ap-7f, 0x1.2c083p-7f, 0x1.3e76c8p-7f, 0x1.75c29p-7f, 0x1.d1eb86p-7f, 0x1.170a3ep-6f,
-    0x1.451ebap-6f, 0x1.733334p-6f, 0x1.a147aep-6f, 0x1.cf5c2ap-6f, 0x1.fd70a4p-6f, 0x1.15c29p-5f,
-    0x1.2ccccep-5f, 0x1.43d70ap-5f, 0x1.5ae146p-5f, 0x1.71eb86p-5f, 0x1.88f5c2p-5f, 0x1.ap-5f,
-    0x1.b70a3ep-5f, 0x1.ce147ap-5f, 0x1.e51ebap-5f, 0x1.fc28f6p-5f, 0x1.09999ap-4f, 0x1.151ebap-4f,
-    0x1.20a3d6p-4f, 0x1.2c28f6p-4f, 0x1.37ae14p-4f, 0x1.433334p-4f, 0x1.4eb854p-4f, 0x1.5a3d7p-4f,
-    0x1.65c29p-4f, 0x1.7147aep-4f, 0x1.7ccccep-4f, 0x1.8851eep-4f, 0x1.93d70ap-4f, 0x1.b66668p-4f,
-    0x1.fp-4f, 0x1.14ccccp-3f, 0x1.31999ap-3f, 0x1.4e6666p-3f, 0x1.6b3334p-3f, 0x1.88p-3f,
-    0x1.a4ccccp-3f, 0x1.c1999ap-3f, 0x1.de6666p-3f, 0x1.fb3332p-3f, 0x1.0cp-2f, 0x1.1a6668p-2f,
-    0x1.28ccccp-2f, 0x1.373334p-2f, 0x1.459998p-2f, 0x1.54p-2f, 0x1.626666p-2f, 0x1.70ccccp-2f,
-    0x1.7f3334p-2f, 0x1.8d9998p-2f, 0x1.9cp-2f, 0x1.aa6666p-2f, 0x1.b8ccccp-2f, 0x1.c73334p-2f,
-    0x1.d59998p-2f, 0x1.e4p-2f, 0x1.f26664p-2f, 0x1.006666p-1f, 0x1.079998p-1f, 0x1.0eccccp-1f,
-    0x1.16p-1f, 0x1.1d3334p-1f, 0x1.246668p-1f, 0x1.2b999ap-1f, 0x1.32ccccp-1f, 0x1.3ap-1f,
-    0x1.413334p-1f, 0x1.486668p-1f, 0x1.4f999ap-1f, 0x1.56ccccp-1f, 0x1.5ep-1f, 0x1.653334p-1f,
-    0x1.6c6668p-1f, 0x1.73999ap-1f, 0x1.7accccp-1f, 0x1.82p-1f, 0x1.893334p-1f, 0x1.906666p-1f,
-    0x1.97999ap-1f, 0x1.9eccccp-1f, 0x1.a6p-1f, 0x1.ad3334p-1f, 0x1.b46666p-1f, 0x1.bb999ap-1f,
-    0x1.c2ccccp-1f, 0x1.cap-1f, 0x1.d13334p-1f, 0x1.d86666p-1f, 0x1.df999ap-1f, 0x1.e6ccccp-1f,
+#define QF_NF4_DYNAMIC_MAP_VALUES \
+    -0x1.fc6666p-1f, -0x1.f53334p-1f, -0x1.eep-1f, -0x1.e6ccccp-1f, -0x1.df999ap-1f, -0x1.d86666p-1f, \
+    -0x1.d13334p-1f, -0x1.cap-1f, -0x1.c2ccccp-1f, -0x1.bb999ap-1f, -0x1.b46666p-1f, -0x1.ad3334p-1f, \
+    -0x1.a6p-1f, -0x1.9eccccp-1f, -0x1.97999ap-1f, -0x1.906666p-1f, -0x1.893334p-1f, -0x1.82p-1f, \
+    -0x1.7accccp-1f, -0x1.73999ap-1f, -0x1.6c6668p-1f, -0x1.653334p-1f, -0x1.5ep-1f, -0x1.56ccccp-1f, \
+    -0x1.4f999ap-1f, -0x1.486668p-1f, -0x1.413334p-1f, -0x1.3ap-1f, -0x1.32ccccp-1f, -0x1.2b999ap-1f, \
+    -0x1.246668p-1f, -0x1.1d3334p-1f, -0x1.16p-1f, -0x1.0eccccp-1f, -0x1.079998p-1f, -0x1.006666p-1f, \
+    -0x1.f26664p-2f, -0x1.e4p-2f, -0x1.d59998p-2f, -0x1.c73334p-2f, -0x1.b8ccccp-2f, -0x1.aa6666p-2f, \
+    -0x1.9cp-2f, -0x1.8d9998p-2f, -0x1.7f3334p-2f, -0x1.70ccccp-2f, -0x1.626666p-2f, -0x1.54p-2f, \
+    -0x1.459998p-2f, -0x1.373334p-2f, -0x1.28ccccp-2f, -0x1.1a6668p-2f, -0x1.0cp-2f, -0x1.fb3332p-3f, \
+    -0x1.de6666p-3f, -0x1.c1999ap-3f, -0x1.a4ccccp-3f, -0x1.88p-3f, -0x1.6b3334p-3f, -0x1.4e6666p-3f, \
+    -0x1.31999ap-3f, -0x1.14ccccp-3f, -0x1.fp-4f, -0x1.b66668p-4f, -0x1.93d70ap-4f, -0x1.8851eep-4f, \
+    -0x1.7ccccep-4f, -0x1.7147aep-4f, -0x1.65c29p-4f, -0x1.5a3d7p-4f, -0x1.4eb854p-4f, -0x1.433334p-4f, \
+    -0x1.37ae14p-4f, -0x1.2c28f6p-4f, -0x1.20a3d6p-4f, -0x1.151ebap-4f, -0x1.09999ap-4f, -0x1.fc28f6p-5f, \
+    -0x1.e51ebap-5f, -0x1.ce147ap-5f, -0x1.b70a3ep-5f, -0x1.ap-5f, -0x1.88f5c2p-5f, -0x1.71eb86p-5f, \
+    -0x1.5ae146p-5f, -0x1.43d70ap-5f, -0x1.2ccccep-5f, -0x1.15c29p-5f, -0x1.fd70a4p-6f, -0x1.cf5c2ap-6f, \
+    -0x1.a147aep-6f, -0x1.733334p-6f, -0x1.451ebap-6f, -0x1.170a3ep-6f, -0x1.d1eb86p-7f, -0x1.75c29p-7f, \
+    -0x1.3e76c8p-7f, -0x1.2c083p-7f, -0x1.19999ap-7f, -0x1.072b02p-7f, -0x1.e978d4p-8f, -0x1.c49ba6p-8f, \
+    -0x1.9fbe76p-8f, -0x1.7ae148p-8f, -0x1.56041ap-8f, -0x1.3126e8p-8f, -0x1.0c49bap-8f, -0x1.ced914p-9f, \
+    -0x1.851eb8p-9f, -0x1.3b645ap-9f, -0x1.e353f8p-10f, -0x1.4fdf3ap-10f, -0x1.eecbfep-11f, -0x1.b3d07cp-11f, \
+    -0x1.78d5p-11f, -0x1.3dd982p-11f, -0x1.02de02p-11f, -0x1.8fc506p-12f, -0x1.19ce0ap-12f, -0x1.47ae16p-13f, \
+    -0x1.743e96p-14f, -0x1.15df66p-14f, -0x1.6f0068p-15f, -0x1.64840cp-16f, -0x1.040bfep-17f, -0x1.b43528p-19f, \
+    -0x1.27476ep-21f, 0x0.0p+0f, 0x1.27476ep-21f, 0x1.b43528p-19f, 0x1.040bfep-17f, 0x1.64840cp-16f, \
+    0x1.6f0068p-15f, 0x1.15df66p-14f, 0x1.743e96p-14f, 0x1.47ae16p-13f, 0x1.19ce0ap-12f, 0x1.8fc506p-12f, \
+    0x1.02de02p-11f, 0x1.3dd982p-11f, 0x1.78d5p-11f, 0x1.b3d07cp-11f, 0x1.eecbfep-11f, 0x1.4fdf3ap-10f, \
+    0x1.e353f8p-10f, 0x1.3b645ap-9f, 0x1.851eb8p-9f, 0x1.ced914p-9f, 0x1.0c49bap-8f, 0x1.3126e8p-8f, \
+    0x1.56041ap-8f, 0x1.7ae148p-8f, 0x1.9fbe76p-8f, 0x1.c49ba6p-8f, 0x1.e978d4p-8f, 0x1.072b02p-7f, \
+    0x1.19999ap-7f, 0x1.2c083p-7f, 0x1.3e76c8p-7f, 0x1.75c29p-7f, 0x1.d1eb86p-7f, 0x1.170a3ep-6f, \
+    0x1.451ebap-6f, 0x1.733334p-6f, 0x1.a147aep-6f, 0x1.cf5c2ap-6f, 0x1.fd70a4p-6f, 0x1.15c29p-5f, \
+    0x1.2ccccep-5f, 0x1.43d70ap-5f, 0x1.5ae146p-5f, 0x1.71eb86p-5f, 0x1.88f5c2p-5f, 0x1.ap-5f, \
+    0x1.b70a3ep-5f, 0x1.ce147ap-5f, 0x1.e51ebap-5f, 0x1.fc28f6p-5f, 0x1.09999ap-4f, 0x1.151ebap-4f, \
+    0x1.20a3d6p-4f, 0x1.2c28f6p-4f, 0x1.37ae14p-4f, 0x1.433334p-4f, 0x1.4eb854p-4f, 0x1.5a3d7p-4f, \
+    0x1.65c29p-4f, 0x1.7147aep-4f, 0x1.7ccccep-4f, 0x1.8851eep-4f, 0x1.93d70ap-4f, 0x1.b66668p-4f, \
+    0x1.fp-4f, 0x1.14ccccp-3f, 0x1.31999ap-3f, 0x1.4e6666p-3f, 0x1.6b3334p-3f, 0x1.88p-3f, \
+    0x1.a4ccccp-3f, 0x1.c1999ap-3f, 0x1.de6666p-3f, 0x1.fb3332p-3f, 0x1.0cp-2f, 0x1.1a6668p-2f, \
+    0x1.28ccccp-2f, 0x1.373334p-2f, 0x1.459998p-2f, 0x1.54p-2f, 0x1.626666p-2f, 0x1.70ccccp-2f, \
+    0x1.7f3334p-2f, 0x1.8d9998p-2f, 0x1.9cp-2f, 0x1.aa6666p-2f, 0x1.b8ccccp-2f, 0x1.c73334p-2f, \
+    0x1.d59998p-2f, 0x1.e4p-2f, 0x1.f26664p-2f, 0x1.006666p-1f, 0x1.079998p-1f, 0x1.0eccccp-1f, \
+    0x1.16p-1f, 0x1.1d3334p-1f, 0x1.246668p-1f, 0x1.2b999ap-1f, 0x1.32ccccp-1f, 0x1.3ap-1f, \
+    0x1.413334p-1f, 0x1.486668p-1f, 0x1.4f999ap-1f, 0x1.56ccccp-1f, 0x1.5ep-1f, 0x1.653334p-1f, \
+    0x1.6c6668p-1f, 0x1.73999ap-1f, 0x1.7accccp-1f, 0x1.82p-1f, 0x1.893334p-1f, 0x1.906666p-1f, \
+    0x1.97999ap-1f, 0x1.9eccccp-1f, 0x1.a6p-1f, 0x1.ad3334p-1f, 0x1.b46666p-1f, 0x1.bb999ap-1f, \
+    0x1.c2ccccp-1f, 0x1.cap-1f, 0x1.d13334p-1f, 0x1.d86666p-1f, 0x1.df999ap-1f, 0x1.e6ccccp-1f, \
     0x1.eep-1f, 0x1.f53334p-1f, 0x1.fc6666p-1f, 0x1p+0f,
-};
+constexpr float kDynamicMap[256] = {QF_NF4_DYNAMIC_MAP_VALUES};
 constexpr int kDynamicLutCells = 65536;  // bitsandbytes' kLUTSize: cells of [-1, 1] in its table
-// (The tables above are namespace-scope constexpr: host code reads them directly; a CUDA port
-// would copy kCode / kMidpoint / kDynamicMap into __constant__ memory.)
+
+// The tables in device code: nvcc cannot read a host constexpr array with a run-time index there,
+// so CUDA translation units get __constant__ copies built from the same literal lists, and the
+// rules below read every table through these accessors (host: the constexpr arrays; device: the
+// copies). Bit-identical by construction.
+#if defined(__CUDACC__)
+static __constant__ float kCodeDev[16] = {QF_NF4_CODE_VALUES};
+static __constant__ float kMidpointDev[15] = {QF_NF4_MIDPOINT_VALUES};
+static __constant__ float kDynamicMapDev[256] = {QF_NF4_DYNAMIC_MAP_VALUES};
+#endif
+
+QF_HOST_DEVICE float code_value(int c) {
+#if defined(__CUDA_ARCH__)
+  return kCodeDev[c];
+#else
+  return kCode[c];
+#endif
+}
+QF_HOST_DEVICE float midpoint(int j) {
+#if defined(__CUDA_ARCH__)
+  return kMidpointDev[j];
+#else
+  return kMidpoint[j];
+#endif
+}
+QF_HOST_DEVICE float dynamic_map_value(int k) {
+#if defined(__CUDA_ARCH__)
+  return kDynamicMapDev[k];
+#else
+  return kDynamicMap[k];
+#endif
+}
 
 // --- the 4-bit rule ------------------------------------------------------------------------------
 
@@ -160,31 +196,57 @@ constexpr int kDynamicLutCells = 65536;  // bitsandbytes' kLUTSize: cells of [-1
 // Summing 15 comparisons instead of a binary search keeps it branch-free (and vectorizable).
 QF_HOST_DEVICE uint8_t code_of(float s) {
   int q = 0;
-  for (int j = 0; j < 15; ++j) q += s > kMidpoint[j] ? 1 : 0;
+  for (int j = 0; j < 15; ++j) q += s > midpoint(j) ? 1 : 0;
   return static_cast<uint8_t>(q);
 }
+
+// The same count by a 4-step binary search over a copy `mid` of kMidpoint (the CUDA quantizer
+// keeps it in shared memory): 4 comparisons instead of 15. Equal to code_of for every float32
+// bit pattern, NaN and +-inf included (checked exhaustively over all 2^32 patterns when this was
+// written; the midpoints are strictly increasing, so "s > mid[q + k - 1]" decides code >= q + k).
+QF_HOST_DEVICE uint8_t code_of_search(float s, const float* mid) {
+  int q = s > mid[7] ? 8 : 0;  // q: the code found so far (a lower bound)
+  q += s > mid[q + 3] ? 4 : 0;
+  q += s > mid[q + 1] ? 2 : 0;
+  q += s > mid[q] ? 1 : 0;
+  return static_cast<uint8_t>(q);
+}
+
+// One step of the block absmax: a = max(a, |v|) as bitsandbytes' torch code gives it. Starting
+// from a = +0, a stays +0 or positive (a -0 input never wins: -0 > +0 is false), and a NaN v is
+// skipped. So the result is the maximum of a set of non-negative, non-NaN values: the same in any
+// order of evaluation, which the CUDA kernels rely on (they combine partial maxima of +0-started
+// runs with fmaxf, which agrees with this step on such operands).
+QF_HOST_DEVICE float abs_max_step(float a, float v) {
+  const float av = v < 0 ? -v : v;  // |v| (-0 stays -0, which never beats a >= +0)
+  return av > a ? av : a;
+}
+
+// The divisor of a block with absmax a: absmax.clamp(min=1e-38).
+QF_HOST_DEVICE float block_den(float a) { return a > kTiny ? a : kTiny; }
+// A full block stores its true absmax (0 for an all-zero block), a partial one the clamped one.
+QF_HOST_DEVICE float stored_absmax(float a, bool full) { return full ? a : block_den(a); }
+// A full block scales by the reciprocal (one float32 division per block, then one multiply per
+// value); the partial last block divides every value (see the header comment).
+QF_HOST_DEVICE float block_recip(float a) { return 1.0f / block_den(a); }
 
 // Quantize one block x[0..len), len = blocksize for a full block, fewer for the last one.
 // Writes the block's absmax and its codes, one per byte, into q[0..len).
 template <class T>
 QF_HOST_DEVICE float quantize_block(const T* x, int64_t len, bool full, uint8_t* q) {
   float a = 0.0f;
-  for (int64_t i = 0; i < len; ++i) {
-    const float v = to_f32(x[i]);
-    const float av = v < 0 ? -v : v;  // |v| (for v = -0 this is -0, but -0 > 0 is false, so
-    if (av > a) a = av;                // a stays +0: the stored absmax is never -0)
-  }
-  const float den = a > kTiny ? a : kTiny;  // absmax.clamp(min=1e-38)
+  for (int64_t i = 0; i < len; ++i) a = abs_max_step(a, to_f32(x[i]));
   if (full) {
-    const float r = 1.0f / den;  // reciprocal once, rounded to float32, then one multiply each
+    const float r = block_recip(a);
     for (int64_t i = 0; i < len; ++i) q[i] = code_of(to_f32(x[i]) * r);
-    return a;  // a full block stores the unclamped absmax (0 for an all-zero block)
+  } else {
+    const float den = block_den(a);
+    for (int64_t i = 0; i < len; ++i) q[i] = code_of(to_f32(x[i]) / den);  // true division
   }
-  for (int64_t i = 0; i < len; ++i) q[i] = code_of(to_f32(x[i]) / den);  // true division
-  return den;  // a partial block stores the clamped absmax
+  return stored_absmax(a, full);
 }
 
-QF_HOST_DEVICE float dequantize_value(uint8_t code, float absmax) { return kCode[code & 15] * absmax; }
+QF_HOST_DEVICE float dequantize_value(uint8_t code, float absmax) { return code_value(code & 15) * absmax; }
 
 // --- the 8-bit rule of the double quantization -----------------------------------------------------
 
@@ -202,31 +264,131 @@ QF_HOST_DEVICE uint8_t dynamic_code_of(float v) {
   int lo = 0, hi = 255;  // answer in [lo, hi]
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    const float m = 0.5f * (kDynamicMap[mid] + kDynamicMap[mid + 1]);
+    const float m = 0.5f * (dynamic_map_value(mid) + dynamic_map_value(mid + 1));
     if (m < cv) lo = mid + 1; else hi = mid;
   }
   return static_cast<uint8_t>(lo);
 }
 
+// The 8-bit code of d in a 256-block with absmax a2 and r = 1 / a2 (r may overflow to inf for
+// a2 < ~2.9e-39: then d * r is +-inf or NaN). An all-zero block (a2 == 0) stores code 0.
+QF_HOST_DEVICE uint8_t double_quant_code(float d, float a2, float r) { return a2 == 0.0f ? 0 : dynamic_code_of(d * r); }
+
 // One 256-block of d = absmax - offset: returns absmax2, writes the 8-bit codes.
 QF_HOST_DEVICE float double_quant_block(const float* d, int64_t len, uint8_t* q) {
   float a2 = 0.0f;
-  for (int64_t i = 0; i < len; ++i) {
-    const float av = d[i] < 0 ? -d[i] : d[i];
-    if (av > a2) a2 = av;
-  }
-  if (a2 == 0.0f) {
-    for (int64_t i = 0; i < len; ++i) q[i] = 0;  // bitsandbytes: an all-zero block stores code 0
-    return a2;
-  }
-  const float r = 1.0f / a2;  // may overflow to inf for a2 < ~2.9e-39: then v is +-inf or NaN
-  for (int64_t i = 0; i < len; ++i) q[i] = dynamic_code_of(d[i] * r);
+  for (int64_t i = 0; i < len; ++i) a2 = abs_max_step(a2, d[i]);
+  const float r = a2 == 0.0f ? 0.0f : 1.0f / a2;
+  for (int64_t i = 0; i < len; ++i) q[i] = double_quant_code(d[i], a2, r);
   return a2;
 }
 
 QF_HOST_DEVICE float dequantize_absmax_value(uint8_t code, float absmax2, float offset) {
-  const float scaled = kDynamicMap[code] * absmax2;  // rounded ...
-  return scaled + offset;                            // ... then the add (no FMA)
+  const float scaled = dynamic_map_value(code) * absmax2;  // rounded ...
+  return scaled + offset;                                   // ... then the add (no FMA)
+}
+
+// --- the compressed-statistics offset: torch's float32 mean on one CPU thread ------------------------
+//
+// torch's float32 Tensor.sum on the CPU (aten/src/ATen/native/cpu/SumKernel.cpp, cascade_sum ->
+// vectorized_inner_sum -> row_sum -> multi_row_sum), for a contiguous 1-D tensor reduced on one
+// thread, as built for x86-64 (the sum kernel is an AVX2 kernel even on AVX-512 machines:
+// Vectorized<float> has W = 8 lanes). Reproduced operation by operation:
+//   * n >= W: the first n/W*W values are W-lane vectors v[0..nv). Vectors are read four at a time
+//     ("ilp" rows k = 0..3: vector 4i+k goes to accumulator k) for i < nv/4, with a cascade of
+//     4 levels: level 0 adds `step` = 2^max(4, ceil_log2(nv/4)/4) consecutive groups, then is
+//     added into level 1 and cleared; level 1 is carried into level 2 every step^2 groups, level 2
+//     into level 3 every step^3. Leftover groups go to level 0; then acc0 += acc1, += acc2, += acc3
+//     (per lane, per ilp row). Leftover vectors (nv % 4) are added to ilp row 0, then rows 1, 2, 3
+//     are added to row 0. The scalar result starts at 0, adds the n % W tail values in order, then
+//     the W lanes of row 0 in lane order.
+//   * n < W: the same with scalars instead of vectors (row_sum on scalars, 4 ilp accumulators).
+//   * The output starts at 0 and the result is added to it (0 + s); then mean = sum / n.
+// Each "+" is one float32 addition; the order above is the whole specification.
+//
+// Every (ilp row k, lane l) pair is an independent "stream" of float32 additions: for n >= 8,
+// stream s = 8k + l adds x[32 g + s] over the groups g = 0 .. nv/4 - 1; for n < 8, stream k adds
+// x[4 g + k]. A stream is: chunk sums (from 0, `step` groups each) pushed through the level carries
+// (cascade_push), then the leftover groups and the carried levels (cascade_result). The CPU runs
+// the 32 streams side by side in one pass; the CUDA kernel computes the chunk sums in parallel and
+// pushes them in order. Both use the helpers below, so they share every addition.
+
+constexpr int kSumLanes = 8;                    // torch's Vectorized<float>::size() (AVX2)
+constexpr int kSumStreams = 4 * kSumLanes;      // ilp rows x lanes
+constexpr int kSumStreamsSmall = 4;             // n < 8: ilp rows of scalars
+
+QF_HOST_DEVICE int64_t sum_ceil_log2(int64_t x) {  // c10 / ATen utils::CeilLog2
+  if (x <= 2) return 1;
+  int64_t r = 0;
+  uint64_t v = static_cast<uint64_t>(x - 1);
+  while (v) { ++r; v >>= 1; }
+  return r;
+}
+// log2 of the level step for `groups` groups of 4: max(4, ceil_log2(groups) / 4).
+QF_HOST_DEVICE int sum_level_power(int64_t groups) {
+  const int64_t p = sum_ceil_log2(groups) / 4;
+  return static_cast<int>(p > 4 ? p : 4);
+}
+
+// Levels 1..3 of one stream's cascade (level 0 is the running chunk sum, kept by the caller).
+struct SumCascade {
+  float l1 = 0.0f, l2 = 0.0f, l3 = 0.0f;
+};
+
+// A finished level-0 chunk sum, ending at group i_end (a multiple of the step 2^p), carried as
+// torch's multi_row_sum does: into level 1; level 1 into level 2 when bits p..2p-1 of i_end are
+// zero; level 2 into level 3 when bits 2p..3p-1 are zero too. A carried level restarts at 0.
+QF_HOST_DEVICE void cascade_push(SumCascade& c, float chunk, int64_t i_end, int p) {
+  const int64_t mask = (int64_t(1) << p) - 1;
+  c.l1 = c.l1 + chunk;
+  if ((i_end & (mask << p)) != 0) return;
+  c.l2 = c.l2 + c.l1;
+  c.l1 = 0.0f;
+  if ((i_end & (mask << (2 * p))) != 0) return;
+  c.l3 = c.l3 + c.l2;
+  c.l2 = 0.0f;
+}
+
+// The stream's total: the level-0 sum of the leftover groups (from 0), then + l1, + l2, + l3.
+QF_HOST_DEVICE float cascade_result(const SumCascade& c, float leftover) {
+  float a = leftover + c.l1;
+  a = a + c.l2;
+  return a + c.l3;
+}
+
+// n >= 8: the 32 stream totals ps[8k + l] -> the mean (row_sum's leftover vectors and row merge,
+// the scalar tail, the lanes, 0 + sum, / n).
+QF_HOST_DEVICE float mean_finish(const float* ps, const float* x, int64_t n) {
+  const int64_t nv = n / kSumLanes, groups = nv / 4;
+  float row[kSumLanes];
+  for (int l = 0; l < kSumLanes; ++l) row[l] = ps[l];
+  for (int64_t i = groups * 4; i < nv; ++i)
+    for (int l = 0; l < kSumLanes; ++l) row[l] = row[l] + x[i * kSumLanes + l];
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < kSumLanes; ++l) row[l] = row[l] + ps[k * kSumLanes + l];
+  float sum = 0.0f;
+  for (int64_t i = nv * kSumLanes; i < n; ++i) sum = sum + x[i];
+  for (int l = 0; l < kSumLanes; ++l) sum = sum + row[l];
+  sum = 0.0f + sum;                    // the output tensor starts at 0 and accumulates
+  return sum / static_cast<float>(n);  // Tensor.mean on the CPU: sum, then div_(numel)
+}
+
+// n < 8 (scalar path; at most one group of 4, so no chunk is ever complete); n == 0 gives torch's
+// 0 / 0 on x86: the default NaN with the sign bit set (0xFFC00000).
+QF_HOST_DEVICE float mean_small(const float* x, int64_t n) {
+  if (n == 0) return f32_from_bits(0xFFC00000u);
+  const int64_t groups = n / 4;
+  float ps[kSumStreamsSmall];
+  for (int k = 0; k < kSumStreamsSmall; ++k) {
+    float a = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) a = a + x[4 * g + k];
+    ps[k] = cascade_result(SumCascade{}, a);
+  }
+  float r = ps[0];
+  for (int64_t i = groups * 4; i < n; ++i) r = r + x[i];
+  for (int k = 1; k < kSumStreamsSmall; ++k) r = r + ps[k];
+  const float sum = 0.0f + r;
+  return sum / static_cast<float>(n);
 }
 
 // --- CPU kernels (nf4_cpu.cpp), threaded over blocks ------------------------------------------------
@@ -234,9 +396,11 @@ QF_HOST_DEVICE float dequantize_absmax_value(uint8_t code, float absmax2, float 
 // x[0..n) -> packed[ceil(n/2)], absmax[ceil(n/blocksize)].
 template <class T>
 void quantize_cpu(const T* x, int64_t n, int64_t blocksize, uint8_t* packed, float* absmax);
-// packed, absmax (float32, decoded) -> y[0..n) float32.
-void dequantize_cpu(const uint8_t* packed, const float* absmax, int64_t n, int64_t blocksize, float* y);
-// Decode elements [i0, i1) of the flat tensor (used by the GEMM tile decoder).
+// packed, absmax (float32, decoded) -> y[0..n) of T = float, half_t or bf16_t (decoded in float32,
+// rounded once to T).
+template <class T>
+void dequantize_cpu(const uint8_t* packed, const float* absmax, int64_t n, int64_t blocksize, T* y);
+// Decode elements [i0, i1) of the flat tensor to float32 (used by the GEMM tile decoder).
 void dequantize_range(const uint8_t* packed, const float* absmax, int64_t i0, int64_t i1, int64_t blocksize,
                       float* y);
 // float32 mean in torch's single-thread CPU summation order (bitsandbytes' absmax.mean()).
@@ -245,5 +409,18 @@ float mean_torch_order(const float* x, int64_t n);
 void double_quant_cpu(const float* absmax, int64_t n_blocks, uint8_t* q, float* absmax2, float* offset);
 // Inverse: q, absmax2, offset -> absmax[n_blocks] float32.
 void dequantize_absmax_cpu(const uint8_t* q, const float* absmax2, float offset, int64_t n_blocks, float* absmax);
+
+// --- CUDA kernels (nf4_cuda.cu): same arguments, device pointers, launched on `stream` (a
+// cudaStream_t) on the current device. Same bytes as the CPU kernels. ------------------------------
+template <class T>
+void quantize_cuda(const T* x, int64_t n, int64_t blocksize, uint8_t* packed, float* absmax, void* stream);
+template <class T>
+void dequantize_cuda(const uint8_t* packed, const float* absmax, int64_t n, int64_t blocksize, T* y, void* stream);
+// The offset is computed on the device (torch's CPU order, see above) and written to offset[0].
+void double_quant_cuda(const float* absmax, int64_t n_blocks, uint8_t* q, float* absmax2, float* offset,
+                       void* stream);
+// `offset` is a device pointer to the one float32 offset.
+void dequantize_absmax_cuda(const uint8_t* q, const float* absmax2, const float* offset, int64_t n_blocks,
+                            float* absmax, void* stream);
 
 }  // namespace qf::nf4

@@ -24,7 +24,7 @@ for stage in $stages; do
     build)
       t0=$(date +%s)
       python3 -m pip install --no-build-isolation --no-deps -q . -Cbuild-dir=build/gpu \
-        -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+        -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 "-Ccmake.define.QFORMATS_FORMATS=${QF_FORMATS:-}" >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
       echo "built in $(( $(date +%s) - t0 )) s"
       python3 -c "import qformats; print('cuda_available:', qformats.cuda_available())" ;;
     test)

@@ -192,6 +192,7 @@ def test_gpu_misaligned_inputs_and_outputs(dtype):
 def test_gpu_runs_on_the_callers_stream():
     x = torch.randn(512, 4096, device="cuda")
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # x was made on the default stream
     with torch.cuda.stream(s):
         y = x * 2  # queued on s: quantize must come after it
         q = M.quantize(y, outlier_ratio=0.001)
@@ -344,6 +345,7 @@ def test_gpu_pack_unpack_large_misaligned_and_stream():
     M._native.pack_2bit(v.cuda(), out, torch.cuda.current_stream().cuda_stream)
     assert_bytes_equal(out, want)
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # x was made on the default stream
     with torch.cuda.stream(s):
         pg = M.pack_2bit(v.cuda())
         u = M.unpack_2bit(misaligned_copy(pg), v.numel() - 5)

@@ -220,6 +220,7 @@ def test_gpu_large_and_misaligned(shape, blocksize, dtype):
 def test_gpu_runs_on_the_callers_stream():
     x = torch.randn(512, 4096, device="cuda")
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # x was made on the default stream
     with torch.cuda.stream(s):
         y = x * 2  # queued on s: quantize must come after it
         q = nf4.quantize(y, compress_statistics=True)

@@ -156,6 +156,39 @@ def empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
     return np.empty(shape, dtype=dtype)
 
 
+def is_cuda(x: Any) -> bool:
+    """True for a torch tensor on a CUDA device."""
+    return is_torch(x) and x.device.type == "cuda"
+
+
+def cpu_only(name: str, *arrays: Any) -> None:
+    """NotImplementedError for a CUDA tensor passed to a function that has no CUDA kernel yet."""
+    for a in arrays:
+        if a is not None and device_of(a) != "cpu":
+            raise NotImplementedError(f"{name}: CPU only for now (no CUDA kernel yet); got a tensor on "
+                                      f"{device_of(a)}, move the operands with .cpu()")
+
+
+def check_matmul_operands(name: str, a: Any, b: Any, dtype: str, values_per_element: int,
+                          max_k: int) -> tuple[int, int, int]:
+    """Checks for the integer GEMMs ``A . B^T``: a [N, Ka] and b [M, Ka] of ``dtype`` (each
+    element holding ``values_per_element`` values, so K = Ka * values_per_element), 2-D,
+    C-contiguous, on the CPU, K <= max_k (so the int32 result cannot overflow).
+    Returns (N, M, K). Raises TypeError / ValueError / NotImplementedError."""
+    check_array(a, "a", dtype)
+    check_array(b, "b", dtype)
+    cpu_only(name, a, b)
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"{name}: expected 2-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    (n, ka), (m, kb) = a.shape, b.shape
+    if ka != kb:
+        raise ValueError(f"{name}: K mismatch, a is {tuple(a.shape)} and b is {tuple(b.shape)}")
+    k = ka * values_per_element
+    if k > max_k:
+        raise ValueError(f"{name}: K={k} > {max_k}, the int32 result could overflow")
+    return int(n), int(m), int(k)
+
+
 def same_device(*named: tuple[str, Any]) -> None:
     """ValueError unless every (name, array) is on the device of the first."""
     dev0 = device_of(named[0][1])

@@ -45,14 +45,6 @@ def _check_params(group_size: Any, symmetric: Any) -> dict:
     return {"group_size": gs, "symmetric": symmetric}
 
 
-def _cpu_only(name: str, *arrays: Any) -> None:
-    """NotImplementedError for a CUDA tensor passed to a function without CUDA kernels yet."""
-    for a in arrays:
-        if a is not None and A.device_of(a) != "cpu":
-            raise NotImplementedError(f"{name}: CPU only for now (no CUDA kernel yet); got a tensor on "
-                                      f"{A.device_of(a)}, move the operands with .cpu()")
-
-
 def _buffer_shapes(shape: tuple, p: dict) -> dict:
     lead, k = tuple(shape[:-1]), int(shape[-1])
     out = {"qweight": ("uint8", (*lead, k // 2)),
@@ -225,17 +217,7 @@ def int4_matmul(a: Any, b: Any) -> Any:
         ValueError: not 2-D, K mismatch, K > 33554431, non-contiguous.
         NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
     """
-    A.check_array(a, "a", "uint8")
-    A.check_array(b, "b", "uint8")
-    _cpu_only("int4_matmul", a, b)
-    if a.ndim != 2 or b.ndim != 2:
-        raise ValueError(f"int4_matmul: expected 2-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    (N, KB), (M, KBb) = a.shape, b.shape
-    if KB != KBb:
-        raise ValueError(f"int4_matmul: K mismatch, a is {tuple(a.shape)} and b is {tuple(b.shape)}")
-    K = 2 * KB
-    if K > MAX_MATMUL_K:
-        raise ValueError(f"int4_matmul: K={K} > {MAX_MATMUL_K}, the int32 result could overflow")
+    N, M, K = A.check_matmul_operands("int4_matmul", a, b, "uint8", 2, MAX_MATMUL_K)
     out = A.empty(a, (N, M), "int32")
     _native.int4_matmul(a, b, out, N, M, K)
     return out
@@ -261,7 +243,7 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     """
     A.check_float(x, "x", ndim=2)
     w = check_quantized(w, FORMAT)
-    _cpu_only("gemm", x, *w.buffers.values())
+    A.cpu_only("gemm", x, *w.buffers.values())
     if len(w.shape) != 2:
         raise ValueError(f"gemm: w must be a 2-D int4 tensor [M, K], got shape {w.shape}")
     (N, K), (M, Kw) = x.shape, w.shape

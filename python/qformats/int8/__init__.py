@@ -101,14 +101,6 @@ def _decode(codes: Any, scale: Any, shape: tuple, unit_len: int, dtype: str) -> 
     return out
 
 
-def _cpu_only(name: str, *arrays: Any) -> None:
-    """NotImplementedError for a CUDA tensor passed to a function without CUDA kernels yet."""
-    for a in arrays:
-        if A.device_of(a) != "cpu":
-            raise NotImplementedError(f"{name}: CPU only for now (no CUDA kernel yet); got a tensor on "
-                                      f"{A.device_of(a)}, move the operands with .cpu()")
-
-
 def quantize(x: Any, granularity: str = "row", group_size: int = 128) -> QuantizedTensor:
     """Quantize to symmetric absmax int8.
 
@@ -210,16 +202,7 @@ def int8_matmul(a: Any, b: Any) -> Any:
         ValueError: not 2-D, K mismatch, K > 131071, non-contiguous.
         NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
     """
-    A.check_array(a, "a", "int8")
-    A.check_array(b, "b", "int8")
-    _cpu_only("int8_matmul", a, b)
-    if a.ndim != 2 or b.ndim != 2:
-        raise ValueError(f"int8_matmul: expected 2-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    (N, K), (M, Kb) = a.shape, b.shape
-    if K != Kb:
-        raise ValueError(f"int8_matmul: K mismatch, a is {tuple(a.shape)} and b is {tuple(b.shape)}")
-    if K > MAX_MATMUL_K:
-        raise ValueError(f"int8_matmul: K={K} > {MAX_MATMUL_K}, the int32 result could overflow")
+    N, M, K = A.check_matmul_operands("int8_matmul", a, b, "int8", 1, MAX_MATMUL_K)
     out = A.empty(a, (N, M), "int32")
     _native.int8_matmul(a, b, out, N, M, K)
     return out

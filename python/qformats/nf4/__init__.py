@@ -70,14 +70,6 @@ def _all_finite(a: Any) -> bool:
     return bool(np.isfinite(a).all())
 
 
-def _cpu_only(name: str, *arrays: Any) -> None:
-    """NotImplementedError for a CUDA tensor passed to a function without CUDA kernels yet."""
-    for a in arrays:
-        if A.device_of(a) != "cpu":
-            raise NotImplementedError(f"{name}: CPU only for now (no CUDA kernel yet); got a tensor on "
-                                      f"{A.device_of(a)}, move the operands with .cpu()")
-
-
 def _check_params(params: dict) -> tuple[int, bool]:
     """(blocksize, compress_statistics) from a params dict; ValueError/TypeError if malformed."""
     if not isinstance(params, dict):
@@ -272,7 +264,7 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     """
     w = check_quantized(w, FORMAT)
     A.check_type(x, "x")
-    _cpu_only("nf4.gemm", x, *w.buffers.values())
+    A.cpu_only("nf4.gemm", x, *w.buffers.values())
     A.check_float(x, "x", ndim=2)
     if A.dtype_name(x) != "float32":
         raise TypeError(f"x: expected float32 activations, got {A.dtype_name(x)}")

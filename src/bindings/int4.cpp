@@ -7,7 +7,9 @@
 
 #include "bindings/nb_common.h"
 #include "formats/int4/int4.h"
+#include "gemm/bind_args.h"
 #include "gemm/int4_int4.h"
+#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;
@@ -119,19 +121,22 @@ void unpack(const Array& packed, const Array& out, uintptr_t stream) {
   }
 }
 
-// x: float32 [N, K]; weight buffers of an [M, K] int4 tensor; out: float32 [N, M]. The GEMMs
-// are CPU only (CUDA GEMMs are a later issue): CUDA arrays get "expected a CPU array".
+// x: float [N, K] (float32, float16 or bfloat16: converted to float32 exactly); weight buffers
+// of an [M, K] int4 tensor; out: float32 [N, M]. The GEMMs are CPU only (CUDA GEMMs are a later
+// issue): CUDA arrays get "expected a CPU array".
 void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
           const Array& out, int64_t N, int64_t K, int64_t M, int64_t group_size) {
   if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
-  require<float>(x, "x");
+  require_cpu_contiguous(x, "x");
   require<float>(out, "out");
   require_numel(x, N * K, "x");
   require_numel(out, N * M, "out");
   check_buffers(M * K, group_size, qweight, scales, zeros);
   if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
-  int4::weight_only_gemm_cpu(cptr<float>(x), N, K, M, cptr<uint8_t>(qweight), cptr<float>(scales),
-                             zeros_ptr(zeros), group_size, mptr<float>(out));
+  std::vector<float> buf;
+  const float* px = float32_activations(x, "x", buf);
+  gemm::int4_gemm_cpu(px, N, K, M, cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), group_size,
+                      mptr<float>(out));
 }
 
 // a: uint8 [N, K/2], b: uint8 [M, K/2] (symmetric packed codes); out: int32 [N, M].
@@ -162,4 +167,5 @@ NB_MODULE(_native, m) {
         nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), release_gil());
   m.def("int4_matmul", &int4_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
         nb::arg("K"), release_gil());
+  m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

@@ -2,6 +2,11 @@
 // int32 GEMM (gemm/int8_int8). Adapters check the arrays, then call the kernels without the GIL.
 #include "bindings/nb_common.h"
 #include "formats/int8/int8.h"
+#include <nanobind/stl/optional.h>
+
+#include <optional>
+
+#include "gemm/bind_args.h"
 #include "gemm/int8_int8.h"
 
 using namespace qf;
@@ -67,6 +72,36 @@ void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, in
   gemm::int8_matmul_cpu(cptr<int8_t>(a), cptr<int8_t>(b), mptr<int32_t>(out), N, M, K);
 }
 
+// The fused int8 linear layer: a int8 [N, K], a_scale float32 [N] or [1], b int8 [M, K],
+// b_scale float32 [M] or [1], bias None or float [M] (float32/float16/bfloat16), out [N, M] of
+// float32, float16 or bfloat16: relu?(acc * (a_scale * b_scale * scale_c) + bias). CPU only.
+void int8_linear(const Array& a, const Array& a_scale, const Array& b, const Array& b_scale,
+                 const std::optional<Array>& bias, bool relu, double scale_c, const Array& out, int64_t N,
+                 int64_t M, int64_t K) {
+  if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
+  if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
+  require<int8_t>(a, "x_q");
+  require<int8_t>(b, "w_q");
+  require<float>(a_scale, "x_scale");
+  require<float>(b_scale, "w_scale");
+  require_numel(a, N * K, "x_q");
+  require_numel(b, M * K, "w_q");
+  require_numel(out, N * M, "out");
+  const int64_t na = numel(a_scale), nw = numel(b_scale);
+  if (na != N && na != 1) throw std::invalid_argument("x_scale: expected N or 1 elements");
+  if (nw != M && nw != 1) throw std::invalid_argument("w_scale: expected M or 1 elements");
+  std::vector<float> bias_buf;
+  const float* pbias = nullptr;
+  if (bias) {
+    require_numel(*bias, M, "bias");
+    pbias = float32_activations(*bias, "bias", bias_buf);
+  }
+  dispatch_float_out(out, "out", Device{}, [&](auto* py) {
+    gemm::int8_linear_cpu(cptr<int8_t>(a), cptr<float>(a_scale), na == N, cptr<int8_t>(b), cptr<float>(b_scale),
+                          nw == M, pbias, relu, static_cast<float>(scale_c), py, N, M, K);
+  });
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -77,4 +112,8 @@ NB_MODULE(_native, m) {
         nb::arg("stream") = 0, release_gil());
   m.def("int8_matmul", &int8_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"),
         nb::arg("M"), nb::arg("K"), release_gil());
+  m.def("int8_linear", &int8_linear, nb::arg("a"), nb::arg("a_scale"), nb::arg("b"), nb::arg("b_scale"),
+        nb::arg("bias").none(), nb::arg("relu"), nb::arg("scale_c"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
+        nb::arg("K"), release_gil());
+  m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

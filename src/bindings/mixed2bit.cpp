@@ -6,6 +6,8 @@
 // tensors on the caller's stream. The GEMM is CPU-only for now.
 #include "bindings/nb_common.h"
 #include "formats/mixed2bit/mixed2bit.h"
+#include "gemm/bind_args.h"
+#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;
@@ -153,23 +155,26 @@ void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block
   });
 }
 
-// Y [N, rows] = X [N, K] . W^T. CPU only for now: CUDA arrays are refused by the checks.
-void gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
+// Y [N, rows] = X [N, K] . W^T, X float32, float16 or bfloat16 (computed in float32), W decoded a
+// tile at a time (gemm/weight_only_formats.h). CPU only for now: CUDA arrays are refused by the checks.
+void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
           int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
           const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
           const Array& outlier_idx, const Array& outlier_val, const Array& out) {
   const Device cpu;  // every array must be a CPU array
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
   check_buffers(d, cpu, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
-  require<float>(x, "x");
+  require_cpu_contiguous(x, "x");
   require<float>(out, "out");
   if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K)
-    throw std::invalid_argument("x: expected float32 [N, K]");
+    throw std::invalid_argument("x: expected float [N, K]");
   const int64_t N = static_cast<int64_t>(x.shape(0));
   require_numel(out, N * rows, "out");
-  m2::gemm_cpu(cptr<float>(x), N,
-               const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val),
-               d, mptr<float>(out));
+  const m2::ConstBuffers q =
+      const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  std::vector<float> buf;
+  const float* px = float32_activations(x, "x", buf);  // float16 / bfloat16: exact float32 copy
+  ::qf::gemm::mixed2bit_gemm_cpu(px, N, q, d, mptr<float>(out));  // validates the map and outliers
 }
 
 // values: uint8 with 16 * numel(out) elements; out: int32.
@@ -218,10 +223,11 @@ NB_MODULE(_native, m) {
         nb::arg("group_size"), nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
   m.def("dequantize_workspace_bytes", &dequantize_workspace_bytes, nb::arg("rows"), nb::arg("K"),
         nb::arg("group_size"), nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
-  m.def("gemm", &gemm, nb::arg("x"), nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
+  m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"),
         nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
         nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"), release_gil());
+  m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
   m.def("pack_2bit", &pack_2bit, nb::arg("values"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("unpack_2bit", &unpack_2bit, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
 }

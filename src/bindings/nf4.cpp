@@ -7,7 +7,8 @@
 
 #include "bindings/nb_common.h"
 #include "formats/nf4/nf4.h"
-#include "gemm/weight_only_cpu.h"
+#include "gemm/bind_args.h"
+#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;
@@ -108,15 +109,15 @@ void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset
   }
 }
 
-// out[N, M] = x[N, K] . W^T with W [M, K] given as nf4 (packed, decoded float32 absmax); CPU arrays
-// only for now (the CPU-only checks refuse CUDA arrays with a ValueError). The blocks
-// run over the flattened W, so a block may straddle two rows when K % blocksize != 0: the tile
-// decoder works on flat element ranges [m0 * K, m1 * K), which handles that.
+// out[N, M] = x[N, K] . W^T with W [M, K] given as nf4 (packed, decoded float32 absmax); x float32,
+// float16 or bfloat16 (converted to float32 exactly). CPU arrays only for now (the CPU-only checks
+// refuse CUDA arrays with a ValueError). The blocks run over the flattened W, so a block may
+// straddle two rows when K % blocksize != 0: the tile decoder works on flat element ranges.
 void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Array& out, int64_t M, int64_t K,
           int64_t blocksize) {
   check_blocksize(blocksize);
   if (M < 0 || K < 0) throw std::invalid_argument("M and K must be >= 0");
-  require<float>(x, "x");
+  require_cpu_contiguous(x, "x");
   require<uint8_t>(packed, "packed");
   require<float>(absmax, "absmax");
   require<float>(out, "out");
@@ -127,12 +128,9 @@ void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Ar
   require_numel(packed, (n + 1) / 2, "packed");
   require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
   require_numel(out, N * M, "out");
-  const uint8_t* pw = cptr<uint8_t>(packed);
-  const float* pa = cptr<float>(absmax);
-  gemm::weight_only_gemm_cpu(
-      cptr<float>(x), N, K, M,
-      [&](int64_t m0, int64_t m1, float* tile) { nf4::dequantize_range(pw, pa, m0 * K, m1 * K, blocksize, tile); },
-      mptr<float>(out));
+  std::vector<float> buf;
+  const float* px = float32_activations(x, "x", buf);
+  gemm::nf4_gemm_cpu(px, N, K, M, cptr<uint8_t>(packed), cptr<float>(absmax), blocksize, mptr<float>(out));
 }
 
 // The format's constants as the native code sees them (tests compare them with the reference).
@@ -166,6 +164,7 @@ NB_MODULE(_native, m) {
         nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &gemm_nf4, nb::arg("x"), nb::arg("packed"), nb::arg("absmax"), nb::arg("out"), nb::arg("M"),
         nb::arg("K"), nb::arg("blocksize"), release_gil());
+  m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
   m.def("mean_torch_order", &mean_torch_order, nb::arg("x"));
   m.def("constants", &constants);
 }

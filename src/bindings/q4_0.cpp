@@ -2,7 +2,9 @@
 // Adapters check the arrays, then call the kernels without the GIL.
 #include "bindings/nb_common.h"
 #include "formats/q4_0/q4_0.h"
+#include "gemm/bind_args.h"
 #include "gemm/q4_0_q8_1.h"
+#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;
@@ -57,6 +59,34 @@ void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M,
   gemm::gemm_q4_0_q8_1_cpu(cptr<q4_0::block_q4_0>(w), cptr<q8_1::block_q8_1>(a), mptr<float>(out), M, N, K);
 }
 
+// Checks of the weight-side GEMMs: x [N, K] float (float32/float16/bfloat16), w q4_0 blocks of
+// an [M, K] tensor, out float32 [N, M]; all CPU, C-contiguous.
+void check_x_w_out(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K) {
+  if (M < 0 || N < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, N, K (K must be a multiple of 32)");
+  require<uint8_t>(w, "w");
+  require<float>(out, "out");
+  require_cpu_contiguous(x, "x");
+  require_numel(x, N * K, "x");
+  require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "w");
+  require_numel(out, N * M, "out");
+}
+
+// llama.cpp's linear layer: x quantized to q8_1 on the fly, then the integer q4_0 x q8_1 GEMM;
+// out [N, M] = (W . x_q^T)^T.
+void linear(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K) {
+  check_x_w_out(x, w, out, M, N, K);
+  const auto* pw = cptr<q4_0::block_q4_0>(w);
+  dispatch_float(x, "x", [&](auto* px) { gemm::linear_q4_0_cpu(px, N, K, pw, M, mptr<float>(out)); });
+}
+
+// Weight-only: out [N, M] = x . W^T in float32, W decoded a tile at a time.
+void weight_only_gemm(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K) {
+  check_x_w_out(x, w, out, M, N, K);
+  std::vector<float> buf;
+  const float* px = float32_activations(x, "x", buf);
+  gemm::q4_0_gemm_cpu(px, N, K, M, cptr<q4_0::block_q4_0>(w), mptr<float>(out));
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -66,4 +96,9 @@ NB_MODULE(_native, m) {
         release_gil());
   m.def("gemm_q4_0_q8_1", &gemm_q4_0_q8_1, nb::arg("weight_q"), nb::arg("activation_q"),
         nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"), release_gil());
+  m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"),
+        release_gil());
+  m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"),
+        nb::arg("K"), release_gil());
+  m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

@@ -13,8 +13,13 @@ namespace qf::gemm {
 constexpr int64_t kInt4MaxK = 33554431;
 
 // A: uint8 [N, K/2], B: uint8 [M, K/2] (packed), out: int32 [N, M]; K even, K <= kInt4MaxK.
-// The codes are unpacked to int8 (A once, B a tile of rows at a time) and multiplied by the
-// int8 GEMM driver, so both GEMMs share one inner loop.
+// A (the activations, usually few rows) is unpacked once to int8 in the order the leaf kernels
+// read it (int4_split_rows); B stays packed and is unpacked in registers (gemm/cpu_kernels.h).
 void int4_matmul_cpu(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K);
+
+// Rows of packed codes [N, K/2] -> int8 [N, Kp], Kp = K rounded up to 128: per 128 values the 64
+// even elements, then the 64 odd ones (the low and the high nibbles of 64 packed bytes), zeros
+// after K.
+void int4_split_rows(const uint8_t* A, int64_t N, int64_t K, int8_t* out);
 
 }  // namespace qf::gemm

@@ -1,6 +1,6 @@
-// q4_0 weights x q8_1 activations, llama.cpp's pair (ggml-cuda/vecdotq.cuh
-// vec_dot_q4_0_q8_1, mmvq/mmq): out[m, n] = sum over K of W[m, k] * A[n, k], i.e. W . A^T,
-// computed per 32-block with an exact integer dot product and float32 scales.
+// q4_0 weights x q8_1 activations, llama.cpp's pair (ggml-cpu ggml_vec_dot_q4_0_q8_0, whose
+// q8_0 codes are q8_1's; ggml-cuda vecdotq.cuh vec_dot_q4_0_q8_1): per 32-block an exact integer
+// dot product of the codes, scaled by d_w * d_a, summed over blocks in float32.
 #pragma once
 #include <cstdint>
 
@@ -9,10 +9,22 @@
 
 namespace qf::gemm {
 
-// W: [M, K/32] q4_0 blocks; A: [N, K/32] q8_1 blocks; out: float32 [M, N] row-major.
-// Per block: d_w * d_a * sum_j (q_w[j] - 8) * q_a[j], summed over blocks in float32, in
-// block order (so the result does not depend on threading).
+// W: [M, K/32] q4_0 blocks; A: [N, K/32] q8_1 blocks; out: float32 [M, N] row-major (W . A^T).
+// Per block: d_w * d_a * sum_j (q_w[j] - 8) * q_a[j] (the integer sum exact; llama.cpp's CPU
+// kernel folds the -8 the same way, while its CUDA kernel uses q8_1's rounded s field instead),
+// summed over blocks in float32 in an order fixed by the instruction set (not by threads).
 void gemm_q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, float* out,
                         int64_t M, int64_t N, int64_t K);
+
+// The same product with out[i * ldo_m + j * ldo_n] (gemm_q4_0_q8_1_cpu: ldo_m = N, ldo_n = 1;
+// a linear layer's [N, M] output: ldo_m = 1, ldo_n = M).
+void q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K,
+                   float* out, int64_t ldo_m, int64_t ldo_n);
+
+// llama.cpp's linear layer: x [N, K] (T = float, half_t or bf16_t) quantized to q8_1 on the fly
+// (exactly q8_1::quantize_cpu's bytes), then Y [N, M] = q4_0_q8_1(W, x_q)^T. Bitwise equal to
+// gemm_q4_0_q8_1_cpu(W, quantize_q8_1(x)) transposed.
+template <class T>
+void linear_q4_0_cpu(const T* x, int64_t N, int64_t K, const q4_0::block_q4_0* W, int64_t M, float* out);
 
 }  // namespace qf::gemm

@@ -224,15 +224,16 @@ def int4_matmul(a: Any, b: Any) -> Any:
 
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
-    """Weight-only GEMM ``Y = X . W^T`` with float32 activations and int4 weights.
+    """Weight-only GEMM ``Y = X . W^T`` with float activations and int4 weights.
 
-    The weights are decoded 16 rows at a time exactly as :func:`dequantize` does (never
-    materialized whole) and multiplied in float32 by ``qformats``' shared weight-only kernel
-    (``src/gemm/weight_only_cpu.h``: 8 partial sums per dot product, a fixed order).
+    The weights are decoded to exactly the values :func:`dequantize` gives, a cache-sized tile
+    at a time (in registers for N <= 4 when group_size % 32 == 0 on AVX-512 CPUs), never
+    materialized whole, and multiplied in float32 (FMA; ``src/gemm/weight_only_cpu.h``),
+    threaded, in an order fixed by the CPU's instruction set (not by the thread count).
 
     Args:
-        x: ``[N, K]`` float32 (float16/bfloat16 are converted to float32 exactly), numpy or
-            torch CPU, C-contiguous, finite (CPU only for now).
+        x: ``[N, K]`` float32, float16 or bfloat16 (16-bit values are converted to float32
+            exactly), numpy or torch CPU, C-contiguous, finite (CPU only for now).
         w: a 2-D int4 QuantizedTensor ``[M, K]``, either mode, with CPU buffers.
     Returns:
         float32 ``[N, M]`` in the library of ``x``.
@@ -241,16 +242,16 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         ValueError: x not 2-D, w not 2-D or not int4, K mismatch, non-contiguous, NaN/Inf.
         NotImplementedError: x or w on a CUDA device (no CUDA GEMM yet).
     """
-    A.check_float(x, "x", ndim=2)
+    A.check_type(x, "x")
     w = check_quantized(w, FORMAT)
-    A.cpu_only("gemm", x, *w.buffers.values())
+    A.cpu_only("int4.gemm", x, *w.buffers.values())
+    A.check_float(x, "x", ndim=2)
     if len(w.shape) != 2:
         raise ValueError(f"gemm: w must be a 2-D int4 tensor [M, K], got shape {w.shape}")
     (N, K), (M, Kw) = x.shape, w.shape
     if K != Kw:
         raise ValueError(f"gemm: K mismatch, x is {tuple(x.shape)} and w is {w.shape}")
-    x32 = A.cast(x, "float32")
     qweight, scales, zeros, gs = _decode_args(w)
     out = A.empty(x, (N, M), "float32")
-    _native.gemm(x32, qweight, scales, zeros, out, N, K, M, gs)
+    _native.gemm(x, qweight, scales, zeros, out, N, K, M, gs)
     return out

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
 from . import _native, reference
@@ -29,7 +31,7 @@ QMAX = 127                                   #: codes are in [-QMAX, QMAX]
 GRANULARITIES = ("tensor", "row", "group")   #: what one scale covers
 MAX_MATMUL_K = 131071                        #: largest K with an exact int32 int8_matmul
 
-__all__ = ["quantize", "dequantize", "quantize_tensor", "dequantize_tensor", "int8_matmul",
+__all__ = ["quantize", "dequantize", "quantize_tensor", "dequantize_tensor", "int8_matmul", "int8_linear",
            "expected_buffers", "FORMAT", "QMAX", "GRANULARITIES", "MAX_MATMUL_K", "reference"]
 
 
@@ -196,7 +198,8 @@ def int8_matmul(a: Any, b: Any) -> Any:
         b: int8 ``[M, K]``.
     Returns:
         int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]``, in the library of ``a``.
-        Exact: with ``K <= 131071`` no sum can leave int32 (|a * b| <= 2^14).
+        Exact: with ``K <= 131071`` no sum can leave int32 (|a * b| <= 2^14). Threaded, with
+        AVX-512 VNNI / AVX2 kernels where the CPU has them (the same integers on every path).
     Raises:
         TypeError: not arrays/tensors, or not int8.
         ValueError: not 2-D, K mismatch, K > 131071, non-contiguous.
@@ -205,4 +208,74 @@ def int8_matmul(a: Any, b: Any) -> Any:
     N, M, K = A.check_matmul_operands("int8_matmul", a, b, "int8", 1, MAX_MATMUL_K)
     out = A.empty(a, (N, M), "int32")
     _native.int8_matmul(a, b, out, N, M, K)
+    return out
+
+
+def _scale_vector(s: Any, name: str, n: int, what: str) -> Any:
+    """A float32 scale with ``n`` elements (one per row, any shape such as [n] or [n, 1]) or
+    one element (a per-tensor scale); returned flattened."""
+    A.check_array(s, name, "float32")
+    size = 1
+    for d in s.shape:
+        size *= int(d)
+    if size not in (n, 1):
+        raise ValueError(f"{name}: expected {n} elements (one per {what}) or 1 (per tensor), got shape "
+                         f"{tuple(s.shape)}")
+    return s.reshape(-1)
+
+
+def int8_linear(x_q: Any, x_scale: Any, w_q: Any, w_scale: Any, bias: Any = None, relu: bool = False,
+                scale_c: float = 1.0, out_dtype: str = "float32") -> Any:
+    """Fused int8 linear layer: the exact int32 product ``acc = x_q . w_q^T`` (as
+    :func:`int8_matmul`), dequantized, biased and optionally rectified in the same pass
+    (bitsandbytes' ``int8_linear_matmul`` + ``int8_mm_dequant``; the seed's fused matmul + bias +
+    ReLU). Per output element, in float32::
+
+        y[n, m] = acc[n, m] * ((x_scale[n] * w_scale[m]) * scale_c) + bias[m]
+        y = max(y, 0) if relu;   then rounded once to out_dtype
+
+    With this module's scales (``absmax / 127``, e.g. ``quantize(x, "row")``) ``scale_c = 1``
+    gives ``x . w^T``; with bitsandbytes' row/column statistics (absmax) use
+    ``scale_c = 1 / 127**2``.
+
+    Args:
+        x_q: int8 ``[N, K]`` activation codes (numpy or torch CPU, C-contiguous).
+        x_scale: float32 per-row scales, N elements (``[N]`` or ``[N, 1]``, as
+            ``quantize(x, "row")``'s ``scale``) or 1 element (per tensor).
+        w_q: int8 ``[M, K]`` weight codes.
+        w_scale: float32 per-output-row scales, M elements (``[M]`` or ``[M, 1]``) or 1.
+        bias: None, or float32/float16/bfloat16 ``[M]`` (converted to float32 exactly).
+        relu: apply ``max(., 0)`` after the bias (NaN stays NaN).
+        scale_c: a float multiplied into every scale (rounded to float32).
+        out_dtype: "float32" (default), "float16" or "bfloat16" (torch only).
+    Returns:
+        ``[N, M]`` of ``out_dtype`` in the library of ``x_q``.
+    Raises:
+        TypeError: wrong types or dtypes (relu not a bool, scale_c not a real number).
+        ValueError: shapes (not 2-D, K mismatch, scale or bias sizes), K > 131071,
+            non-contiguous, a non-finite scale_c, a bad out_dtype.
+        NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
+    """
+    N, M, K = A.check_matmul_operands("int8_linear", x_q, w_q, "int8", 1, MAX_MATMUL_K)
+    A.check_type(x_scale, "x_scale")
+    A.check_type(w_scale, "w_scale")
+    A.cpu_only("int8_linear", x_scale, w_scale, bias)
+    xs = _scale_vector(x_scale, "x_scale", N, "row of x_q")
+    ws = _scale_vector(w_scale, "w_scale", M, "row of w_q")
+    if bias is not None:
+        A.check_float(bias, "bias", ndim=1, finite=False)
+        if int(bias.shape[0]) != M:
+            raise ValueError(f"bias: expected shape ({M},), got {tuple(bias.shape)}")
+    if not isinstance(relu, bool):
+        raise TypeError(f"relu: expected a bool, got {type(relu).__name__}")
+    if isinstance(scale_c, bool) or not isinstance(scale_c, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale_c: expected a real number, got {type(scale_c).__name__}")
+    if not np.isfinite(scale_c) or abs(float(scale_c)) > float(np.finfo(np.float32).max):
+        raise ValueError(f"scale_c: expected a finite float32 number, got {scale_c}")
+    if not isinstance(out_dtype, str):
+        raise TypeError(f"out_dtype: expected a str, got {type(out_dtype).__name__}")
+    if out_dtype not in A.FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {A.FLOAT_DTYPES}, got {out_dtype!r}")
+    out = A.empty(x_q, (N, M), out_dtype)
+    _native.int8_linear(x_q, xs, w_q, ws, bias, relu, float(scale_c), out, N, M, K)
     return out

@@ -389,3 +389,4 @@ def nmse(w: Any, q: Any) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
+from ._gemm import gemm  # noqa: E402,F401,F811  (the CPU GEMM lives in _gemm.py)

@@ -247,18 +247,22 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
 
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
-    """``Y = X . W^T`` with float32 activations and nf4 weights, W decoded a tile at a time.
+    """``Y = X . W^T`` with float activations and nf4 weights, W decoded a tile at a time (in
+    registers for N <= 4 on AVX-512 CPUs), never materialized whole.
 
     Args:
-        x: float32 ``[N, K]`` numpy array / CPU torch tensor, contiguous, finite.
+        x: float32, float16 or bfloat16 ``[N, K]`` numpy array / CPU torch tensor (16-bit values
+            are converted to float32 exactly), contiguous, finite.
         w: a 2-D nf4 QuantizedTensor of shape ``[M, K]`` (blocks run over the flattened W, so they
             may straddle rows when K % blocksize != 0), plain or with compressed statistics; CPU
             buffers (the GEMM has no CUDA kernel yet).
     Returns:
-        float32 ``[N, M]`` in the library of ``x``; each dot product is a float32 sum of
-        ``x[n, k] * CODE[code] * absmax`` in the fixed order of ``qformats``' weight-only GEMM.
+        float32 ``[N, M]`` in the library of ``x``; each dot product is a float32 (FMA) sum of
+        ``x[n, k] * w'[m, k]`` with ``w' = CODE[code] * absmax`` exactly as :func:`dequantize`
+        (bitsandbytes ``dequantize_4bit``), threaded, in an order fixed by the CPU's
+        instruction set (AVX-512, AVX2 or plain C++), not by the thread count.
     Raises:
-        TypeError: x not float32, w not a QuantizedTensor.
+        TypeError: x not a float32/float16/bfloat16 array or tensor, w not a QuantizedTensor.
         ValueError: shapes do not match, w not 2-D, NaN/Inf in x, non-contiguous x.
         NotImplementedError: x or a buffer of w on a CUDA device.
     """
@@ -266,8 +270,6 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     A.check_type(x, "x")
     A.cpu_only("nf4.gemm", x, *w.buffers.values())
     A.check_float(x, "x", ndim=2)
-    if A.dtype_name(x) != "float32":
-        raise TypeError(f"x: expected float32 activations, got {A.dtype_name(x)}")
     if len(w.shape) != 2:
         raise ValueError(f"w: expected a 2-D weight [M, K], got shape {w.shape}")
     M, K = w.shape

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
 from .._core import float_dtype as _float_dtype
@@ -20,8 +22,8 @@ FORMAT = "q4_0"
 QK = 32           #: values per block
 BLOCK_BYTES = 18  #: bytes per block
 
-__all__ = ["quantize", "dequantize", "quantize_q4_0", "dequantize_q4_0", "gemm_q4_0_q8_1",
-           "QK", "BLOCK_BYTES", "reference"]
+__all__ = ["quantize", "dequantize", "quantize_q4_0", "dequantize_q4_0", "gemm_q4_0_q8_1", "linear",
+           "gemm", "QK", "BLOCK_BYTES", "reference"]
 
 
 def quantize_q4_0(x: Any) -> Any:
@@ -98,24 +100,110 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
 
 
 def gemm_q4_0_q8_1(weight_q: Any, activation_q: Any, M: int, N: int, K: int) -> Any:
-    """``W . A^T`` on quantized operands, as llama.cpp's q4_0 x q8_1 dot products.
+    """``W . A^T`` on quantized operands, as llama.cpp's q4_0 x q8_1 dot products
+    (ggml-cpu ``ggml_vec_dot_q4_0_q8_0``, whose q8_0 codes are q8_1's; ggml-cuda
+    ``vec_dot_q4_0_q8_1``).
 
     Args:
-        weight_q: uint8 ``[M, K // 32, 18]`` q4_0 blocks (W is ``[M, K]``).
+        weight_q: uint8 ``[M, K // 32, 18]`` q4_0 blocks (W is ``[M, K]``), numpy or torch CPU.
         activation_q: uint8 ``[N, K // 32, 36]`` q8_1 blocks from
             :func:`qformats.q8_1.quantize_q8_1` (A is ``[N, K]``).
         M, N, K: the sizes; K a multiple of 32.
     Returns:
-        float32 ``[M, N]``: ``out[m, n] = sum_b d_w * d_a * sum_j (q_w - 8) * q_a`` over the
-        K/32 blocks (exact integer block sums, float32 accumulation across blocks).
+        float32 ``[M, N]`` in the library of ``weight_q``: ``out[m, n] = sum_b d_w * d_a *
+        sum_j (q_w - 8) * q_a`` over the K/32 blocks, each block sum an exact integer (the -8
+        offset folded in integers, as llama.cpp's CPU kernel; q8_1's rounded ``s`` field is not
+        used), float32 accumulation across blocks. The order of that float32 sum depends on
+        the CPU's instruction set (AVX-512 VNNI, AVX2 or plain C++), never on the thread count.
     Raises:
-        TypeError / ValueError: wrong dtypes or shapes.
+        TypeError: not arrays/tensors, not uint8, M/N/K not ints.
+        ValueError: K not a multiple of 32, shapes that do not match M, N, K, non-contiguous.
+        NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
     """
     M, N, K = (A.check_int(v, n) for v, n in ((M, "M"), (N, "N"), (K, "K")))
     if K % QK:
         raise ValueError(f"K={K} is not a multiple of {QK}")
+    A.check_type(weight_q, "weight_q")
+    A.check_type(activation_q, "activation_q")
+    A.cpu_only("gemm_q4_0_q8_1", weight_q, activation_q)
     A.check_array(weight_q, "weight_q", "uint8", (M, K // QK, BLOCK_BYTES))
     A.check_array(activation_q, "activation_q", "uint8", (N, K // QK, 36))
     out = A.empty(weight_q, (M, N), "float32")
     _native.gemm_q4_0_q8_1(weight_q, activation_q, out, M, N, K)
+    return out
+
+
+def _weight_and_x(name: str, x: Any, w: QuantizedTensor) -> tuple:
+    """Checks shared by :func:`linear` and :func:`gemm`: (x, blocks, N, M, K)."""
+    w = check_quantized(w, FORMAT)
+    A.check_type(x, "x")
+    A.cpu_only(name, x, *w.buffers.values())
+    A.check_float(x, "x", ndim=2)
+    if len(w.shape) != 2:
+        raise ValueError(f"{name}: w must be a 2-D q4_0 tensor [M, K], got shape {w.shape}")
+    (N, K), (M, Kw) = (int(s) for s in x.shape), w.shape
+    if K != Kw:
+        raise ValueError(f"{name}: K mismatch, x is {tuple(x.shape)} and w is {list(w.shape)}")
+    blocks = A.check_array(w.buffers["blocks"], "blocks", "uint8", (M, K // QK, BLOCK_BYTES))
+    return blocks, N, M, K
+
+
+def _max_abs(x: Any) -> float:
+    if A.is_torch(x):
+        return float(x.abs().max()) if x.numel() else 0.0
+    return float(np.abs(x).max()) if x.size else 0.0
+
+
+def linear(x: Any, w: QuantizedTensor) -> Any:
+    """llama.cpp's quantized linear layer: ``Y = X . W^T`` with the activations quantized to q8_1
+    on the fly (exactly :func:`qformats.q8_1.quantize_q8_1`'s blocks) and the integer q4_0 x
+    q8_1 dot products of :func:`gemm_q4_0_q8_1`.
+
+    Args:
+        x: float32, float16 or bfloat16 ``[N, K]`` activations (numpy or torch CPU,
+            C-contiguous, finite, ``|x| < 65520 * 127`` so that every q8_1 scale fits fp16).
+        w: a 2-D q4_0 :class:`~qformats.QuantizedTensor` ``[M, K]`` (K a multiple of 32), CPU
+            buffers.
+    Returns:
+        float32 ``[N, M]`` in the library of ``x``; bitwise equal to
+        ``gemm_q4_0_q8_1(w.buffers["blocks"], quantize_q8_1(x), M, N, K).T``. Its error against
+        ``x . dequantize(w)^T`` is the q8_1 rounding of x (at most half a step, ``max|x| / 254``
+        per block); against the dequantized operands it is float32 summation only.
+    Raises:
+        TypeError: x not a float array/tensor, w not a QuantizedTensor.
+        ValueError: x not 2-D, w not 2-D or not q4_0, K mismatch, non-contiguous, NaN/Inf, or
+            |x| too large for q8_1's fp16 scale.
+        NotImplementedError: x or w on a CUDA device (no CUDA GEMM yet).
+    """
+    blocks, N, M, K = _weight_and_x("q4_0.linear", x, w)
+    amax = np.float32(_max_abs(x))
+    with np.errstate(over="ignore"):
+        too_large = bool(np.isinf(np.float16(amax / np.float32(127.0))))
+    if too_large:
+        raise ValueError("x: a q8_1 block scale would overflow fp16: q4_0.linear needs |x| < 65520 * 127")
+    out = A.empty(x, (N, M), "float32")
+    _native.linear(x, blocks, out, M, N, K)
+    return out
+
+
+def gemm(x: Any, w: QuantizedTensor) -> Any:
+    """Weight-only GEMM ``Y = X . W^T``: float activations, q4_0 weights decoded in cache-sized
+    tiles (or in registers for N <= 4), never materialized whole.
+
+    Args:
+        x: float32, float16 or bfloat16 ``[N, K]`` (16-bit values are converted to float32
+            exactly), numpy or torch CPU, C-contiguous, finite.
+        w: a 2-D q4_0 :class:`~qformats.QuantizedTensor` ``[M, K]``, CPU buffers.
+    Returns:
+        float32 ``[N, M]`` in the library of ``x``: float32 dot products of x with exactly the
+        values :func:`dequantize` gives (``(q - 8) * d``), FMA-accumulated in an order fixed by
+        the CPU's instruction set (not by the thread count).
+    Raises:
+        TypeError: x not a float array/tensor, w not a QuantizedTensor.
+        ValueError: x not 2-D, w not 2-D or not q4_0, K mismatch, non-contiguous, NaN/Inf.
+        NotImplementedError: x or w on a CUDA device (no CUDA GEMM yet).
+    """
+    blocks, N, M, K = _weight_and_x("q4_0.gemm", x, w)
+    out = A.empty(x, (N, M), "float32")
+    _native.gemm(x, blocks, out, M, N, K)
     return out

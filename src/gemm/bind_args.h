@@ -1,0 +1,35 @@
+// Helpers for the GEMM adapters of src/bindings (included by them only: it needs nanobind).
+#pragma once
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <nanobind/stl/string.h>
+
+#include "bindings/nb_common.h"
+#include "gemm/cpu_isa.h"
+#include "gemm/weight_only_formats.h"
+
+namespace qf::bind {
+
+// Activations x (a C-contiguous CPU array of float32, float16 or bfloat16) as float32: x's own
+// data, or an exact converted copy held in buf. Raises TypeError / ValueError as dispatch_float.
+inline const float* float32_activations(const Array& x, const char* name, std::vector<float>& buf) {
+  const float* p = nullptr;
+  dispatch_float(x, name, [&](auto* px) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(px)>>;
+    if constexpr (std::is_same_v<T, float>) {
+      p = px;
+    } else {
+      buf.resize(static_cast<size_t>(numel(x)));
+      gemm::to_float32(px, numel(x), buf.data());
+      p = buf.data();
+    }
+  });
+  return p;
+}
+
+// The instruction set the CPU GEMMs of this extension use now ("avx512", "avx2" or "scalar").
+inline std::string gemm_isa() { return gemm::isa_name(gemm::active_isa()); }
+
+}  // namespace qf::bind

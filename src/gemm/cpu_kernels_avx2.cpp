@@ -1,0 +1,384 @@
+// AVX2 + FMA + F16C leaf kernels (gemm/cpu_kernels.h), for x86-64 CPUs without AVX-512. Every
+// function carries the target attribute QF_AVX2 (no global -m flags); cpu_isa.cpp hands this
+// table out only when __builtin_cpu_supports reports AVX2, FMA and F16C.
+//
+// Integer products: VPMADDUBSW (u8 x s8 -> pairs summed in int16) where the operands keep
+// every pair sum far inside int16 (q4_0 and int4: |u * a| <= 15 * 128), VPMADDWD on
+// sign-extended int16 for int8 x int8 (no saturation possible), VPMADDWD by ones to widen to
+// int32. Exact.
+#include "gemm/cpu_kernels.h"
+
+#if QF_GEMM_X86
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "formats/nf4/nf4.h"
+
+#define QF_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define QF_AVX2_INLINE QF_AVX2 __attribute__((always_inline)) inline
+
+namespace qf::gemm::k_avx2 {
+namespace {
+
+using q4_0::block_q4_0;
+
+QF_AVX2_INLINE float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Lane sum in wrapping 32-bit arithmetic (exact for results inside int32).
+QF_AVX2_INLINE uint32_t hsum_u32(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1))));
+}
+
+// Lanes < n all ones (n in 0..8): a mask for _mm256_maskload_ps.
+QF_AVX2_INLINE __m256i tail_mask8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+QF_AVX2_INLINE float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+// ---- float32 panel -------------------------------------------------------------------------
+
+template <int MR, int NR>
+QF_AVX2 void f32_micro(const float* X, int64_t ldx, const float* W, int64_t ldw, int64_t kc, float* acc,
+                       bool accumulate) {
+  __m256 c[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) c[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= kc; k += 8) {
+    __m256 x[NR];
+    for (int j = 0; j < NR; ++j) x[j] = _mm256_loadu_ps(X + j * ldx + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 w = _mm256_loadu_ps(W + i * ldw + k);
+      for (int j = 0; j < NR; ++j) c[i][j] = _mm256_fmadd_ps(w, x[j], c[i][j]);
+    }
+  }
+  if (k < kc) {
+    const __m256i m = tail_mask8(kc - k);
+    __m256 x[NR];
+    for (int j = 0; j < NR; ++j) x[j] = _mm256_maskload_ps(X + j * ldx + k, m);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 w = _mm256_maskload_ps(W + i * ldw + k, m);
+      for (int j = 0; j < NR; ++j) c[i][j] = _mm256_fmadd_ps(w, x[j], c[i][j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int i = 0; i < MR; ++i) {
+      const float s = hsum(c[i][j]);
+      float& a = acc[j * kPanelRows + i];
+      a = accumulate ? a + s : s;
+    }
+}
+
+template <int NR>
+QF_AVX2 void f32_rows(const float* X, int64_t ldx, const float* W, int64_t ldw, int64_t mr, int64_t kc,
+                      float* acc, bool accumulate) {
+  switch (mr) {
+#define QF_CASE(R) case R: if constexpr (R * NR <= 12) f32_micro<R, NR>(X, ldx, W, ldw, kc, acc, accumulate); break;
+    QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
+#undef QF_CASE
+    default: break;
+  }
+}
+
+QF_AVX2 void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t ldw, int64_t MT,
+                       int64_t kc, float* acc, bool accumulate) {
+  int64_t n = 0;
+  for (; n + 3 <= N; n += 3)  // 4 x 3 blocks: 12 accumulators of the 16 ymm registers
+    for (int64_t i = 0; i < MT; i += 4)
+      f32_rows<3>(X + n * ldx, ldx, W + i * ldw, ldw, std::min<int64_t>(4, MT - i), kc, acc + n * kPanelRows + i,
+                  accumulate);
+  if (N - n == 2) {
+    for (int64_t i = 0; i < MT; i += 4)
+      f32_rows<2>(X + n * ldx, ldx, W + i * ldw, ldw, std::min<int64_t>(4, MT - i), kc, acc + n * kPanelRows + i,
+                  accumulate);
+  } else if (N - n == 1) {
+    f32_rows<1>(X + n * ldx, ldx, W, ldw, MT, kc, acc + n * kPanelRows, accumulate);
+  }
+}
+
+// ---- decoders --------------------------------------------------------------------------------
+
+// 16 packed bytes -> the 32 codes in element order as 32 bytes (see the AVX-512 version).
+template <bool hi_first>
+QF_AVX2_INLINE __m256i nibbles32(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
+  const __m256i hi = _mm256_srli_epi16(w, 4);
+  return hi_first ? _mm256_or_si256(hi, _mm256_slli_epi16(lo, 8)) : _mm256_or_si256(lo, _mm256_slli_epi16(hi, 8));
+}
+
+// The 4 groups of 8 codes of a 32-byte code vector, as int32 lanes.
+QF_AVX2_INLINE void widen32(__m256i t, __m256i c[4]) {
+  const __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
+  c[0] = _mm256_cvtepu8_epi32(lo);
+  c[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  c[2] = _mm256_cvtepu8_epi32(hi);
+  c[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
+// 16-entry float table lookup: two 8-entry permutes, chosen by bit 3 of the code.
+QF_AVX2_INLINE __m256 lookup16(__m256i c, __m256 lut_lo, __m256 lut_hi) {
+  const __m256 a = _mm256_permutevar8x32_ps(lut_lo, c), b = _mm256_permutevar8x32_ps(lut_hi, c);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+}
+
+QF_AVX2 void decode_nf4(const uint8_t* packed, const float* absmax, int log2_bs, int64_t i0, int64_t len,
+                        float* out) {
+  if ((i0 | len) & 31) return k_scalar::kernels().decode_nf4(packed, absmax, log2_bs, i0, len, out);
+  const __m256 lut_lo = _mm256_loadu_ps(nf4::kCode), lut_hi = _mm256_loadu_ps(nf4::kCode + 8);
+  for (int64_t t = 0; t < len; t += 32) {
+    const int64_t i = i0 + t;
+    const __m256 am = _mm256_set1_ps(absmax[i >> log2_bs]);
+    __m256i c[4];
+    widen32(nibbles32<true>(packed + (i >> 1)), c);
+    for (int q = 0; q < 4; ++q) _mm256_storeu_ps(out + t + 8 * q, _mm256_mul_ps(lookup16(c[q], lut_lo, lut_hi), am));
+  }
+}
+
+QF_AVX2 void decode_int4(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs, int64_t i0,
+                         int64_t len, float* out) {
+  if (((i0 | len | gs) & 31)) return k_scalar::kernels().decode_int4(qweight, scales, zeros, gs, i0, len, out);
+  int64_t g = i0 / gs, r = i0 % gs;
+  const __m256i eight = _mm256_set1_epi32(8);
+  for (int64_t t = 0; t < len; t += 32) {
+    const __m256 s = _mm256_set1_ps(scales[g]);
+    const __m256i z = zeros ? _mm256_set1_epi32(zeros[g]) : eight;
+    __m256i c[4];
+    widen32(nibbles32<false>(qweight + ((i0 + t) >> 1)), c);
+    for (int q = 0; q < 4; ++q) {
+      // asymmetric: q - zero; symmetric: (nibble ^ 8) - 8. Exact small integers.
+      const __m256i v = zeros ? c[q] : _mm256_xor_si256(c[q], eight);
+      _mm256_storeu_ps(out + t + 8 * q, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, z)), s));
+    }
+    if ((r += 32) == gs) { r = 0; ++g; }
+  }
+}
+
+QF_AVX2 void decode_q4_0(const block_q4_0* blocks, int64_t n_blocks, float* out) {
+  const __m256i m4 = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const __m256 d = _mm256_set1_ps(fp16_to_f32(blocks[b].d.bits));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[b].qs));
+    const __m256i c0 = _mm256_cvtepu8_epi32(qs), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(qs, 8));
+    const __m256i v[4] = {_mm256_and_si256(c0, m4), _mm256_and_si256(c1, m4), _mm256_srli_epi32(c0, 4),
+                          _mm256_srli_epi32(c1, 4)};  // elements 0-7, 8-15, 16-23, 24-31
+    for (int q = 0; q < 4; ++q)
+      _mm256_storeu_ps(out + 32 * b + 8 * q, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v[q], eight)), d));
+  }
+}
+
+QF_AVX2 void decode_m2(const M2Group* groups, int64_t n, int64_t gs, float* out) {
+  const __m256i sh2a = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i sh2b = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
+  const __m256i sh4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i m2 = _mm256_set1_epi32(3), m4 = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < n; ++g) {
+    // Branch-free on the group's width: 16 values are one word shifted by 2 i (2-bit) or two
+    // words shifted by 4 i (4-bit).
+    const M2Group& G = groups[g];
+    const int is4 = G.is4 ? 1 : 0;
+    const __m256i sel = _mm256_set1_epi32(-is4);
+    const __m256i sha = _mm256_blendv_epi8(sh2a, sh4, sel), shb = _mm256_blendv_epi8(sh2b, sh4, sel);
+    const __m256i msk = _mm256_blendv_epi8(m2, m4, sel);
+    const __m256 s = _mm256_set1_ps(G.s), m = _mm256_set1_ps(G.m);
+    float* y = out + g * gs;
+    for (int64_t v = 0; v < gs; v += 16) {
+      const uint32_t* w = G.words + ((v / 16) << is4);
+      const __m256i q0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w[0])), sha), msk);
+      const __m256i q1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w[is4])), shb), msk);
+      _mm256_storeu_ps(y + v, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q0), s), m));
+      _mm256_storeu_ps(y + v + 8, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q1), s), m));
+    }
+  }
+}
+
+// ---- q4_0 x q8_1 ---------------------------------------------------------------------------------
+
+// Per block: the 32 weight codes as u8 (low nibbles = elements 0..15, high = 16..31),
+// VPMADDUBSW with the activation codes minus VPMADDUBSW of 8 with them (pairs of
+// (q_w - 8) q_a, |.| <= 2 * 8 * 128 + ...: inside int16), widened to int32 and scaled by d_w d_a.
+template <int MR, int NR>
+QF_AVX2 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, const float* ad, float* out,
+                        int64_t ldo_m, int64_t ldo_n) {
+  const int64_t K = nb * 32;
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), eights = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wq[MR];
+    float wd[MR];
+    for (int i = 0; i < MR; ++i) {
+      const block_q4_0* w = W + i * nb + b;
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w->qs));
+      wq[i] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1), m4);
+      wd[i] = fp16_to_f32(w->d.bits);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + j * K + b * 32));
+      const __m256i bias = _mm256_maddubs_epi16(eights, a);
+      const float da = ad[j * nb + b];
+      for (int i = 0; i < MR; ++i) {
+        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[i], a), bias);
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        acc[i][j] = _mm256_fmadd_ps(f, _mm256_set1_ps(wd[i] * da), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * ldo_m + j * ldo_n] = hsum(acc[i][j]);
+}
+
+template <int NR>
+QF_AVX2 void q4q8_rows(const block_q4_0* W, int64_t nb, int64_t mr, const int8_t* aq, const float* ad, float* out,
+                       int64_t ldo_m, int64_t ldo_n) {
+  switch (mr) {
+#define QF_CASE(R) case R: if constexpr (R * NR <= 8) q4q8_micro<R, NR>(W, nb, aq, ad, out, ldo_m, ldo_n); break;
+    QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
+#undef QF_CASE
+    default: break;
+  }
+}
+
+QF_AVX2 void q4q8_panel(const block_q4_0* W, int64_t nb, int64_t MR, const int8_t* aq, const float* ad, int64_t N,
+                        float* out, int64_t ldo_m, int64_t ldo_n) {
+  const int64_t K = nb * 32;
+  int64_t j = 0;
+  for (; j + 2 <= N; j += 2)
+    for (int64_t i = 0; i < MR; i += 4)
+      q4q8_rows<2>(W + i * nb, nb, std::min<int64_t>(4, MR - i), aq + j * K, ad + j * nb,
+                   out + i * ldo_m + j * ldo_n, ldo_m, ldo_n);
+  if (j < N) q4q8_rows<1>(W, nb, MR, aq + j * K, ad + j * nb, out + j * ldo_n, ldo_m, ldo_n);
+}
+
+// ---- int8 x int8 -------------------------------------------------------------------------------
+
+// 16 values per step, sign-extended to int16; VPMADDWD gives exact int32 pair sums. Lanes
+// cannot overflow (K <= 131071 and |a * b| <= 2^14). The K % 16 tail is scalar.
+template <int MR, int NR>
+QF_AVX2 void i8_micro(const int8_t* B, const int8_t* A, int64_t K, int32_t* out, int64_t ldo) {
+  __m256i acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m256i a[NR];
+    for (int j = 0; j < NR; ++j)
+      a[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(A + j * K + k)));
+    for (int i = 0; i < MR; ++i) {
+      const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B + i * K + k)));
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(b, a[j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      int32_t s = static_cast<int32_t>(hsum_u32(acc[i][j]));
+      for (int64_t t = k; t < K; ++t) s += int32_t(B[i * K + t]) * int32_t(A[j * K + t]);
+      out[j * ldo + i] = s;
+    }
+}
+
+// int4: per 32 packed bytes, the low nibbles (64 even elements' half) and high nibbles as
+// u = q + 8 = nibble ^ 8 in 0..15; VPMADDUBSW with the split activations (pairs <= 2 * 15 * 128,
+// and the low + high pair sums <= 7680: int16), widened by VPMADDWD; minus 8 * sum a.
+template <int MR, int NR>
+QF_AVX2 void i4_micro(const uint8_t* B, const int8_t* A, int64_t K, int32_t* out, int64_t ldo) {
+  const int64_t kb = K / 2, Kp = (K + 127) / 128 * 128;
+  __m256i acc[MR][NR], asum[NR];
+  for (int j = 0; j < NR; ++j) {
+    asum[j] = _mm256_setzero_si256();
+    for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_setzero_si256();
+  }
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x88)), m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t h = 0; 32 * h < kb; ++h) {  // 32 bytes = 64 values per step
+    const int64_t c = h / 2, off = 128 * c + 32 * (h % 2);
+    __m256i alo[NR], ahi[NR];
+    for (int j = 0; j < NR; ++j) {
+      alo[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + j * Kp + off));
+      ahi[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + j * Kp + off + 64));
+      const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(ones8, alo[j]), _mm256_maddubs_epi16(ones8, ahi[j]));
+      asum[j] = _mm256_add_epi32(asum[j], _mm256_madd_epi16(s, ones16));
+    }
+    const int64_t nbytes = std::min<int64_t>(32, kb - 32 * h);
+    for (int i = 0; i < MR; ++i) {
+      __m256i raw;
+      if (nbytes == 32) {
+        raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B + i * kb + 32 * h));
+      } else {  // the row's last bytes; the rest reads as 0 (q + 8 = 8, times a = 0)
+        alignas(32) uint8_t tmp[32] = {};
+        std::memcpy(tmp, B + i * kb + 32 * h, static_cast<size_t>(nbytes));
+        raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+      }
+      const __m256i v = _mm256_xor_si256(raw, flip);
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      for (int j = 0; j < NR; ++j) {
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[j]), _mm256_maddubs_epi16(hi, ahi[j]));
+        acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(p, ones16));
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const uint32_t sa = hsum_u32(asum[j]);
+    for (int i = 0; i < MR; ++i)
+      out[j * ldo + i] = static_cast<int32_t>(hsum_u32(acc[i][j]) - 8u * sa);
+  }
+}
+
+template <bool Int4, int NR>
+QF_AVX2 void int_rows(const uint8_t* B, int64_t mr, const int8_t* A, int64_t K, int32_t* out, int64_t ldo) {
+  const int64_t ldb = Int4 ? K / 2 : K;
+  for (int64_t i = 0; i < mr; i += 4) {
+    const uint8_t* bi = B + i * ldb;
+    switch (std::min<int64_t>(4, mr - i)) {
+#define QF_CASE(R)                                                                        \
+  case R:                                                                                 \
+    if constexpr (Int4) i4_micro<R, NR>(bi, A, K, out + i, ldo);                          \
+    else i8_micro<R, NR>(reinterpret_cast<const int8_t*>(bi), A, K, out + i, ldo);        \
+    break;
+      QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4)
+#undef QF_CASE
+      default: break;
+    }
+  }
+}
+
+template <bool Int4>
+QF_AVX2 void int_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out,
+                       int64_t ldo) {
+  const int64_t lda = Int4 ? (K + 127) / 128 * 128 : K;
+  int64_t j = 0;
+  for (; j + 2 <= N; j += 2) int_rows<Int4, 2>(B, MR, A + j * lda, K, out + j * ldo, ldo);
+  if (j < N) int_rows<Int4, 1>(B, MR, A + j * lda, K, out + j * ldo, ldo);
+}
+
+QF_AVX2 void i8_panel(const int8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out,
+                      int64_t ldo) {
+  int_panel<false>(reinterpret_cast<const uint8_t*>(B), MR, A, N, K, out, ldo);
+}
+
+QF_AVX2 void i4_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out,
+                      int64_t ldo) {
+  int_panel<true>(B, MR, A, N, K, out, ldo);
+}
+
+}  // namespace
+
+const CpuKernels& kernels() {
+  static const CpuKernels k{Isa::avx2, f32_panel, decode_nf4, decode_int4, decode_q4_0, decode_m2,
+                            nullptr, q4q8_panel, i8_panel,  i4_panel};
+  return k;
+}
+
+}  // namespace qf::gemm::k_avx2
+
+#endif  // QF_GEMM_X86

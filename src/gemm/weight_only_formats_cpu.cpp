@@ -1,0 +1,224 @@
+#include "gemm/weight_only_formats.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <vector>
+
+#include "gemm/cpu_kernels.h"
+#include "gemm/thread_pool.h"
+#include "gemm/weight_only_cpu.h"
+
+namespace qf::gemm {
+
+namespace {
+
+// The fused small-N path (CpuKernels::nibble_gemm) when the instruction set has it and the
+// weight qualifies (caller checked); returns false otherwise.
+bool nibble_gemm_cpu(const NibbleWeights& w, const float* X, int64_t N, int64_t M, float* Y) {
+  const CpuKernels& kern = cpu_kernels();
+  if (!kern.nibble_gemm || N < 1 || N > 4 || M <= 0 || w.K <= 0 || w.K % 32) return false;
+  const int64_t K = w.K;
+  std::vector<float> xs;
+  if (nibble_split_order(w.fmt)) {  // each run of 32: the even elements, then the odd ones
+    xs.resize(static_cast<size_t>(N * K));
+    for (int64_t i = 0; i < N * K; i += 32)
+      for (int t = 0; t < 16; ++t) {
+        xs[i + t] = X[i + 2 * t];
+        xs[i + 16 + t] = X[i + 2 * t + 1];
+      }
+    X = xs.data();
+  }
+  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (kPanelRows * K * N));
+  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t m0 = p * kPanelRows;
+      kern.nibble_gemm(w, m0, std::min(kPanelRows, M - m0), X, N, Y + m0, M);
+    }
+  });
+  return true;
+}
+
+}  // namespace
+
+void nf4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
+                  int64_t blocksize, float* Y) {
+  int log2_bs = 0;
+  while ((int64_t(1) << log2_bs) < blocksize) ++log2_bs;
+  if (nibble_gemm_cpu({Nibble::nf4, packed, absmax, nullptr, K, log2_bs}, X, N, M, Y)) return;
+  const CpuKernels& kern = cpu_kernels();
+  // Rows of W are flat ranges [m K + k0, m K + k1); a 32-aligned run never straddles a block, so
+  // the vector decoders take every row when K % 32 == 0 (else the portable decoder does).
+  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+    const int64_t len = k1 - k0;
+    for (int64_t m = m0; m < m1; ++m) kern.decode_nf4(packed, absmax, log2_bs, m * K + k0, len, tile + (m - m0) * len);
+  }, Y);
+}
+
+void int4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
+                   const uint8_t* zeros, int64_t gs, float* Y) {
+  if (gs % 32 == 0 &&
+      nibble_gemm_cpu({zeros ? Nibble::int4_asym : Nibble::int4_sym, qweight, scales, zeros, K, gs}, X, N, M, Y))
+    return;
+  const CpuKernels& kern = cpu_kernels();
+  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+    const int64_t len = k1 - k0;
+    for (int64_t m = m0; m < m1; ++m)
+      kern.decode_int4(qweight, scales, zeros, gs, m * K + k0, len, tile + (m - m0) * len);
+  }, Y);
+}
+
+void q4_0_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, float* Y) {
+  if (nibble_gemm_cpu({Nibble::q4_0, reinterpret_cast<const uint8_t*>(W), nullptr, nullptr, K, 0}, X, N, M, Y))
+    return;
+  const CpuKernels& kern = cpu_kernels();
+  const int64_t nb = K / q4_0::QK;
+  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+    const int64_t len = k1 - k0;
+    for (int64_t m = m0; m < m1; ++m)
+      kern.decode_q4_0(W + m * nb + k0 / q4_0::QK, len / q4_0::QK, tile + (m - m0) * len);
+  }, Y);
+}
+
+namespace {
+
+bool map_bit(const uint8_t* map, int64_t g) { return (map[g >> 3] >> (g & 7)) & 1; }
+
+// Set bits per byte (no POPCNT instruction needed: the generic x86-64 target lacks it).
+struct PopTable {
+  uint8_t v[256];
+  constexpr PopTable() : v() {
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<uint8_t>((i & 1) + ((i >> 1) & 1) + ((i >> 2) & 1) +
+                                                              ((i >> 3) & 1) + ((i >> 4) & 1) + ((i >> 5) & 1) +
+                                                              ((i >> 6) & 1) + ((i >> 7) & 1));
+  }
+};
+constexpr PopTable kPop;
+
+// Set bits of the group map in [g0, g1).
+int64_t count_bits(const uint8_t* map, int64_t g0, int64_t g1) {
+  int64_t n = 0, g = g0;
+  for (; g < g1 && (g & 7); ++g) n += map_bit(map, g);
+  for (; g + 8 <= g1; g += 8) n += kPop.v[map[g >> 3]];
+  for (; g < g1; ++g) n += map_bit(map, g);
+  return n;
+}
+
+// Walks one of the two group lists (2-bit or 4-bit) from slot j on: the slot's second-order
+// block b = j / B, advanced without divisions, and that block's fp16 fields as floats (read
+// when first needed: the block after a list's last slot does not exist).
+struct ListCursor {
+  const half_t* so = nullptr;
+  int64_t B = 1, j = 0, b = 0, r = 0, loaded = -1;
+  float d = 0.0f, dm = 0.0f;
+  void start(const half_t* so_, int64_t B_, int64_t j0) {
+    so = so_; B = B_; j = j0; b = j0 / B_; r = j0 % B_; loaded = -1;
+  }
+  void fields() {
+    if (b == loaded) return;
+    d = fp16_bits_to_fp32(so[2 * b].bits);
+    dm = fp16_bits_to_fp32(so[2 * b + 1].bits);
+    loaded = b;
+  }
+  void next() {
+    ++j;
+    if (++r == B) { r = 0; ++b; }
+  }
+};
+
+}  // namespace
+
+void mixed2bit_row_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims, int64_t* n4_before,
+                         int64_t* out_before) {
+  mixed2bit::check_dims(dims);
+  const int64_t rows = dims.rows, G = dims.groups_per_row(), K = dims.K, n_out = dims.n_out;
+  int64_t c4 = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    n4_before[r] = c4;
+    c4 += count_bits(q.group_map, r * G, (r + 1) * G);
+  }
+  n4_before[rows] = c4;
+  if (c4 != dims.n4) throw std::invalid_argument("mixed2bit: group_map does not mark n4 groups");
+  int64_t prev = -1;
+  for (int64_t i = 0; i < n_out; ++i) {
+    const int64_t idx = q.outlier_idx[i];
+    if (idx <= prev || idx >= rows * K)
+      throw std::invalid_argument("mixed2bit: outlier_idx must be strictly increasing and < rows * K");
+    prev = idx;
+  }
+  int64_t o = 0;
+  for (int64_t r = 0; r <= rows; ++r) {
+    while (o < n_out && q.outlier_idx[o] < r * K) ++o;
+    out_before[r] = o;
+  }
+}
+
+namespace {
+
+// Descriptors of the n groups g0 .. g0 + n - 1 of one row (g0 = m G + c0), whose slots in the
+// 4-bit and 2-bit lists start at i4 and i2. Prefetches each group's code words, which the
+// decoder reads right after (the descriptors of a whole tile are built first).
+void m2_descriptors(const mixed2bit::ConstBuffers& q, int64_t B, int64_t w2, int64_t w4, int64_t g0, int64_t n,
+                    int64_t i4, int64_t i2, M2Group* out) {
+  const uint8_t* map = q.group_map;
+  const uint8_t* scales2 = q.scales2;
+  const uint8_t* scales4 = q.scales4;
+  ListCursor cur4, cur2;
+  cur4.start(q.so4, B, i4);
+  cur2.start(q.so2, B, i2);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t g = g0 + t;
+    M2Group& d = out[t];
+    if ((map[g >> 3] >> (g & 7)) & 1) {
+      cur4.fields();
+      const int64_t j = cur4.j;
+      d.words = q.codes4 + j * w4;
+      d.s = cur4.d * static_cast<float>(scales4[2 * j]);  // mixed2bit's effective(): fp16 field * code
+      d.m = cur4.dm * static_cast<float>(scales4[2 * j + 1]);
+      d.is4 = 1;
+      cur4.next();
+    } else {
+      cur2.fields();
+      const int64_t j = cur2.j;
+      const uint8_t codes = scales2[j];
+      d.words = q.codes2 + j * w2;
+      d.s = cur2.d * static_cast<float>(codes & 0x0F);
+      d.m = cur2.dm * static_cast<float>(codes >> 4);
+      d.is4 = 0;
+      cur2.next();
+    }
+    __builtin_prefetch(d.words);
+  }
+}
+
+}  // namespace
+
+void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
+                        float* Y) {
+  std::vector<int64_t> n4_before(static_cast<size_t>(dims.rows + 1)), out_before(static_cast<size_t>(dims.rows + 1));
+  mixed2bit_row_index(q, dims, n4_before.data(), out_before.data());
+  const CpuKernels& kern = cpu_kernels();
+  const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), B = dims.scale_block;
+  const int64_t w2 = dims.words2(), w4 = dims.words4();
+  const int64_t kc = gs * std::max<int64_t>(1, kTileK / gs);  // whole groups per tile
+  weight_only_gemm_tiles(X, N, K, dims.rows, kc, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+    const int64_t len = k1 - k0, c0 = k0 / gs, ng = k1 / gs - c0;
+    thread_local std::vector<M2Group> groups;
+    groups.resize(static_cast<size_t>(kPanelRows * ng));
+    for (int64_t m = m0; m < m1; ++m) {  // this row's slots in the two lists at group c0
+      const int64_t i4 = n4_before[m] + count_bits(q.group_map, m * G, m * G + c0);
+      m2_descriptors(q, B, w2, w4, m * G + c0, ng, i4, m * G + c0 - i4, groups.data() + (m - m0) * ng);
+    }
+    for (int64_t m = m0; m < m1; ++m) {
+      float* row = tile + (m - m0) * len;
+      kern.decode_m2(groups.data() + (m - m0) * ng, ng, gs, row);
+      // Outliers of this row inside [k0, k1) replace their decoded values.
+      const int32_t* ob = q.outlier_idx + out_before[m];
+      const int32_t* oe = q.outlier_idx + out_before[m + 1];
+      for (const int32_t* o = std::lower_bound(ob, oe, m * K + k0); o < oe && *o < m * K + k1; ++o)
+        row[*o - m * K - k0] = fp16_bits_to_fp32(q.outlier_val[o - q.outlier_idx].bits);
+    }
+  }, Y);
+}
+
+}  // namespace qf::gemm

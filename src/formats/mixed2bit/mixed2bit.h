@@ -211,13 +211,14 @@ QF_HOST_DEVICE uint32_t score_order_key(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Step 4, the part that reads the values: the group's range hi - lo and m = 0 - lo over its
-// non-outlier values. `outl` points at the sorted flat indices of the outliers that fall in
-// this group (n_outl of them; may be null when 0), `base` is the group's first flat index;
-// those elements are skipped.
+// Step 4, the part that reads the values: min and max of the group's non-outlier values (read
+// with -0 as +0; both 0 for a group with none left). `outl` points at the sorted flat indices of
+// the outliers that fall in this group (n_outl of them; may be null when 0), `base` is the
+// group's first flat index; those elements are skipped. Without outliers this is the same loop
+// as range_score, so range_score(x, gs) == range_score_of(mn, mx).
 template <class T>
-QF_HOST_DEVICE void group_range_m(const T* x, int gs, const int32_t* outl, int64_t n_outl, int64_t base,
-                                  float* range, float* m) {
+QF_HOST_DEVICE void group_min_max(const T* x, int gs, const int32_t* outl, int64_t n_outl, int64_t base,
+                                  float* min_out, float* max_out) {
   bool any = false;
   float mn = 0.0f, mx = 0.0f;
   int64_t o = 0;
@@ -228,10 +229,29 @@ QF_HOST_DEVICE void group_range_m(const T* x, int gs, const int32_t* outl, int64
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
   }
+  *min_out = mn;
+  *max_out = mx;
+}
+
+// Step 1 by range, from the group's min and max (no outliers): max - min.
+QF_HOST_DEVICE float range_score_of(float mn, float mx) { return mx - mn; }
+
+// Step 4 from the min and max: the range hi - lo and m = 0 - lo.
+QF_HOST_DEVICE void range_m_of(float mn, float mx, float* range, float* m) {
   const float lo = mn < 0.0f ? mn : 0.0f;   // the grid always holds 0 (m >= 0)
   const float hi = mx;                      // 0 for an empty group
   *range = hi - lo;                         // >= +0: hi >= lo, and hi is never -0
   *m = 0.0f - lo;                           // +0 (not -0) when lo = 0
+}
+
+// Step 4, the part that reads the values: the group's range hi - lo and m = 0 - lo over its
+// non-outlier values (see group_min_max).
+template <class T>
+QF_HOST_DEVICE void group_range_m(const T* x, int gs, const int32_t* outl, int64_t n_outl, int64_t base,
+                                  float* range, float* m) {
+  float mn, mx;
+  group_min_max(x, gs, outl, n_outl, base, &mn, &mx);
+  range_m_of(mn, mx, range, m);
 }
 
 // Step 4, the rest: the first-order scale from the range (qmax = 3 or 15).
@@ -260,10 +280,14 @@ QF_HOST_DEVICE int quantize_value(float x, float s_eff, float m_eff, int qmax) {
   return clamp_code(rint_even(t), qmax);
 }
 
-// Step 6: the decoded value of a code (q * s_eff rounded, then the subtraction rounded).
-QF_HOST_DEVICE float dequantize_value(int q, float s_eff, float m_eff) {
-  const float p = static_cast<float>(q) * s_eff;
+// Step 6: the decoded value of a code (q * s_eff rounded, then the subtraction rounded), with the
+// code given as a float (exact: codes are < 2^24).
+QF_HOST_DEVICE float dequantize_value_f(float q, float s_eff, float m_eff) {
+  const float p = q * s_eff;
   return p - m_eff;
+}
+QF_HOST_DEVICE float dequantize_value(int q, float s_eff, float m_eff) {
+  return dequantize_value_f(static_cast<float>(q), s_eff, m_eff);
 }
 
 // Effective (decoded) scale / offset of a group: code times the block's fp16 field.

@@ -17,7 +17,11 @@ from ._core import FORMATS, QuantizedTensor
 from .io import load, save
 
 __version__ = "0.1.0"
-__all__ = ["FORMATS", "QuantizedTensor", "save", "load", "cuda_available", "skip_finite_check", "__version__", *FORMATS]
+__all__ = ["FORMATS", "QuantizedTensor", "save", "load", "cuda_available", "skip_finite_check", "__version__", *FORMATS,
+           "quantize_model", "QuantizationReport", "save_quantized", "load_quantized", "nn", "ops"]
+# Model-level API (needs torch), imported on first use: name -> submodule.
+_LAZY = {"quantize_model": "model", "QuantizationReport": "model", "save_quantized": "saving",
+         "load_quantized": "saving", "nn": "nn", "ops": "ops"}
 
 
 def cuda_available() -> bool:
@@ -32,4 +36,7 @@ def __getattr__(name: str):
     # broken or absent format never stops the others from loading.
     if name in FORMATS:
         return importlib.import_module(f"qformats.{name}")
+    if name in _LAZY:
+        mod = importlib.import_module(f"qformats.{_LAZY[name]}")
+        return mod if name == _LAZY[name] else getattr(mod, name)
     raise AttributeError(f"module 'qformats' has no attribute {name!r}")

@@ -3,6 +3,9 @@
 Subcommands:
     compare   quantize a Hugging Face model's Linear weights with each format and print a
               table of bits/weight, size, weight error, quantize time and output quality.
+    quantize  quantize a Hugging Face model (QuantizedLinear layers) and save it to a folder.
+    eval      perplexity of a model folder (plain Hugging Face or quantized), with the size
+              and average bits of a quantized one.
 
 Run as ``qformats ...`` (installed script) or ``python -m qformats.cli ...``.
 """
@@ -49,7 +52,8 @@ def _positive(s: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of the ``qformats`` command (subcommand ``compare``)."""
+    """The argparse parser of the ``qformats`` command (subcommands ``compare``, ``quantize``
+    and ``eval``)."""
     from .compare import DEFAULT_MAX_SENTENCES, DEFAULT_MAX_TOKENS
 
     parser = argparse.ArgumentParser(
@@ -98,7 +102,302 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="FILE", help="also write the rows and settings as JSON")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=_cmd_compare)
+
+    q = sub.add_parser(
+        "quantize", help="quantize a Hugging Face model and save it",
+        description="Replace every nn.Linear of a Hugging Face model (except lm_head and "
+                    "embeddings, or the --ignore patterns) by a QuantizedLinear holding its "
+                    "weight packed in one format, and save the model to --out (weights, "
+                    "quantization_config.json, config.json, tokenizer files). `qformats eval "
+                    "OUT` measures it; qformats.load_quantized(OUT) loads it.",
+        epilog=_QUANTIZE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("model", metavar="MODEL", help="Hugging Face model folder, loaded offline")
+    g = q.add_mutually_exclusive_group(required=True)
+    g.add_argument("--format", metavar="F[:k=v...]",
+                   help="a qformats format, optionally with quantize parameters: "
+                        "int4:group_size=64:symmetric=true")
+    g.add_argument("--bits", type=int, metavar="B",
+                   help="8 (int8, per-row scales), 4 (int4 asymmetric, groups of 128) or 2 "
+                        "(mixed2bit, 2-bit groups of 16)")
+    q.add_argument("--group-size", type=_positive, metavar="G",
+                   help="values per group along in_features (nf4: blocksize)")
+    q.add_argument("--method", default="rtn", metavar="M",
+                   help="rounding method: rtn (round to nearest; the only one so far)")
+    q.add_argument("--ignore", nargs="*", metavar="PAT",
+                   help="module-name patterns (fnmatch, whole name or dotted suffix) to keep in "
+                        "float; replaces the default (lm_head, embeddings); --ignore with no "
+                        "pattern quantizes every Linear")
+    q.add_argument("--override", action="append", default=[], metavar="PAT=SPEC",
+                   help="per-layer choice, repeatable: PAT=F[:k=v...] (a format), PAT=B (bits), "
+                        "PAT=skip (keep in float); e.g. --override '*.down_proj=8'")
+    q.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="dtype the model is loaded in, so the dtype its unquantized tensors "
+                        "(embeddings, norms, lm_head) are saved in (default: auto = the "
+                        "checkpoint's)")
+    q.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    q.add_argument("--threads", type=_positive, metavar="N",
+                   help="CPU threads for torch and the qformats codecs (default: all cores)")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars")
+    q.set_defaults(func=_cmd_quantize)
+
+    e = sub.add_parser(
+        "eval", help="perplexity (and size) of a model folder",
+        description="Perplexity of a causal LM folder (a plain Hugging Face model or one written "
+                    "by `qformats quantize`) on consecutive non-overlapping --seqlen windows of "
+                    "the text, computed in float32; for a quantized folder also its size and "
+                    "average bits per quantized weight.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("model", metavar="DIR", help="model folder (plain or quantized)")
+    e.add_argument("--text", metavar="FILE",
+                   help="UTF-8 evaluation text (default: Python's pydoc_data.topics help text)")
+    e.add_argument("--max-tokens", type=_positive_or_zero, default=DEFAULT_MAX_TOKENS,
+                   metavar="N",
+                   help=f"evaluate at most N tokens, as N // seqlen windows evenly spaced over "
+                        f"the text (the windows compare uses); 0 = the whole text (default: "
+                        f"{DEFAULT_MAX_TOKENS})")
+    e.add_argument("--seqlen", type=_positive, default=512, metavar="N",
+                   help="tokens per perplexity window (default: 512)")
+    e.add_argument("--batch-size", type=_positive, default=8, metavar="N",
+                   help="windows per forward pass (default: 8)")
+    e.add_argument("--ref", metavar="MODEL",
+                   help="also report the mean per-token KL(ref || model) against this model "
+                        "folder (e.g. the unquantized original)")
+    e.add_argument("--threads", type=_positive, metavar="N",
+                   help="CPU threads for torch and the qformats codecs (default: all cores)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.set_defaults(func=_cmd_eval)
     return parser
+
+
+_QUANTIZE_EPILOG = """\
+examples:
+  qformats quantize ../shared/models/pydoc-llama-17m --bits 4 --out llama-int4
+  qformats quantize MODEL --format nf4:blocksize=64 --override '*.down_proj=8' --out DIR
+  qformats quantize MODEL --bits 2 --group-size 32 --ignore lm_head '*.o_proj' --out DIR
+  qformats eval llama-int4 --text ../shared/data/pydoc/valid.txt --max-tokens 4096
+"""
+
+
+def _parse_spec(spec: str) -> dict:
+    """``F[:k=v...]`` -> ``{"format": F, k: v}``; ``B`` (an int) -> ``{"bits": B}``;
+    ``skip`` -> ``{"skip": True}``. Raises ValueError for a malformed ``k=v``."""
+    from .compare import _parse_value
+
+    spec = spec.strip()
+    if spec == "skip":
+        return {"skip": True}
+    try:
+        return {"bits": int(spec)}
+    except ValueError:
+        pass
+    name, *kvs = spec.split(":")
+    out: dict = {"format": name}
+    for kv in kvs:
+        if "=" not in kv or not kv.split("=", 1)[0]:
+            raise ValueError(f"bad format parameter {kv!r} in {spec!r}: expected key=value")
+        k, v = kv.split("=", 1)
+        out[k] = _parse_value(v)
+    return out
+
+
+class _Threads:
+    """Context manager: torch and qformats CPU threads set to ``n`` (None: all cores)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        import os
+
+        import torch
+
+        from . import _runtime
+
+        n = int(self.n or os.cpu_count() or 1)
+        self.old = (torch.get_num_threads(), _runtime.num_threads())
+        torch.set_num_threads(n)
+        _runtime.set_num_threads(n)
+        return n
+
+    def __exit__(self, *exc):
+        import torch
+
+        from . import _runtime
+
+        torch.set_num_threads(self.old[0])
+        _runtime.set_num_threads(self.old[1])
+        return False
+
+
+def _error(cmd: str, e: BaseException) -> int:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f"qformats {cmd}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _cmd_quantize(args) -> int:
+    from .evaluate import EvalError, load_model, progress_bar
+
+    try:
+        if args.format is not None:
+            spec = _parse_spec(args.format)
+            if "format" not in spec:
+                raise ValueError(f"--format expects a format name, got {args.format!r} "
+                                 "(use --bits for a number of bits)")
+            fmt, params = spec.pop("format"), spec
+            if "group_size" in params:
+                if args.group_size is not None and args.group_size != params["group_size"]:
+                    raise ValueError(f"group_size given twice: --format {args.format} and "
+                                     f"--group-size {args.group_size}")
+                args.group_size = params.pop("group_size")
+        else:
+            fmt, params = None, {}
+        overrides = {}
+        for item in args.override:
+            pat, sep, sp = item.partition("=")
+            if not sep or not pat or not sp:
+                raise ValueError(f"--override expects PATTERN=SPEC, got {item!r}")
+            overrides[pat] = _parse_spec(sp)
+        import warnings
+
+        from .model import check_method, quantize_model, resolve_spec
+        from .saving import save_quantized
+
+        # Check the choice before the (slower) model load.
+        check_method(args.method)
+        resolve_spec(fmt, args.bits, args.group_size, **params)
+        with _Threads(args.threads):
+            bar = progress_bar(total=3, enabled=not args.no_progress, desc="quantize", unit="step")
+            try:
+                bar.set_postfix_str("loading model")
+                lm = load_model(args.model, dtype=args.dtype)
+                bar.update(1)
+                bar.set_postfix_str("quantizing")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # listed in the report below
+                    report = quantize_model(lm.model, format=fmt, bits=args.bits,
+                                            group_size=args.group_size, method=args.method,
+                                            ignore=args.ignore, overrides=overrides,
+                                            progress=not args.no_progress, **params)
+                bar.update(1)
+                bar.set_postfix_str("saving")
+                out = save_quantized(lm.model, args.out, tokenizer=lm.tokenizer, source=lm.path)
+                bar.update(1)
+            except BaseException:
+                bar.leave = False  # erase the bar: the error message gets a line of its own
+                raise
+            finally:
+                bar.close()
+    except (EvalError, ValueError, NotImplementedError, OSError) as e:
+        return _error("quantize", e)
+    print(report.summary())
+    print(f"saved to {out}")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from .evaluate import EvalError, kl_divergence, lm_windows, load_model, load_text, perplexity
+
+    try:
+        from .saving import is_quantized_dir, read_quantization_config
+
+        text, _ = load_text(args.text)
+        with _Threads(args.threads):
+            quantized = is_quantized_dir(args.model)
+            if quantized:
+                model, tokenizer, cfg = _load_quantized_for_eval(args.model)
+            else:
+                from pathlib import Path
+
+                if (Path(args.model) / "quantization_config.json").is_file():
+                    read_quantization_config(args.model)  # raises: another tool's model
+                lm = load_model(args.model)
+                if lm.kind != "causal-lm":
+                    raise EvalError(f"{args.model}: perplexity needs a causal LM, this is an "
+                                    f"encoder ({lm.architecture})")
+                model, tokenizer = lm.model, lm.tokenizer
+            maxlen = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+            if maxlen and args.seqlen > maxlen:
+                raise EvalError(f"--seqlen {args.seqlen} exceeds the model's context of "
+                                f"{maxlen} tokens")
+            windows, info = lm_windows(tokenizer, text, args.seqlen, args.max_tokens)
+            r = perplexity(model, windows, batch_size=args.batch_size,
+                           progress=not args.no_progress)
+            kl = None
+            if args.ref:
+                ref = load_model(args.ref)
+                kl = kl_divergence(model, ref.model, windows, batch_size=args.batch_size,
+                                   progress=not args.no_progress)
+    except (EvalError, ValueError, OSError) as e:
+        return _error("eval", e)
+    print(f"perplexity: {r['ppl']:.4f}")
+    print(f"tokens: {r['tokens']:,} predicted in {info['windows']} of {info['windows_total']} "
+          f"windows of {info['seqlen']} tokens (nll {r['nll']:.5f} nats/token)")
+    if kl is not None:
+        print(f"kl: {kl['kl']:.6f} nats/token (KL(ref || model), max {kl['kl_max']:.4f})")
+    if quantized:
+        s = _stored_size(args.model, cfg)
+        fm: dict = {}
+        for layer in cfg["layers"].values():
+            fm[layer["format"]] = fm.get(layer["format"], 0) + 1
+        print(f"size: {s['total_bytes'] / 1e6:.2f} MB as stored (quantized weights "
+              f"{s['quantized_bytes'] / 1e6:.2f} MB + other tensors {s['other_bytes'] / 1e6:.2f} MB; "
+              "1 MB = 10^6 bytes)")
+        print(f"avg bits: {s['avg_bits']:.3f} per weight over {s['quantized_layers']} quantized "
+              f"layers ({', '.join(f'{k} x{v}' for k, v in fm.items()) or 'none'})")
+    return 0
+
+
+def _stored_size(path, cfg) -> dict:
+    """Sizes of a quantized folder as stored, from its safetensors header (exact, whatever
+    dtype the model was loaded in): quantized_bytes (packed buffers of the listed layers),
+    other_bytes, total_bytes, quantized_layers, avg_bits."""
+    import json
+    import math
+    import struct
+    from pathlib import Path
+
+    from .evaluate import _ST_BYTES
+
+    f = Path(path) / cfg.get("weights", "qformats_model.safetensors")
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    prefixes = {f"{name}.{b}" for name, layer in cfg["layers"].items() for b in layer["buffers"]}
+    qbytes = obytes = 0
+    for k, info in header.items():
+        if k == "__metadata__":
+            continue
+        nb = math.prod(info["shape"]) * _ST_BYTES.get(info["dtype"], 4)
+        if k in prefixes:
+            qbytes += nb
+        else:
+            obytes += nb
+    values = sum(int(l["in_features"]) * int(l["out_features"]) for l in cfg["layers"].values())
+    return {"quantized_bytes": qbytes, "other_bytes": obytes, "total_bytes": qbytes + obytes,
+            "quantized_layers": len(cfg["layers"]),
+            "avg_bits": 8.0 * qbytes / values if values else math.nan}
+
+
+def _load_quantized_for_eval(path):
+    """(model in float32 compute, tokenizer, quantization config) of a quantized folder."""
+    import os
+
+    from .evaluate import EvalError
+    from .saving import load_quantized, read_quantization_config
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = read_quantization_config(path)
+    model = load_quantized(path, dtype="float32")
+    try:
+        import transformers
+        from transformers import AutoTokenizer
+
+        transformers.logging.set_verbosity_error()
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise EvalError(f"{path}: no tokenizer files to read ({str(e).splitlines()[0]})") from e
+    return model, tokenizer, cfg
 
 
 def _cmd_compare(args) -> int:
@@ -140,8 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
     Returns:
         the exit status: 0 on success, 2 for a usage error (bad arguments, missing model
-        folder or text file, unknown format: a one-line message on stderr, no traceback),
-        130 when interrupted.
+        folder or text file, unknown format or parameters, a corrupt or foreign quantized
+        folder: a one-line message on stderr, no traceback), 130 when interrupted.
     """
     parser = build_parser()
     try:

@@ -1,5 +1,7 @@
-"""Evaluation helpers for ``qformats compare``: loading a Hugging Face model offline, the
-evaluation text, perplexity of causal LMs and embedding similarity of encoders.
+"""Evaluation helpers for ``qformats compare``, ``qformats eval`` and the model-level API:
+loading a Hugging Face model offline, the evaluation text, perplexity of causal LMs, the KL
+divergence of a quantized model from its reference, the stored size of a quantized model, and
+embedding similarity of encoders.
 
 Everything here needs the ``demo`` extra (torch, transformers, tqdm); those are imported
 inside the functions so that ``import qformats.evaluate`` costs nothing.
@@ -26,6 +28,8 @@ __all__ = [
     "checkpoint_dtypes",
     "lm_windows",
     "perplexity",
+    "kl_divergence",
+    "size_report",
     "encoder_sentences",
     "embed",
     "cosine_stats",
@@ -179,14 +183,16 @@ def _is_causal(config) -> bool:
         getattr(config, "is_decoder", False))
 
 
-def load_model(path: str | os.PathLike) -> LoadedModel:
-    """Load a Hugging Face model folder offline in float32 on the CPU.
+def load_model(path: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
+    """Load a Hugging Face model folder offline on the CPU, in float32 by default.
 
     A causal LM (config ``architectures`` ending in ``ForCausalLM``, or ``is_decoder``) is
     loaded with ``AutoModelForCausalLM``, anything else with ``AutoModel`` as an encoder.
 
     Args:
         path: folder with ``config.json``, the weights and the tokenizer files.
+        dtype: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or ``"auto"`` (the
+            checkpoint's own dtype, e.g. for quantizing and saving at the stored precision).
     Returns:
         a :class:`LoadedModel`.
     Raises:
@@ -199,6 +205,8 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
     import transformers
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+    if dtype not in ("float32", "float16", "bfloat16", "auto"):
+        raise EvalError(f"dtype must be float32, float16, bfloat16 or auto, got {dtype!r}")
     p = Path(path)
     if not p.is_dir():
         raise EvalError(f"model folder not found: {path}")
@@ -213,13 +221,19 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
                             "supported; use a causal LM or an encoder")
         causal = _is_causal(config)
         cls = AutoModelForCausalLM if causal else AutoModel
-        model = cls.from_pretrained(p, local_files_only=True)
+        if dtype == "auto":  # `torch_dtype` before transformers 4.56, `dtype` since
+            key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+            model = cls.from_pretrained(p, local_files_only=True, **{key: "auto"})
+        else:
+            model = cls.from_pretrained(p, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except EvalError:
         raise
     except (OSError, ValueError, KeyError) as e:
         raise EvalError(f"cannot load the model in {path}: {str(e).splitlines()[0]}") from e
-    model = model.to(torch.float32).eval()
+    if dtype != "auto":
+        model = model.to(getattr(torch, dtype))
+    model = model.eval()
     archs = getattr(config, "architectures", None) or [type(model).__name__]
     max_len = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 30
     tmax = getattr(tokenizer, "model_max_length", None)
@@ -319,45 +333,162 @@ def lm_windows(tokenizer, text: str, seqlen: int = 512, max_tokens: int | None =
                                   "seqlen": int(windows.shape[1])}
 
 
-def perplexity(model, windows, *, batch_size: int = 8, progress: bool = True,
-               desc: str = "perplexity") -> dict:
-    """Perplexity of a causal LM over the windows from :func:`lm_windows`.
+def _model_device(model):
+    """The device of the model's first parameter or buffer (CPU if it has none)."""
+    import torch
 
-    Each window is scored on its own (no context carried across windows): the NLL of tokens
-    1..seqlen-1 given the ones before them, in float32 under ``torch.inference_mode()``.
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _as_windows(tokenizer_or_windows, text, seqlen, max_tokens):
+    """``(windows, info)`` from a windows tensor, or from a tokenizer and a text."""
+    import torch
+
+    if isinstance(tokenizer_or_windows, torch.Tensor):
+        if text is not None:
+            raise TypeError("pass either a windows tensor or a tokenizer and a text, not both")
+        w = tokenizer_or_windows
+        if w.ndim != 2 or w.dtype != torch.int64:
+            raise ValueError(f"windows: expected an int64 tensor [n, seqlen], got {w.dtype} "
+                             f"{tuple(w.shape)}")
+        return w, {"windows": int(w.shape[0]), "seqlen": int(w.shape[1])}
+    if text is None:
+        raise TypeError("perplexity(model, tokenizer, text): the text is missing")
+    return lm_windows(tokenizer_or_windows, text, seqlen, max_tokens)
+
+
+def perplexity(model, windows, text: str | None = None, *, seqlen: int = 512,
+               max_tokens: int | None = None, batch_size: int = 8, progress: bool = True,
+               desc: str = "perplexity") -> dict:
+    """Perplexity of a causal LM over non-overlapping windows of a text.
+
+    Two ways to call it::
+
+        perplexity(model, windows)                    # int64 [n, seqlen] from lm_windows
+        perplexity(model, tokenizer, text, seqlen=512, max_tokens=None)
+
+    The second cuts the text with :func:`lm_windows` (``max_tokens``: at most that many
+    tokens, as evenly spaced windows; None or 0: all). Each window is scored on its own (no
+    context carried across windows): the NLL of tokens 1..seqlen-1 given the ones before
+    them, logits in float32, under ``torch.inference_mode()``, on the model's device.
 
     Args:
-        model: a transformers causal LM (returns ``.logits``).
-        windows: int64 tensor ``[n, seqlen]``.
+        model: a transformers causal LM (returns ``.logits``), e.g. with QuantizedLinear layers.
+        windows: int64 tensor ``[n, seqlen]``, or a tokenizer (then ``text`` is required).
+        text: the evaluation text (with a tokenizer).
+        seqlen, max_tokens: windowing (with a tokenizer).
         batch_size: windows per forward pass.
         progress: show a tqdm bar on stderr.
         desc: the bar's label.
     Returns:
         dict with ``ppl`` (exp of the mean NLL), ``nll`` (mean NLL per predicted token, nats),
-        ``tokens`` (predicted tokens) and ``seconds`` (wall time).
+        ``tokens`` (predicted tokens), ``seconds`` (wall time) and, with a tokenizer, the
+        window counts of :func:`lm_windows` (``windows``, ``windows_total``, ``text_tokens``,
+        ``seqlen``).
+    Raises:
+        EvalError: seqlen < 2 or a text of fewer than 2 tokens.
+        TypeError / ValueError: a windows tensor that is not int64 ``[n, seqlen]``.
     """
     import torch
     import torch.nn.functional as F
 
+    windows, winfo = _as_windows(windows, text, seqlen, max_tokens)
     t0 = time.perf_counter()
+    device = _model_device(model)
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     bar = progress_bar(total=int(windows.shape[0]), enabled=progress, desc=desc, unit="win",
                        leave=False)
     with torch.inference_mode():
         for i in range(0, windows.shape[0], batch_size):
-            batch = windows[i:i + batch_size]
+            batch = windows[i:i + batch_size].to(device)
             logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
             target = batch[:, 1:]
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                   reduction="sum")
-            total += nll.double()
+            total += nll.double().cpu()
             count += target.numel()
             bar.update(batch.shape[0])
     bar.close()
     mean = float(total) / count
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count,
-            "seconds": time.perf_counter() - t0}
+    out = {"ppl": math.exp(mean), "nll": mean, "tokens": count,
+           "seconds": time.perf_counter() - t0}
+    if text is not None:
+        out.update(winfo)
+    return out
+
+
+def kl_divergence(model_q, model_ref, windows, text: str | None = None, *, seqlen: int = 512,
+                  max_tokens: int | None = None, batch_size: int = 8, progress: bool = True,
+                  desc: str = "KL(ref || q)") -> dict:
+    """Mean per-token ``KL(ref || q)`` of two causal LMs' next-token distributions over the
+    same windows (as :func:`perplexity`: ``kl_divergence(model_q, model_ref, windows)`` or
+    ``kl_divergence(model_q, model_ref, tokenizer, text, seqlen=..., max_tokens=...)``).
+
+    For each predicted position (tokens 0..seqlen-2 of every window, the positions
+    :func:`perplexity` scores): ``sum_v p_ref(v) * (log p_ref(v) - log p_q(v))`` with
+    log-softmax in float32, summed in float64. Both models run under
+    ``torch.inference_mode()``, each on its own device.
+
+    Args:
+        model_q: the quantized model.
+        model_ref: the reference (e.g. the float model); the same vocabulary.
+        windows / text / seqlen / max_tokens / batch_size / progress / desc: as :func:`perplexity`.
+    Returns:
+        dict with ``kl`` (mean nats per token, >= 0), ``kl_max`` (largest per-token value),
+        ``tokens`` and ``seconds``; with a tokenizer also the window counts.
+    Raises:
+        ValueError: the models' vocabularies (logit widths) differ; as :func:`perplexity`.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    windows, winfo = _as_windows(windows, text, seqlen, max_tokens)
+    t0 = time.perf_counter()
+    dev_q, dev_r = _model_device(model_q), _model_device(model_ref)
+    total = torch.zeros((), dtype=torch.float64)
+    kl_max = 0.0
+    count = 0
+    bar = progress_bar(total=int(windows.shape[0]), enabled=progress, desc=desc, unit="win",
+                       leave=False)
+    with torch.inference_mode():
+        for i in range(0, windows.shape[0], batch_size):
+            batch = windows[i:i + batch_size]
+            lq = model_q(input_ids=batch.to(dev_q), use_cache=False).logits[:, :-1].float()
+            lr = model_ref(input_ids=batch.to(dev_r), use_cache=False).logits[:, :-1].float()
+            if lq.shape != lr.shape:
+                raise ValueError(f"the models' logits differ in shape: {tuple(lq.shape)} vs "
+                                 f"{tuple(lr.shape)}")
+            lr = lr.to(lq.device)
+            logp_r = F.log_softmax(lr, dim=-1)
+            logp_q = F.log_softmax(lq, dim=-1)
+            kl = (logp_r.exp() * (logp_r - logp_q)).sum(-1).clamp_min(0)
+            total += kl.double().sum().cpu()
+            kl_max = max(kl_max, float(kl.max()))
+            count += kl.numel()
+            bar.update(batch.shape[0])
+    bar.close()
+    out = {"kl": float(total) / count, "kl_max": kl_max, "tokens": count,
+           "seconds": time.perf_counter() - t0}
+    if text is not None:
+        out.update(winfo)
+    return out
+
+
+def size_report(model) -> dict:
+    """Stored size of a (possibly quantized) model, as :func:`qformats.save_quantized` would
+    write it: the packed buffers of its QuantizedLinear layers (``quantized_bytes``) + every
+    other parameter and persistent buffer at its current dtype (``other_bytes``), each tied
+    tensor once; ``total_bytes``, ``size_mb`` (10^6 bytes), ``quantized_layers``,
+    ``quantized_values`` and ``avg_bits`` (stored bits per quantized weight value; NaN when no
+    layer is quantized). See :func:`qformats.model.model_size`."""
+    from .model import model_size
+
+    return model_size(model)
 
 
 # -- encoders: embedding similarity ---------------------------------------------------------------

@@ -1,0 +1,409 @@
+"""Save and load whole quantized models.
+
+A quantized model folder (what :func:`save_quantized` writes)::
+
+    qformats_model.safetensors   every tensor of model.state_dict(): the packed buffers of
+                                 each QuantizedLinear ("<layer>.<buffer>") and every other
+                                 parameter / persistent buffer at its dtype (tied ones once)
+    quantization_config.json     {"quant_method": "qformats", "qformats_version", "config_version",
+                                  "weights", "model_class", "layers": {name: {format, params,
+                                  in_features, out_features, bias, weight_dtype, buffers}},
+                                  "aliases": {tied name: stored name}, "size": {...}}
+    config.json                  the Hugging Face config (when the model has one)
+    tokenizer files, generation_config.json   copied from the model's source folder
+
+:func:`load_quantized` rebuilds the model without materializing full-precision weights: the
+skeleton is built from ``config.json`` with every parameter on the meta device (buffers that
+the checkpoint does not hold, such as rotary frequencies, are computed as usual), the listed
+Linears are swapped for empty :class:`~qformats.nn.QuantizedLinear` layers, and the stored
+tensors are assigned. The weights file is deliberately not named ``model.safetensors``, so
+``transformers.AutoModel.from_pretrained`` refuses the folder instead of loading it wrongly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from .nn import QuantizedLinear
+
+__all__ = ["save_quantized", "load_quantized", "read_quantization_config", "is_quantized_dir",
+           "empty_weights", "CONFIG_NAME", "WEIGHTS_NAME", "TOKENIZER_FILES"]
+
+CONFIG_NAME = "quantization_config.json"
+WEIGHTS_NAME = "qformats_model.safetensors"
+QUANT_METHOD = "qformats"
+CONFIG_VERSION = 1
+
+#: Files copied from the source model folder when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.json", "vocab.txt", "merges.txt",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+def _source_dir(model: nn.Module, source) -> Optional[Path]:
+    if source is not None:
+        return Path(source)
+    cfg = getattr(model, "config", None)
+    for cand in (getattr(cfg, "_name_or_path", None), getattr(model, "name_or_path", None)):
+        if cand and Path(str(cand)).is_dir():
+            return Path(str(cand))
+    return None
+
+
+def _dedup_state(model: nn.Module) -> tuple[dict, dict]:
+    """``(tensors, aliases)``: CPU contiguous tensors of the state dict, each tied tensor
+    stored once (``aliases[name] = stored name``); other overlapping views are copied."""
+    tensors: dict = {}
+    aliases: dict = {}
+    seen: dict = {}
+    storages: set = set()
+    for name, t in model.state_dict().items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state dict entry {name!r} is not a tensor ({type(t).__name__}); "
+                             "save_quantized stores tensors only")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device (no data); load the weights first")
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype)
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        sptr = t.untyped_storage().data_ptr()
+        t = t.detach().to("cpu")
+        if not t.is_contiguous() or (t.numel() and sptr in storages):
+            t = t.contiguous().clone()
+        if t.numel():
+            storages.add(sptr)
+        tensors[name] = t
+    return tensors, aliases
+
+
+def _non_persistent_dtypes(model: nn.Module) -> dict:
+    """``{name: dtype}`` of the buffers the state dict leaves out (e.g. rotary frequencies):
+    the model recomputes them when it is built, and the loader casts them back to the dtype
+    they had (after a ``model.half()``, say), so the logits stay identical."""
+    out = {}
+    for mname, m in model.named_modules():
+        for b in sorted(m._non_persistent_buffers_set):
+            t = m._buffers.get(b)
+            if isinstance(t, torch.Tensor):
+                out[f"{mname}.{b}" if mname else b] = str(t.dtype).removeprefix("torch.")
+    return out
+
+
+def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, tokenizer: Any = None,
+                   source: Union[str, os.PathLike, None] = None) -> Path:
+    """Write a (quantized) model to a folder that :func:`load_quantized` reads back.
+
+    Args:
+        model: a module, typically after :func:`qformats.quantize_model`; its QuantizedLinear
+            layers are stored packed, every other tensor as it is (dtype and values).
+        directory: the output folder (created; files of the same names are replaced).
+        tokenizer: a Hugging Face tokenizer to save with it (``save_pretrained``); else the
+            tokenizer files (and ``generation_config.json``) of ``source`` are copied.
+        source: the model's original folder; default: ``model.config._name_or_path`` when it
+            is a folder (transformers sets it in ``from_pretrained``).
+    Returns:
+        the folder's Path.
+    Raises:
+        ValueError: tensors on the meta device or non-tensor state.
+        TypeError: model is not an nn.Module.
+        OSError: the folder cannot be written.
+    """
+    from safetensors.torch import save_file
+
+    from . import __version__
+    from .model import model_size
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = {name: m.config() for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    tensors, aliases = _dedup_state(model)
+    cls = type(model)
+    cfg = {
+        "quant_method": QUANT_METHOD,
+        "qformats_version": __version__,
+        "config_version": CONFIG_VERSION,
+        "weights": WEIGHTS_NAME,
+        "model_class": f"{cls.__module__}.{cls.__qualname__}",
+        "layers": layers,
+        "aliases": aliases,
+        "computed_buffers": _non_persistent_dtypes(model),
+        "size": {k: (None if isinstance(v, float) and v != v else v)
+                 for k, v in model_size(model).items()},
+    }
+    tmp = out / (WEIGHTS_NAME + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "qformats": str(CONFIG_VERSION)})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates it 0600
+    os.replace(tmp, out / WEIGHTS_NAME)
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and callable(getattr(hf_config, "to_json_file", None)):
+        hf_config.to_json_file(str(out / "config.json"))
+    src = _source_dir(model, source)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    if src is not None and src.resolve() != out.resolve():
+        copy = TOKENIZER_FILES if tokenizer is None else ("generation_config.json",)
+        for fname in copy:
+            if (src / fname).is_file():
+                shutil.copyfile(src / fname, out / fname)
+    with open(out / CONFIG_NAME, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=False)
+        f.write("\n")
+    return out
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+def is_quantized_dir(directory: Union[str, os.PathLike]) -> bool:
+    """True when ``directory`` holds a ``quantization_config.json`` written by qformats."""
+    try:
+        return read_quantization_config(directory)["quant_method"] == QUANT_METHOD
+    except (ValueError, OSError):
+        return False
+
+
+def read_quantization_config(directory: Union[str, os.PathLike]) -> dict:
+    """The parsed ``quantization_config.json`` of a folder written by :func:`save_quantized`.
+
+    Raises:
+        ValueError: the file is missing, not JSON, written by another tool (its
+            ``quant_method`` is not ``"qformats"``), of a newer config version, or malformed.
+    """
+    p = Path(directory)
+    if not p.is_dir():
+        raise ValueError(f"{directory}: not a folder")
+    f = p / CONFIG_NAME
+    if not f.is_file():
+        raise ValueError(f"{directory}: no {CONFIG_NAME}; not a qformats quantized model folder")
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    method = cfg.get("quant_method")
+    if method != QUANT_METHOD:
+        raise ValueError(f"{f}: not written by qformats (quant_method={method!r}; expected "
+                         f"{QUANT_METHOD!r}); a model of another quantization tool?")
+    ver = cfg.get("config_version")
+    if not isinstance(ver, int) or ver > CONFIG_VERSION:
+        raise ValueError(f"{f}: config_version {ver!r} is not one this qformats reads "
+                         f"(<= {CONFIG_VERSION}); upgrade qformats")
+    if not isinstance(cfg.get("layers"), dict):
+        raise ValueError(f"{f}: 'layers' must be an object {{name: layer config}}")
+    if not isinstance(cfg.get("aliases", {}), dict):
+        raise ValueError(f"{f}: 'aliases' must be an object")
+    w = cfg.get("weights", WEIGHTS_NAME)
+    if not isinstance(w, str) or not w or Path(w).name != w:
+        raise ValueError(f"{f}: 'weights' must be a file name in the folder, got {w!r}")
+    return cfg
+
+
+@contextmanager
+def empty_weights():
+    """Context manager: every ``nn.Parameter`` registered inside it is moved to the meta
+    device at registration (its initialization then costs nothing), while buffers are built
+    normally (non-persistent ones, e.g. rotary frequencies, keep their computed values).
+    The same idea as accelerate's ``init_empty_weights(include_buffers=False)``."""
+    old = nn.Module.register_parameter
+
+    def register(module, name, param):
+        old(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            kwargs = dict(p.__dict__)
+            kwargs["requires_grad"] = p.requires_grad
+            module._parameters[name] = type(p)(p.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = old
+
+
+def _hf_skeleton(directory: Path, cfg: dict) -> nn.Module:
+    """The Hugging Face model of ``config.json``, parameters on the meta device."""
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{directory}: no config.json to rebuild the model from; pass "
+                         "model= (a module or a function that builds one)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise ValueError(f"{directory}: rebuilding a Hugging Face model needs transformers "
+                         "(`pip install 'qformats[demo]'`), or pass model=") from e
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{directory}/config.json: cannot read it: {str(e).splitlines()[0]}") from e
+    names = [str(cfg.get("model_class", "")).rsplit(".", 1)[-1]]
+    names += list(getattr(config, "architectures", None) or [])
+    cls = None
+    for n in names:
+        c = getattr(transformers, n, None) if n else None
+        if isinstance(c, type) and issubclass(c, nn.Module):
+            cls = c
+            break
+    if cls is None:
+        raise ValueError(f"{directory}: cannot find the model class ({names}) in transformers "
+                         f"{transformers.__version__}; pass model=")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with empty_weights():
+            model = cls(config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return model
+
+
+def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtype: Any = None,
+                   model: Union[nn.Module, Callable[[], nn.Module], None] = None) -> nn.Module:
+    """Rebuild a model written by :func:`save_quantized`, without its full-precision weights.
+
+    Args:
+        directory: the folder.
+        device: where the model goes (``"cpu"``, ``"cuda:0"``, a torch.device).
+        dtype: None keeps every tensor's stored dtype (the same logits as before saving, bit
+            for bit); a float dtype (``torch.float32`` / ``"float32"`` ...) converts the float
+            parameters and buffers that are not packed weights (embeddings, norms, biases);
+            QuantizedLinear layers compute in their input's dtype.
+        model: the skeleton instead of ``config.json``: a module (its Linear layers at the
+            saved names are replaced; parameters may be on the meta device) or a function
+            returning one (called under :func:`empty_weights`). Needed for models that are not
+            Hugging Face models.
+    Returns:
+        the model in eval mode on ``device``.
+    Raises:
+        ValueError: no / malformed / foreign ``quantization_config.json``, an unknown format
+            or bad params in it, a layer name that is not a Linear of the model, a missing,
+            unexpected or wrongly shaped (or typed) tensor, a truncated or unreadable
+            safetensors file, a missing ``config.json`` (without ``model=``), tensors that
+            the file does not provide left on the meta device.
+    """
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    cfg = read_quantization_config(directory)
+    wfile = directory / cfg.get("weights", WEIGHTS_NAME)
+    if not wfile.is_file():
+        raise ValueError(f"{directory}: the weights file {wfile.name} is missing")
+    if dtype is not None:
+        from ._core import float_dtype
+
+        try:
+            dtype = getattr(torch, float_dtype(dtype))
+        except TypeError as e:
+            raise ValueError(str(e)) from e
+
+    # 1. the skeleton
+    if model is None:
+        model = _hf_skeleton(directory, cfg)
+    elif not isinstance(model, nn.Module):
+        if not callable(model):
+            raise TypeError(f"model: expected an nn.Module or a function, got {type(model).__name__}")
+        with empty_weights():
+            model = model()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model(): expected an nn.Module, got {type(model).__name__}")
+
+    # 2. the QuantizedLinear layers, empty, on the meta device
+    from .model import _set_submodule
+
+    for name, lcfg in cfg["layers"].items():
+        try:
+            old = model.get_submodule(name) if name else None
+        except AttributeError:
+            old = None
+        if not isinstance(old, (nn.Linear, QuantizedLinear)):
+            raise ValueError(f"{CONFIG_NAME}: layer {name!r} is not a Linear of the "
+                             f"{type(model).__name__} model")
+        try:
+            new = QuantizedLinear.from_config(lcfg, device="meta")
+        except ValueError as e:
+            raise ValueError(f"{CONFIG_NAME}: layer {name!r}: {e}") from e
+        if (old.in_features, old.out_features) != (new.in_features, new.out_features):
+            raise ValueError(f"{CONFIG_NAME}: layer {name!r} is [{new.out_features}, "
+                             f"{new.in_features}] but the model's is [{old.out_features}, "
+                             f"{old.in_features}]")
+        _set_submodule(model, name, new)
+
+    # 3. the tensors
+    aliases = cfg.get("aliases", {})
+    expected = model.state_dict(keep_vars=True)
+    try:
+        with safe_open(str(wfile), framework="pt") as f:
+            keys = set(f.keys())
+            state = {k: f.get_tensor(k) for k in keys}
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        if isinstance(e, (MemoryError, KeyboardInterrupt)):
+            raise
+        raise ValueError(f"{wfile}: cannot read it as safetensors (truncated or corrupt?): "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    for alias, target in aliases.items():
+        if target not in state:
+            raise ValueError(f"{CONFIG_NAME}: alias {alias!r} -> {target!r}, which the weights "
+                             "file does not hold")
+        state[alias] = state[target]
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing:
+        raise ValueError(f"{wfile.name}: missing tensor(s) {_few(missing)} that the model needs")
+    if unexpected:
+        raise ValueError(f"{wfile.name}: tensor(s) {_few(unexpected)} that the model does not "
+                         "have (written for another model or configuration?)")
+    for k, t in state.items():
+        e = expected[k]
+        if tuple(t.shape) != tuple(e.shape):
+            raise ValueError(f"{wfile.name}: tensor {k!r} has shape {list(t.shape)}, the model "
+                             f"expects {list(e.shape)}")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{wfile.name}: {str(e).strip().splitlines()[-1].strip()}") from e
+
+    # 4. nothing may be left without data
+    left = [n for n, t in list(model.named_parameters(remove_duplicate=False))
+            + list(model.named_buffers(remove_duplicate=False)) if t.device.type == "meta"]
+    if left:
+        raise ValueError(f"{directory}: the model has tensors the checkpoint does not provide "
+                         f"(still on the meta device): {_few(left)}")
+    computed = cfg.get("computed_buffers", {})
+    if isinstance(computed, dict):
+        for name, dt in computed.items():
+            owner, _, b = name.rpartition(".")
+            try:
+                m = model.get_submodule(owner) if owner else model
+            except AttributeError:
+                continue
+            t = m._buffers.get(b)
+            want = getattr(torch, str(dt), None)
+            if isinstance(t, torch.Tensor) and isinstance(want, torch.dtype) and t.dtype != want:
+                m._buffers[b] = t.to(want)
+    if dtype is not None:
+        model.to(dtype)  # QuantizedLinear keeps its packed buffers' dtypes
+    model.to(device)
+    return model.eval()
+
+
+def _few(names: list, n: int = 4) -> str:
+    s = ", ".join(repr(x) for x in names[:n])
+    return s + (f" and {len(names) - n} more" if len(names) > n else "")

@@ -1,0 +1,255 @@
+"""QuantizedLinear and the qformats:: torch operators: equal to F.linear on the dequantized
+weight for every format, bias handling, state dicts, device/dtype conversions, errors,
+gradients, the kernel dispatch hook and torch.compile(fullgraph=True)."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+import qformats  # noqa: E402
+from qformats import ops  # noqa: E402
+from qformats.nn import QuantizedLinear, quantized_linears  # noqa: E402
+
+#: Every format, some with non-default parameters (in_features 256 divides every block).
+CASES = [
+    ("q4_0", {}),
+    ("q8_1", {}),
+    ("int8", {}),
+    ("int8", {"granularity": "group", "group_size": 64}),
+    ("int4", {"group_size": 64}),
+    ("int4", {"group_size": 128, "symmetric": True}),
+    ("nf4", {}),
+    ("nf4", {"blocksize": 128, "compress_statistics": True}),
+    ("mixed2bit", {}),
+    ("mixed2bit", {"ratio_4bit": 0.0, "outlier_ratio": 0.01, "group_size": 32}),
+]
+IDS = [f"{f}-{'-'.join(f'{k}={v}' for k, v in p.items()) or 'default'}" for f, p in CASES]
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _linear(bias=True, seed=0, in_f=256, out_f=96):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(in_f, out_f, bias=bias)
+    with torch.no_grad():
+        lin.bias is not None and lin.bias.normal_()
+    return lin
+
+
+@pytest.mark.parametrize("fmt,params", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_forward_equals_dequantized_linear(fmt, params, dtype):
+    lin = _linear()
+    q = QuantizedLinear.from_linear(lin, fmt, **params)
+    x = torch.randn(2, 5, 256).to(dtype)
+    y = q(x)
+    w = q.quantized_weight.dequantize(DTYPES[dtype])
+    assert y.dtype == dtype and y.shape == (2, 5, 96)
+    assert torch.equal(y, F.linear(x, w, q.bias.to(dtype)))
+    # the same through the functional entry point, with the QuantizedTensor
+    assert torch.equal(ops.linear(x, q.quantized_weight, q.bias), y)
+    # and close to the float layer (quantization error only)
+    ref = lin(x.float())
+    rel = (y.float() - ref).norm() / ref.norm()
+    assert rel < (0.5 if fmt == "mixed2bit" else 0.2), rel
+
+
+def test_from_linear_keeps_bias_and_leaves_linear_alone():
+    lin = _linear()
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    q = QuantizedLinear.from_linear(lin, "int4", group_size=64)
+    assert torch.equal(lin.weight, w0) and torch.equal(lin.bias, b0)
+    assert isinstance(q.bias, torch.nn.Parameter) and torch.equal(q.bias, b0)
+    assert q.bias.data_ptr() != lin.bias.data_ptr()  # a copy
+    assert (q.in_features, q.out_features, q.weight_dtype) == (256, 96, "float32")
+    assert not hasattr(q, "weight")
+    x = torch.randn(3, 256)
+    assert torch.equal(q(x), F.linear(x, q.dequantize_weight(), q.bias))
+    nob = QuantizedLinear.from_linear(_linear(bias=False), "nf4")
+    assert nob.bias is None and set(nob.state_dict()) == {"packed", "absmax"}
+    assert torch.equal(nob(x), F.linear(x, nob.dequantize_weight(), None))
+
+
+def test_from_linear_fp16_weight_records_dtype():
+    lin = _linear().half()
+    q = QuantizedLinear.from_linear(lin, "int8")
+    assert q.weight_dtype == "float16" and q.bias.dtype == torch.float16
+    assert q.dequantize_weight().dtype == torch.float16
+    x = torch.randn(4, 256)
+    assert torch.equal(q(x), F.linear(x, q.dequantize_weight(torch.float32), q.bias.float()))
+
+
+@pytest.mark.parametrize("fmt,params", CASES, ids=IDS)
+def test_state_dict_round_trip(fmt, params):
+    q = QuantizedLinear.from_linear(_linear(), fmt, **params)
+    sd = q.state_dict()
+    assert set(sd) == {"bias", *q.buffer_names}
+    assert all(sd[n].dtype == getattr(q, n).dtype for n in q.buffer_names)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    sd2 = torch.load(buf, weights_only=True)
+    fresh = QuantizedLinear(256, 96, True, format=fmt, params=q.params)
+    fresh.load_state_dict(sd2)
+    x = torch.randn(3, 256)
+    assert torch.equal(fresh(x), q(x))
+    # the same through a meta skeleton and assign=True
+    skel = QuantizedLinear.from_config(q.config(), device="meta")
+    skel.load_state_dict(sd2, assign=True)
+    assert torch.equal(skel(x), q(x))
+
+
+def test_state_dict_mismatches_raise():
+    q = QuantizedLinear.from_linear(_linear(), "int4", group_size=64)
+    sd = q.state_dict()
+    bad = dict(sd, scales=sd["scales"].half())
+    fresh = QuantizedLinear(256, 96, format="int4", params=q.params)
+    with pytest.raises(RuntimeError, match="dtype mismatch"):
+        fresh.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        QuantizedLinear(256, 96, format="int4", params={"group_size": 128}).load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fresh.load_state_dict({k: v for k, v in sd.items() if k != "zeros"})
+
+
+def test_conversions_keep_packed_dtypes():
+    q = QuantizedLinear.from_linear(_linear(), "mixed2bit")
+    before = {n: getattr(q, n).clone() for n in q.buffer_names}
+    for conv in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.float(),
+                 lambda m: m.to("cpu"), lambda m: m.double()):
+        conv(q)
+        for n in q.buffer_names:
+            assert getattr(q, n).dtype == before[n].dtype
+            assert torch.equal(getattr(q, n), before[n])
+    assert q.bias.dtype == torch.float64
+    q.to(torch.bfloat16)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    assert torch.equal(q(x), F.linear(x, q.dequantize_weight(torch.bfloat16), q.bias))
+    e = q.to_empty(device="meta")
+    assert all(getattr(e, n).device.type == "meta" for n in e.buffer_names)
+    assert all(getattr(e, n).dtype == before[n].dtype for n in e.buffer_names)
+
+
+def test_repr_and_sizes():
+    q = QuantizedLinear.from_linear(_linear(), "int4", group_size=64)
+    r = repr(q)
+    for s in ("in_features=256", "out_features=96", "format=int4", "group_size=64",
+              "symmetric=False", "bits=4.625", "bias=True"):
+        assert s in r, r
+    assert q.nbytes == q.quantized_weight.nbytes == 96 * (128 + 4 * 4 + 4)
+    assert q.avg_bits == pytest.approx(q.quantized_weight.avg_bits)
+    net = torch.nn.Sequential(q, torch.nn.ReLU())
+    assert quantized_linears(net) == [("0", q)]
+
+
+def test_bad_input_and_arguments():
+    q = QuantizedLinear.from_linear(_linear(), "q4_0")
+    with pytest.raises(ValueError, match=r"\[\.\.\., 256\]"):
+        q(torch.randn(3, 128))
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        q(torch.ones(3, 256, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        q(torch.randn(3, 256).double())
+    with pytest.raises(TypeError, match="nn.Linear"):
+        QuantizedLinear.from_linear(torch.nn.Conv1d(3, 3, 1), "q4_0")
+    with pytest.raises(ValueError, match="unknown qformats format"):
+        QuantizedLinear.from_linear(_linear(), "q5_k")
+    with pytest.raises(ValueError, match="unknown qformats format"):
+        QuantizedLinear(256, 96, format="fp8")
+    with pytest.raises(ValueError, match="multiple"):
+        QuantizedLinear.from_linear(_linear(in_f=200), "q4_0")
+    with pytest.raises(ValueError):
+        QuantizedLinear(256, 96, format="int4", params={"group_size": 100})
+    with pytest.raises(TypeError):
+        QuantizedLinear.from_linear(_linear(), "int4", group_size="64")
+    with pytest.raises(ValueError, match="do not fit"):
+        QuantizedLinear(256, 96, format="mixed2bit", params={"group_size": 16})  # no n4/n_out
+
+
+def test_numpy_quantized_tensor_through_ops():
+    w = _linear().weight.detach().numpy()
+    qt = qformats.nf4.quantize(w)
+    x = torch.randn(2, 256)
+    y = ops.linear(x, qt)
+    assert torch.equal(y, F.linear(x, torch.from_numpy(qt.dequantize("float32"))))
+    assert torch.equal(ops.dequantize(qt), torch.from_numpy(qt.dequantize("float32")))
+
+
+def test_gradient_wrt_input_and_bias():
+    q = QuantizedLinear.from_linear(_linear(), "int4", group_size=64)
+    x = torch.randn(4, 3, 256, requires_grad=True)
+    (q(x) ** 2).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    b2 = q.bias.detach().clone().requires_grad_()
+    (F.linear(x2, q.dequantize_weight(), b2) ** 2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(q.bias.grad, b2.grad)
+
+
+def test_kernel_dispatch_hook():
+    q = QuantizedLinear.from_linear(_linear(), "int8")
+    x = torch.randn(2, 256)
+    expected = q(x)
+    calls = []
+
+    def kernel(xx, qt, bias):
+        calls.append(qt.format)
+        return NotImplemented if xx.shape[0] == 2 else torch.zeros(*xx.shape[:-1], qt.shape[0])
+
+    assert ops.register_linear_kernel("int8", "cpu", kernel) is None
+    try:
+        assert torch.equal(q(x), expected)          # the kernel declined: reference path
+        assert torch.count_nonzero(q(torch.randn(3, 256))) == 0  # the kernel's answer
+        assert calls == ["int8", "int8"]
+    finally:
+        assert ops.register_linear_kernel("int8", "cpu", None) is kernel
+    assert torch.equal(q(x), expected)
+    with pytest.raises(ValueError):
+        ops.register_linear_kernel("int9", "cpu", kernel)
+
+
+def test_torch_compile_fullgraph_default_backend(make_small_net):
+    """The default backend (inductor; needs the C++ compiler, ~10 s cold here)."""
+    net = make_small_net()
+    net[0] = QuantizedLinear.from_linear(net[0], "int4", group_size=64)
+    net[2] = QuantizedLinear.from_linear(net[2], "mixed2bit", ratio_4bit=0.0)
+    x = torch.randn(4, 256)
+    torch._dynamo.reset()
+    compiled = torch.compile(net, fullgraph=True)
+    with torch.no_grad():
+        eager = net(x)
+        got = compiled(x)
+    # inductor fuses the GELU / bias arithmetic: equal up to float32 rounding
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_fullgraph_hf_model(make_tiny_llama):
+    """A quantized Hugging Face Llama traces as one graph (aot_eager: bit-identical)."""
+    model = make_tiny_llama()
+    qformats.quantize_model(model, bits=4, group_size=32,
+                            overrides={"*.down_proj": {"bits": 2}, "*.o_proj": {"format": "nf4"}})
+    ids = torch.randint(0, 256, (2, 16))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():
+        eager = model(input_ids=ids, use_cache=False).logits
+        got = compiled(input_ids=ids, use_cache=False).logits
+    assert torch.equal(got, eager)
+
+
+def test_fake_implementations():
+    q = QuantizedLinear.from_linear(_linear(), "nf4")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(torch.randn(7, 3, 256, dtype=torch.bfloat16))
+        bufs = [mode.from_tensor(getattr(q, n)) for n in q.buffer_names]
+        y = torch.ops.qformats.linear(x, q._meta, bufs, None)
+        w = torch.ops.qformats.dequantize(q._meta, bufs, torch.float16)
+    assert y.shape == (7, 3, 96) and y.dtype == torch.bfloat16
+    assert w.shape == (96, 256) and w.dtype == torch.float16

@@ -13,6 +13,7 @@
 #pragma once
 #include <cstdint>
 
+#include "formats/mixed2bit/mixed2bit.h"
 #include "formats/q4_0/q4_0.h"
 #include "gemm/cpu_isa.h"
 
@@ -37,6 +38,13 @@ struct M2Group {
   float s;
   float m;
   int32_t is4;
+};
+
+// A window of one row of a mixed2bit weight: n groups of gs values from flat group g0 on, whose
+// slots in the 4-bit and 2-bit lists start at j4 and j2 (B groups per second-order block).
+struct M2Window {
+  const mixed2bit::ConstBuffers* q;
+  int64_t gs, B, g0, n, j4, j2;
 };
 
 // A 4-bit weight whose 32-aligned runs of a row are one 16-byte code run with one scale: the
@@ -76,6 +84,10 @@ struct CpuKernels {
   void (*decode_q4_0)(const q4_0::block_q4_0* blocks, int64_t n_blocks, float* out);
   // mixed2bit: n groups of gs values (gs a multiple of 16), without the outliers.
   void (*decode_m2)(const M2Group* groups, int64_t n, int64_t gs, float* out);
+  // The same straight from the buffers, 16 groups' parameters at a time in vector registers
+  // (nullptr where the instruction set has none: the driver builds M2Group lists). Needs every
+  // slot * words-per-group to fit int32.
+  void (*decode_m2_window)(const M2Window& w, float* out);
 
   // Fused weight-only GEMM for few activation rows (N <= 4): Y[j * ldy + i] = sum_k W[m0 + i, k]
   // * X[j, k] for i < MR <= kPanelRows, j < N, decoding W in registers (no tile). X is float32

@@ -104,28 +104,6 @@ int64_t count_bits(const uint8_t* map, int64_t g0, int64_t g1) {
   return n;
 }
 
-// Walks one of the two group lists (2-bit or 4-bit) from slot j on: the slot's second-order
-// block b = j / B, advanced without divisions, and that block's fp16 fields as floats (read
-// when first needed: the block after a list's last slot does not exist).
-struct ListCursor {
-  const half_t* so = nullptr;
-  int64_t B = 1, j = 0, b = 0, r = 0, loaded = -1;
-  float d = 0.0f, dm = 0.0f;
-  void start(const half_t* so_, int64_t B_, int64_t j0) {
-    so = so_; B = B_; j = j0; b = j0 / B_; r = j0 % B_; loaded = -1;
-  }
-  void fields() {
-    if (b == loaded) return;
-    d = fp16_bits_to_fp32(so[2 * b].bits);
-    dm = fp16_bits_to_fp32(so[2 * b + 1].bits);
-    loaded = b;
-  }
-  void next() {
-    ++j;
-    if (++r == B) { r = 0; ++b; }
-  }
-};
-
 }  // namespace
 
 void mixed2bit_row_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims, int64_t* n4_before,
@@ -155,39 +133,49 @@ void mixed2bit_row_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims
 
 namespace {
 
+// The two fp16 fields [d, dm] of second-order block b as floats (out of the hot loop: a block
+// changes every B groups of its list).
+__attribute__((noinline)) void block_fields(const half_t* so, int64_t b, float* d, float* dm) {
+  *d = fp16_bits_to_fp32(so[2 * b].bits);
+  *dm = fp16_bits_to_fp32(so[2 * b + 1].bits);
+}
+
 // Descriptors of the n groups g0 .. g0 + n - 1 of one row (g0 = m G + c0), whose slots in the
-// 4-bit and 2-bit lists start at i4 and i2. Prefetches each group's code words, which the
-// decoder reads right after (the descriptors of a whole tile are built first).
+// 4-bit and 2-bit lists start at j4 and j2. Each list's second-order block is followed with a
+// counter (no division); its fields are read when the block is first used (the block after a
+// list's last slot does not exist). Prefetches each group's code words, which the decoder reads
+// right after (the descriptors of a whole tile are built first).
 void m2_descriptors(const mixed2bit::ConstBuffers& q, int64_t B, int64_t w2, int64_t w4, int64_t g0, int64_t n,
-                    int64_t i4, int64_t i2, M2Group* out) {
-  const uint8_t* map = q.group_map;
-  const uint8_t* scales2 = q.scales2;
-  const uint8_t* scales4 = q.scales4;
-  ListCursor cur4, cur2;
-  cur4.start(q.so4, B, i4);
-  cur2.start(q.so2, B, i2);
+                    int64_t j4, int64_t j2, M2Group* out) {
+  const uint8_t* const map = q.group_map;
+  const uint8_t* const scales2 = q.scales2;
+  const uint8_t* const scales4 = q.scales4;
+  const uint32_t* const codes2 = q.codes2;
+  const uint32_t* const codes4 = q.codes4;
+  int64_t b4 = j4 / B, r4 = j4 % B, b2 = j2 / B, r2 = j2 % B, loaded4 = -1, loaded2 = -1;
+  float d4 = 0, dm4 = 0, d2 = 0, dm2 = 0;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t g = g0 + t;
-    M2Group& d = out[t];
+    M2Group& o = out[t];
     if ((map[g >> 3] >> (g & 7)) & 1) {
-      cur4.fields();
-      const int64_t j = cur4.j;
-      d.words = q.codes4 + j * w4;
-      d.s = cur4.d * static_cast<float>(scales4[2 * j]);  // mixed2bit's effective(): fp16 field * code
-      d.m = cur4.dm * static_cast<float>(scales4[2 * j + 1]);
-      d.is4 = 1;
-      cur4.next();
+      if (b4 != loaded4) { block_fields(q.so4, b4, &d4, &dm4); loaded4 = b4; }
+      o.words = codes4 + j4 * w4;
+      o.s = d4 * static_cast<float>(scales4[2 * j4]);  // mixed2bit's effective(): fp16 field * code
+      o.m = dm4 * static_cast<float>(scales4[2 * j4 + 1]);
+      o.is4 = 1;
+      ++j4;
+      if (++r4 == B) { r4 = 0; ++b4; }
     } else {
-      cur2.fields();
-      const int64_t j = cur2.j;
-      const uint8_t codes = scales2[j];
-      d.words = q.codes2 + j * w2;
-      d.s = cur2.d * static_cast<float>(codes & 0x0F);
-      d.m = cur2.dm * static_cast<float>(codes >> 4);
-      d.is4 = 0;
-      cur2.next();
+      if (b2 != loaded2) { block_fields(q.so2, b2, &d2, &dm2); loaded2 = b2; }
+      const uint8_t c = scales2[j2];
+      o.words = codes2 + j2 * w2;
+      o.s = d2 * static_cast<float>(c & 0x0F);
+      o.m = dm2 * static_cast<float>(c >> 4);
+      o.is4 = 0;
+      ++j2;
+      if (++r2 == B) { r2 = 0; ++b2; }
     }
-    __builtin_prefetch(d.words);
+    __builtin_prefetch(o.words);
   }
 }
 
@@ -201,17 +189,27 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
   const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), B = dims.scale_block;
   const int64_t w2 = dims.words2(), w4 = dims.words4();
   const int64_t kc = gs * std::max<int64_t>(1, kTileK / gs);  // whole groups per tile
+  const bool vector_window = kern.decode_m2_window && dims.n2() * w2 < (int64_t(1) << 31) &&
+                             dims.n4 * w4 < (int64_t(1) << 31) && dims.n_groups() < (int64_t(1) << 31);
   weight_only_gemm_tiles(X, N, K, dims.rows, kc, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
     const int64_t len = k1 - k0, c0 = k0 / gs, ng = k1 / gs - c0;
-    thread_local std::vector<M2Group> groups;
-    groups.resize(static_cast<size_t>(kPanelRows * ng));
-    for (int64_t m = m0; m < m1; ++m) {  // this row's slots in the two lists at group c0
-      const int64_t i4 = n4_before[m] + count_bits(q.group_map, m * G, m * G + c0);
-      m2_descriptors(q, B, w2, w4, m * G + c0, ng, i4, m * G + c0 - i4, groups.data() + (m - m0) * ng);
+    if (vector_window) {  // 16 groups' parameters at a time, in vector registers
+      for (int64_t m = m0; m < m1; ++m) {
+        const int64_t j4 = n4_before[m] + count_bits(q.group_map, m * G, m * G + c0);
+        kern.decode_m2_window({&q, gs, B, m * G + c0, ng, j4, m * G + c0 - j4}, tile + (m - m0) * len);
+      }
+    } else {  // per-group descriptors, then the decoder
+      thread_local std::vector<M2Group> groups;
+      groups.resize(static_cast<size_t>(kPanelRows * ng));
+      for (int64_t m = m0; m < m1; ++m) {  // this row's slots in the two lists at group c0
+        const int64_t j4 = n4_before[m] + count_bits(q.group_map, m * G, m * G + c0);
+        m2_descriptors(q, B, w2, w4, m * G + c0, ng, j4, m * G + c0 - j4, groups.data() + (m - m0) * ng);
+      }
+      for (int64_t m = m0; m < m1; ++m)
+        kern.decode_m2(groups.data() + (m - m0) * ng, ng, gs, tile + (m - m0) * len);
     }
     for (int64_t m = m0; m < m1; ++m) {
       float* row = tile + (m - m0) * len;
-      kern.decode_m2(groups.data() + (m - m0) * ng, ng, gs, row);
       // Outliers of this row inside [k0, k1) replace their decoded values.
       const int32_t* ob = q.outlier_idx + out_before[m];
       const int32_t* oe = q.outlier_idx + out_before[m + 1];

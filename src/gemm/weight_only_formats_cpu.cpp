@@ -189,20 +189,32 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
   const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), B = dims.scale_block;
   const int64_t w2 = dims.words2(), w4 = dims.words4();
   const int64_t kc = gs * std::max<int64_t>(1, kTileK / gs);  // whole groups per tile
+  // 4-bit groups before each tile of each row (the slot of the tile's first 4-bit group).
+  const int64_t n_win = (K + kc - 1) / kc, gw = kc / gs;
+  std::vector<int64_t> win4(static_cast<size_t>(dims.rows * n_win));
+  parallel_chunks(dims.rows, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t c4 = n4_before[r];
+      for (int64_t t = 0; t < n_win; ++t) {
+        win4[r * n_win + t] = c4;
+        c4 += count_bits(q.group_map, r * G + t * gw, r * G + std::min(G, (t + 1) * gw));
+      }
+    }
+  });
   const bool vector_window = kern.decode_m2_window && dims.n2() * w2 < (int64_t(1) << 31) &&
                              dims.n4 * w4 < (int64_t(1) << 31) && dims.n_groups() < (int64_t(1) << 31);
   weight_only_gemm_tiles(X, N, K, dims.rows, kc, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
     const int64_t len = k1 - k0, c0 = k0 / gs, ng = k1 / gs - c0;
     if (vector_window) {  // 16 groups' parameters at a time, in vector registers
       for (int64_t m = m0; m < m1; ++m) {
-        const int64_t j4 = n4_before[m] + count_bits(q.group_map, m * G, m * G + c0);
+        const int64_t j4 = win4[m * n_win + k0 / kc];
         kern.decode_m2_window({&q, gs, B, m * G + c0, ng, j4, m * G + c0 - j4}, tile + (m - m0) * len);
       }
     } else {  // per-group descriptors, then the decoder
       thread_local std::vector<M2Group> groups;
       groups.resize(static_cast<size_t>(kPanelRows * ng));
       for (int64_t m = m0; m < m1; ++m) {  // this row's slots in the two lists at group c0
-        const int64_t j4 = n4_before[m] + count_bits(q.group_map, m * G, m * G + c0);
+        const int64_t j4 = win4[m * n_win + k0 / kc];
         m2_descriptors(q, B, w2, w4, m * G + c0, ng, j4, m * G + c0 - j4, groups.data() + (m - m0) * ng);
       }
       for (int64_t m = m0; m < m1; ++m)

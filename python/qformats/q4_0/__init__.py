@@ -157,7 +157,9 @@ def _max_abs(x: Any) -> float:
 def linear(x: Any, w: QuantizedTensor) -> Any:
     """llama.cpp's quantized linear layer: ``Y = X . W^T`` with the activations quantized to q8_1
     on the fly (exactly :func:`qformats.q8_1.quantize_q8_1`'s blocks) and the integer q4_0 x
-    q8_1 dot products of :func:`gemm_q4_0_q8_1`.
+    q8_1 dot products of :func:`gemm_q4_0_q8_1` (llama.cpp: ``quantize_row_q8_1`` then
+    ggml-cpu ``ggml_vec_dot_q4_0_q8_0`` / ggml-cuda ``vec_dot_q4_0_q8_1``), threaded, with
+    AVX-512 VNNI (VPDPBUSD) or AVX2 (VPMADDUBSW) integer dot products where the CPU has them.
 
     Args:
         x: float32, float16 or bfloat16 ``[N, K]`` activations (numpy or torch CPU,
@@ -187,8 +189,9 @@ def linear(x: Any, w: QuantizedTensor) -> Any:
 
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
-    """Weight-only GEMM ``Y = X . W^T``: float activations, q4_0 weights decoded in cache-sized
-    tiles (or in registers for N <= 4), never materialized whole.
+    """Weight-only GEMM ``Y = X . W^T``: float activations, q4_0 weights (llama.cpp
+    ``block_q4_0``) decoded in cache-sized tiles (or in registers for N <= 4 on AVX-512 CPUs),
+    never materialized whole; threaded.
 
     Args:
         x: float32, float16 or bfloat16 ``[N, K]`` (16-bit values are converted to float32

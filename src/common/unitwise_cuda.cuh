@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common/cuda_utils.cuh"
 #include "common/fp16.h"
@@ -184,6 +185,222 @@ __device__ inline void store_bytes(uint8_t* __restrict__ p, const uint8_t (&b)[N
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) p[j] = b[j];
+  }
+}
+
+// ---- Raw chunks: the fused vector-path kernels ---------------------------------------------
+//
+// The fused quantizers keep a thread's chunks as the loaded 16-byte words (8 values: one word
+// for 16-bit types, two for float32) and convert each value to float32 only where its code is
+// computed: half the registers of a float32 copy for 16-bit inputs (so more threads, and more
+// loads in flight, per SM), and the reductions run on packed pairs where the hardware has
+// them (sm_80+: one HMNMX2 per two fp16 / bf16 values instead of two float32 steps).
+template <class T>
+struct Raw8 {
+  static constexpr int kWords = 8 * int(sizeof(T)) / 16;  // 1 (16-bit types) or 2 (float32)
+  uint4 w[kWords];
+};
+
+// CTAs of kThreads per SM that the fused kernels ask the register allocator for: 3 (40
+// registers: 1536 threads and 48 KB of loads in flight per SM) for 16-bit inputs, measured on
+// an H200 a little faster than 4 (32 registers, where the rare paths spill), and 2 for float32
+// (whose raw chunks alone take 32 registers). min_ctas_for_arch caps a count at what the
+// architecture being compiled holds (threads per SM: 1024 on sm_75, 1536 on sm_86 / sm_89,
+// 2048 elsewhere), for __launch_bounds__ only: the cap differs between compilation passes, so
+// it must never reach a template argument.
+template <class T>
+constexpr int fused_min_ctas() { return sizeof(T) == 2 ? 3 : 2; }
+
+constexpr int min_ctas_for_arch(int ctas, int threads_per_cta) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+  constexpr int kMaxThreadsPerSm = 1024;
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890)
+  constexpr int kMaxThreadsPerSm = 1536;
+#else
+  constexpr int kMaxThreadsPerSm = 2048;
+#endif
+  return ctas * threads_per_cta <= kMaxThreadsPerSm ? ctas : kMaxThreadsPerSm / threads_per_cta;
+}
+
+template <class T>
+__device__ inline void load_raw8(const T* __restrict__ p, Raw8<T>& r) {
+#pragma unroll
+  for (int i = 0; i < Raw8<T>::kWords; ++i) r.w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+}
+template <class T>
+__device__ inline void zero_raw8(Raw8<T>& r) {
+#pragma unroll
+  for (int i = 0; i < Raw8<T>::kWords; ++i) r.w[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// The 32-bit word holding value j (0..7) of a chunk, and value j as float32 (exact: the same
+// value as load_f32 / to_f32). j is a compile-time constant after unrolling, so both are
+// register selections, not memory accesses.
+template <class T>
+__device__ inline uint32_t raw_word(const Raw8<T>& r, int j) {
+  constexpr int kPerWord = 4 / int(sizeof(T));  // values per 32-bit word: 2 or 1
+  const int k = j / kPerWord;
+  const uint4& w = r.w[k / 4];
+  const int c = k % 4;
+  return c == 0 ? w.x : c == 1 ? w.y : c == 2 ? w.z : w.w;
+}
+template <class T>
+__device__ inline float raw_value(const Raw8<T>& r, int j) {
+  const uint32_t u = raw_word(r, j);
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(u);
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    return __uint_as_float(j % 2 ? u & 0xFFFF0000u : u << 16);  // bf16 -> float32: the high half
+  } else {
+    return load_f32(half_t{static_cast<uint16_t>(j % 2 ? u >> 16 : u & 0xFFFFu)});  // cvt.f32.f16
+  }
+}
+
+// Value e (0 .. 8N - 1, known only at run time) of N chunks, by selects among the registers
+// (an array indexed at run time would live in local memory, and so would the chunks).
+template <class T, int N>
+__device__ inline float raw_value_at(const Raw8<T> (&r)[N], int e) {
+  constexpr int kPerWord = 4 / int(sizeof(T));
+  constexpr int kWordsPerChunk = 8 / kPerWord;
+  const int wanted = e / kPerWord;  // word index over all chunks
+  uint32_t u = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int k = 0; k < kWordsPerChunk; ++k)
+      if (wanted == i * kWordsPerChunk + k) u = raw_word(r[i], k * kPerWord);
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(u);
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    return __uint_as_float(e % 2 ? u & 0xFFFF0000u : u << 16);
+  } else {
+    return load_f32(half_t{static_cast<uint16_t>(e % 2 ? u >> 16 : u & 0xFFFFu)});
+  }
+}
+
+template <class T>
+__device__ inline float raw_value_at(const Raw8<T>& r, int e) {
+  const Raw8<T> rs[1] = {r};
+  return raw_value_at(rs, e);
+}
+
+// Packed min / max of two fp16 or bf16 pairs (IEEE minNum / maxNum: a NaN operand is skipped)
+// and max with NaN propagation; sm_80+ only (the callers take the float32 loop below sm_80).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <class T>
+__device__ inline uint32_t pair_min(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, bf16_t>) asm("min.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else asm("min.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+template <class T>
+__device__ inline uint32_t pair_max(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, bf16_t>) asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+template <class T>
+__device__ inline uint32_t pair_max_nan(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, bf16_t>) asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+template <class T>
+__device__ inline uint32_t pair_min_nan(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, bf16_t>) asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else asm("min.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// The two 16-bit values of a packed word as float32 (exact).
+template <class T>
+__device__ inline float pair_lo(uint32_t u) {
+  if constexpr (std::is_same_v<T, bf16_t>) return __uint_as_float(u << 16);
+  else return load_f32(half_t{static_cast<uint16_t>(u & 0xFFFFu)});
+}
+template <class T>
+__device__ inline float pair_hi(uint32_t u) {
+  if constexpr (std::is_same_v<T, bf16_t>) return __uint_as_float(u & 0xFFFF0000u);
+  else return load_f32(half_t{static_cast<uint16_t>(u >> 16)});
+}
+template <class T>
+constexpr bool kPackedPairs = sizeof(T) == 2;
+#else
+template <class T>
+constexpr bool kPackedPairs = false;
+#endif
+
+// lo = min(+0, every value), hi = max(+0, every value) over N chunks, NaN skipped: the set
+// minimum / maximum, hence the result of any order of int4's min_step / max_step from +0.
+// A packed or fminf step may keep -0 where the serial steps keep +0; the last two lines turn
+// every zero result into +0, so lo and hi are bit-exact.
+template <class T, int N>
+__device__ inline void range_raw(const Raw8<T> (&r)[N], float& lo, float& hi) {
+  if constexpr (kPackedPairs<T>) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint32_t l = 0u, h = 0u;  // two +0 values each
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        l = pair_min<T>(l, raw_word(r[i], j));
+        h = pair_max<T>(h, raw_word(r[i], j));
+      }
+    lo = fminf(pair_lo<T>(l), pair_hi<T>(l));
+    hi = fmaxf(pair_lo<T>(h), pair_hi<T>(h));
+#endif
+  } else {
+    lo = 0.0f;
+    hi = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        lo = fminf(lo, raw_value(r[i], j));
+        hi = fmaxf(hi, raw_value(r[i], j));
+      }
+  }
+  lo = lo < 0.0f ? lo : 0.0f;
+  hi = hi > 0.0f ? hi : 0.0f;
+}
+
+// max(+0, |every value|) over N chunks, exact, with `nan` set when some value is NaN (then
+// the result is meaningless and the caller recomputes it its own way). Packed: the maximum and
+// the minimum with NaN propagation (the three-input HMNMX2 takes two words per instruction),
+// then max(max, -min) = max |v|, a zero result made +0.
+template <class T, int N>
+__device__ inline float absmax_raw(const Raw8<T> (&r)[N], bool& nan) {
+  if constexpr (kPackedPairs<T>) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint32_t hi = raw_word(r[0], 0), lo = hi;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        hi = pair_max_nan<T>(hi, raw_word(r[i], j));
+        lo = pair_min_nan<T>(lo, raw_word(r[i], j));
+      }
+    const float h0 = pair_lo<T>(hi), h1 = pair_hi<T>(hi);
+    nan = h0 != h0 || h1 != h1;  // a NaN reaches both the maximum and the minimum
+    const float a = fmaxf(fmaxf(h0, h1), -fminf(pair_lo<T>(lo), pair_hi<T>(lo)));
+    return a > 0.0f ? a : 0.0f;
+#endif
+  } else {
+    float a = 0.0f;
+    bool n = false;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float v = raw_value(r[i], j);
+        a = fmaxf(a, fabsf(v));
+        n |= v != v;
+      }
+    nan = n;
+    return a;
   }
 }
 

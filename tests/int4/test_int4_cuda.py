@@ -127,6 +127,44 @@ def test_gpu_shapes_and_empty(shape, sym):
     _assert_decodes_equal(gq)
 
 
+def _ties(rows, gs, sym, dtype, seed):
+    """Groups whose x / scale fall exactly on, or a few ulps beside, the rounding ties k + 1/2:
+    the extremes pin scale to c (asymmetric: -8c and 7c, range 15c, zero 8; symmetric: +-7c),
+    the other values are (k + 1/2) c nudged by -2..2 ulps (in the input dtype), for c a power of
+    two or a small odd multiple of one at scales 2^-20 .. 2^20. The CUDA fast path sends exactly
+    these values (r within 2^-17 of a half-integer) to the exact division; far more of them than
+    random data has."""
+    rng = np.random.default_rng(seed)
+    tdt = getattr(torch, dtype)
+    x = torch.empty(rows, gs, dtype=torch.float32)
+    for r in range(rows):
+        c = float(rng.choice([1.0, 3.0, 5.0, 0.75])) * 2.0 ** int(rng.integers(-10, 11))
+        k = rng.integers(-7 if sym else -8, 7, gs)
+        v = torch.from_numpy((k + 0.5).astype(np.float32) * np.float32(c)).to(tdt)
+        for _ in range(2):  # +-1 or 2 ulps in the input dtype, on half of the values
+            step = torch.from_numpy(rng.integers(-1, 2, gs).astype(np.float32)).to(tdt)
+            v = torch.where(step > 0, torch.nextafter(v, torch.full_like(v, float("inf"))),
+                            torch.where(step < 0, torch.nextafter(v, torch.full_like(v, -float("inf"))), v))
+        v[0] = -7 * c if sym else -8 * c
+        v[1] = 7 * c
+        x[r] = v.float()
+    return x.reshape(rows // 4, 4 * gs).to(tdt)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("gs", [32, 128, 1024])
+def test_gpu_rounding_ties(gs, dtype, sym):
+    x = _ties(512, gs, sym, dtype, gs + 7 * sym)
+    ref = _ref(x.float().numpy(), gs, sym)
+    cpu = I.quantize(x, gs, symmetric=sym)
+    for xx in (x.cuda(), misaligned_copy(x)):
+        gq = I.quantize(xx, gs, symmetric=sym)
+        for k in ref:
+            assert_bytes_equal(gq.buffers[k], ref[k])
+            assert_bytes_equal(gq.buffers[k], cpu.buffers[k])
+
+
 # -- pack / unpack ---------------------------------------------------------------------------
 
 @settings(max_examples=100, deadline=None)

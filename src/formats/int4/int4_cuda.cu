@@ -1,18 +1,20 @@
 // int4 CUDA codec: the per-value rules of int4.h (min_step / max_step / absmax_step,
 // asym_params, asym_code, sym_scale, sym_code, pack_pair, decode_asym, decode_sym) under the
-// team work split of common/unitwise_cuda.cuh, so GPU bytes equal CPU bytes by
-// construction. Inside this file the namespace is always spelled qf::int4 (or reached from
-// inside it): `int4` alone is also CUDA's built-in vector type.
+// team work split of common/unitwise_cuda.cuh, so GPU bytes equal CPU bytes. Inside this file
+// the namespace is always spelled qf::int4 (or reached from inside it): `int4` alone is also
+// CUDA's built-in vector type.
 //
-// Quantize, groups of up to 16384 values (8 per chunk on the vector path; 4096 on the
-// unaligned path, 2 values per chunk): one kernel. A team of 1..512 threads holds its group
-// in registers (at most 4 chunks of 8 values per thread; group_size 128 -> 4 threads),
-// reduces min/max (asymmetric) or absmax (symmetric) with team_reduce (warp shuffles; shared
-// memory for teams wider than a warp), writes scale (and zero) and the packed codes: 8 values
-// -> 4 bytes, one 4-byte store per chunk (element 2j low nibble, 2j+1 high). DRAM traffic: the
-// input once, qweight/scales/zeros once. Longer groups: (1) partial extrema per segment of
-// 16384 values into a workspace, (2) one CTA per group combines them and writes scale and
-// zero, (3) the codes per segment from the stored scale and zero.
+// Quantize, vector path (16-byte aligned input, group_size % 8 == 0), groups of up to 16384
+// values: quantize_fused_kernel. A team of 1..512 threads holds its group in registers as the
+// loaded 16-byte words (each thread 4 consecutive chunks of 8 values; group_size 128 -> 4
+// threads), reduces min/max (asymmetric) or absmax (symmetric) on packed pairs and then with
+// team_reduce, writes scale (and zero), and computes the codes by a reciprocal multiply with a
+// tie guard that is exact (the proof is at the kernel), one 16-byte store per thread. DRAM
+// traffic: the input once, qweight/scales/zeros once.
+// Unaligned input (2 values per chunk, groups up to 4096) and longer groups: quantize_kernel,
+// the rule value by value (a true division per value); longer groups in three passes: (1)
+// partial extrema per segment of 16384 values into a workspace, (2) one CTA per group combines
+// them and writes scale and zero, (3) the codes per segment from the stored scale and zero.
 // Dequantize: the same split: 4 bytes (one load) -> 8 values (one or two 16-byte stores).
 // pack / unpack: 4 packed bytes per thread (8-byte code loads/stores when aligned).
 #include "common/cuda_utils.cuh"
@@ -133,6 +135,237 @@ quantize_kernel(const T* __restrict__ x, int64_t n_chunks, int log_s, int64_t sp
         uw::store_bytes<V / 2>(qw + c * (V / 2), bytes);
       }
     }
+  }
+}
+
+// ---- The fused vector-path quantizer: codes by a reciprocal multiply, exact by a tie guard ----
+//
+// The rule's code needs rint(fl(x / s)) for the group's scale s (asymmetric: + zero, clamped to
+// [0, 15]; symmetric: clamped to [-8, 7]). A true division costs ~10 instructions per value
+// (reciprocal, Newton steps, range check, slow-path branch). This kernel takes inv = fl(1 / s)
+// once and per value p = x * inv, unrounded, inside two fused multiply-adds:
+//   y = fl(p + M), M = 1.5 * 2^23 + c (c = zero, asymmetric; 8, symmetric), k' = y - M,
+//   d = fl(p - k'),  flagged unless |d| < kTieGuard = 0.5 - 2^-17,
+// and takes the code of an unflagged value from y's bits; a flagged value (p within about 2^-17
+// of a half-integer, or NaN) gets the rule's code from tie_code, exactly and without a division.
+// Proof, for a group with kFastMin = 2^-100 <= s < inf (other groups: the rule, value by value):
+//
+// (1) |x / s| <= 15 (1 + 2^-22) for every x of an asymmetric group: |x| <= max(hi, -lo) <=
+//     hi - lo, and s >= ((hi - lo) / 15)(1 - 2^-24)^2 in both branches of asym_scale (every
+//     rounding here has a normal result: relative error at most 2^-24). Symmetric: |x| <= amax
+//     and s = fl(amax / 7) >= (amax / 7)(1 - 2^-24), so |x / s| <= 7 (1 + 2^-23). So for the
+//     true quotient q = x / s: |q| < 16, fl(q) <= 15.0001 is within 2^-21 of q (half an ulp
+//     below 16), and the rule's clamp of x / s to [-16, 16] (symmetric: [-8, 7], before
+//     rounding) acts on the rounded integer at most as said in (4).
+// (2) inv = (1 / s)(1 + e), |e| <= 2^-24, so |p - q| <= |q| 2^-24 < 2^-20 and |p - fl(q)| <
+//     2^-20 + 2^-21.
+// (3) |p| < 16, so p + M lies in [2^23, 2^24), where floats are the integers: y = M + k' with k'
+//     an integer nearest p (at an exact tie either neighbour, |p - k'| = 0.5: flagged below),
+//     k' = y - M exactly. Rounding is monotone and kTieGuard is a float, so |d| < kTieGuard means
+//     |p - k'| < kTieGuard: every half-integer is more than 2^-17 > |p - fl(q)| away from p, so
+//     fl(q) is on p's side of each, and rint(fl(q)) = k', the rule's rounded quotient. The test
+//     is written !(|d| < kTieGuard), so a NaN (a NaN input) is flagged too.
+// (4) Asymmetric clamp to [0, 15] of k' + zero: k' >= -zero always (x >= lo, so fl(x / s) >=
+//     fl(lo / s) = -fl(-lo / s), rint is monotone and odd, and zero = rint(fl(-lo / s))
+//     unclamped, as 0 <= -lo / s <= 15 (1 + 2^-22) < 15.5 by (1)). k' + zero >= 16 would need
+//     fl(q) >= k' - 0.5 and fl(-lo / s) >= zero - 0.5, while fl(q) + fl(-lo / s) <= ((hi - lo) /
+//     s)(1 + 2^-24) <= 15 + 2^-18.3: fl(q) within 2^-18.3 of the half-integer k' - 0.5, so p
+//     within 2^-18.3 + 2^-19.4 < 2^-17 of it, which (3) flags. So an unflagged c + k' is the
+//     rule's code, in [0, 15]. Symmetric: |fl(q)| <= 7.0001, so rint(fl(q)) is in [-7, 7] and
+//     the clamp to [-8, 7] never acts; c + k' is in [1, 15].
+//     Codes come out of y's bits: bits(y) - bits(1.5 * 2^23) = c + k' (asymmetric: the code;
+//     symmetric: the code + 8, fixed by an xor with 8 per nibble); a chunk's word is sum_j (c +
+//     k'_j) 16^j, accumulated from the raw bits (the constant subtracted once per word).
+// (5) A flagged value (tie_code): h = k' + copysign(1/2, d) is the half-integer next to p
+//     (|p - h| <= 2^-17 + 2^-25), so |x / s - h| < 2^-16. z = fma(-h, s, x) is x - h s exactly:
+//     |x| > s / 4, so x and h s = (2h) s / 2 are multiples of ulp(s) / 4, and their difference,
+//     below 2^-16 s < 2^8 ulp(s) in magnitude, has at most 10 significant bits. fl(x / s) = h
+//     exactly when x / s lies in h's rounding interval [h - u_in, h + u_out] (u: half the float
+//     spacing on either side of h, 2^(E - 24) for 2^E <= |h| < 2^(E + 1), except 2^-26 below
+//     |h| = 1/2, a power of two; the interval is closed because h, with at most 5 significant
+//     bits, ends in a 0 bit, so ties go to h): with u s exact (no underflow: s >= 2^-100), that
+//     is |z| <= u s on z's side. Then rint(fl(x / s)) = rint(h), the even one of h -+ 1/2;
+//     otherwise fl(x / s) != h is on z's side of h, within 2^-16 of it, and rounds to h + 1/2 or
+//     h - 1/2 on that side. A NaN gets the rule's code of a NaN (0; symmetric -8). The clamps
+//     are the rule's.
+// Per value, unflagged: the conversion (16-bit inputs), two fused multiply-adds, one add, the
+// guard compare and one shift-add. Flagged on Gaussian data: ~1 thread in 100 for fp16 input,
+// ~6 in 100 for bf16 (whose few significand bits put many x / s exactly on half-integers),
+// 1 in 1000 for float32. tests/int4/fast_path_check.cpp checks all of this against the rule on
+// the CPU over half a billion values built to hit the ties.
+constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+constexpr uint32_t kMagicBits = 0x4B400000u;
+constexpr float kTieGuard = 0.5f - 0x1p-17f;
+constexpr float kFastMin = 0x1p-100f;  // smallest scale of the fast path (see (5))
+
+// The rule's code of a value v that the fast path flagged (fl(v * inv - k') not below kTieGuard,
+// or NaN), without a division; y and d are the fast path's for v, m = 1.5 * 2^23 + c. See (5) in
+// the comment above. Needs kFastMin <= s < inf.
+template <bool kAsym>
+__device__ __forceinline__ uint32_t tie_code(float v, float y, float d, float m, float s, float zero) {
+  if (!(d == d)) return kAsym ? 0u : 8u;  // NaN: the rule's clamps give code 0 / -8
+  const float h = __fadd_rn(__fsub_rn(y, m), copysignf(0.5f, d));  // the half-integer next to v / s
+  const float z = __fmaf_rn(-h, s, v);                              // v - h s, exactly
+  const float ah = fabsf(h);                                          // 0.5 .. 15.5
+  const float half_ulp = ah >= 8.0f ? 0x1p-21f : ah >= 4.0f ? 0x1p-22f : ah >= 2.0f ? 0x1p-23f
+                       : ah >= 1.0f ? 0x1p-24f : 0x1p-25f;            // half an ulp of h, away from 0
+  const bool outward = (z > 0.0f) == (h > 0.0f);
+  const float lim = __fmul_rn(ah == 0.5f && !outward ? 0x1p-26f : half_ulp, s);  // exact
+  const int a = __float2int_rn(__fsub_rn(h, 0.5f));  // the integers around h: a, a + 1
+  int k;
+  if (fabsf(z) <= lim) k = a + (a & 1);  // fl(v / s) = h: rint(h) rounds to the even one
+  else k = z > 0.0f ? a + 1 : a;         // fl(v / s) on z's side of h, within 2^-16 of it
+  if constexpr (kAsym) {
+    const int q = k + static_cast<int>(zero);
+    return static_cast<uint32_t>(q < 0 ? 0 : q > kAsymMax ? kAsymMax : q);
+  } else {
+    return static_cast<uint32_t>(k < kSymMin ? kSymMin : k > kSymMax ? kSymMax : k) & 0x0Fu;
+  }
+}
+
+// Layout: a team of S = 2^log_s threads per group as in unitwise, but thread `lane` holds the
+// kCpt CONSECUTIVE chunks lane * kCpt .. lane * kCpt + kCpt - 1 of its group (32 values): one
+// base address and immediate offsets for its loads, and one 16-byte store of its 16 code bytes
+// (`vec_store`: qweight 16-byte aligned and n_chunks a multiple of kCpt, so that every thread's
+// bytes start 16-byte aligned), instead of per-chunk index arithmetic and 4-byte stores. The
+// warp's loads are then strided by 64 bytes, but a thread's four loads read whole sectors
+// between them, back to back (L1 serves the second half of each sector).
+template <bool kAsym, class T, int kMinCtas>
+__global__ void __launch_bounds__(uw::kThreads, uw::min_ctas_for_arch(kMinCtas, uw::kThreads))
+quantize_fused_kernel(const T* __restrict__ x, int n_chunks, int log_s, int64_t n_teams,
+                      uint8_t* __restrict__ qweight, float* __restrict__ scales, uint8_t* __restrict__ zeros,
+                      bool vec_store) {
+  const int64_t team = int64_t(blockIdx.x) * (uw::kThreads >> log_s) + (threadIdx.x >> log_s);
+  const int lane = static_cast<int>(threadIdx.x) & ((1 << log_s) - 1);
+  const int c0 = lane * kCpt;  // this thread's first chunk
+  const bool active = team < n_teams;
+  const int64_t first = (active ? team : 0) * n_chunks + c0;  // global chunk index of chunk c0
+  uw::Raw8<T> r[kCpt];
+  {
+    const T* p = x + first * kVec;
+    if (active && c0 + kCpt <= n_chunks) {  // all loads first: kCpt 16-byte loads (2 kCpt for float32)
+#pragma unroll
+      for (int i = 0; i < kCpt; ++i) uw::load_raw8(p + i * kVec, r[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kCpt; ++i) {
+        if (active && c0 + i < n_chunks) uw::load_raw8(p + i * kVec, r[i]);
+        else uw::zero_raw8(r[i]);  // +0: neutral for the extrema, never stored
+      }
+    }
+  }
+  float a, b = 0.0f;
+  if constexpr (kAsym) {
+    uw::range_raw(r, a, b);  // the thread's lo, hi: min_step / max_step's result from +0
+  } else {
+    bool nan;
+    a = uw::absmax_raw(r, nan);
+    if (nan) {  // absmax_step's own NaN behaviour (a NaN input is outside the checked API)
+      a = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kCpt; ++i)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) a = absmax_step(a, uw::raw_value(r[i], j));
+    }
+  }
+  {  // every thread of the CTA gets here
+    __shared__ float red_a[uw::kWarps];
+    if constexpr (kAsym) {
+      // fminf / fmaxf: one instruction each, and min_step / max_step's results here (no NaN, no -0:
+      // range_raw's extrema are +0 or of the right sign)
+      __shared__ float red_b[uw::kWarps];
+      a = uw::team_reduce(a, log_s, red_a, [](float u, float v) { return fminf(u, v); });
+      b = uw::team_reduce(b, log_s, red_b, [](float u, float v) { return fmaxf(u, v); });
+    } else {
+      a = uw::team_reduce(a, log_s, red_a, MaxOp{});
+    }
+  }
+  if (!active) return;
+  AsymParams ap{0.0f, 0.0f};
+  float s;
+  if constexpr (kAsym) {
+    ap = asym_params(a, b);
+    s = ap.scale;
+    if (lane == 0) {
+      scales[team] = ap.scale;
+      zeros[team] = static_cast<uint8_t>(ap.zero);
+    }
+  } else {
+    s = sym_scale(a);
+    if (lane == 0) scales[team] = s;
+  }
+  uint32_t word[kCpt];
+  const bool exact = !(s >= kFastMin && s < INFINITY);  // scale 0, tiny, inf or NaN: the rule itself
+  if (!exact) {
+    const float inv = 1.0f / s;
+    const float m = kMagic + (kAsym ? ap.zero : 8.0f);  // exact: an integer below 2^24
+    bool tie = false;
+#pragma unroll
+    for (int i = 0; i < kCpt; ++i) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float v = uw::raw_value(r[i], j);
+        const float y = __fmaf_rn(v, inv, m);                // m + round(v * inv), the product unrounded
+        const float d = __fmaf_rn(v, inv, -__fsub_rn(y, m));  // v * inv - that integer, rounded once
+        tie |= !(fabsf(d) < kTieGuard);
+        w += __float_as_uint(y) << (4 * j);
+      }
+      w -= kMagicBits * 0x11111111u;           // sum_j (c + k_j) 16^j
+      word[i] = kAsym ? w : w ^ 0x88888888u;   // symmetric: (k + 8) ^ 8 = k's two's-complement nibble
+    }
+    if (tie) {
+      // Some value near a tie (~1% of threads on fp16 data, ~6% on bf16): each chunk's word
+      // again, nibble by nibble (a flagged sum may be 16 or -1 and carry into its neighbour),
+      // with the flagged values' nibbles left at the code of 0; then the rule's code for each
+      // flagged value of the chunk, one at a time (tie_code: no division). The reciprocal goes
+      // through a shuffle (the same value, opaque to the compiler), so that the compiler does not
+      // keep the main loop's 32 sums alive for this rare path (it spilled them to do so).
+      const float inv2 = __shfl_sync(0xffffffffu, inv, static_cast<int>(threadIdx.x) & 31);
+#pragma unroll
+      for (int i = 0; i < kCpt; ++i) {
+        uint32_t w = 0, flagged = 0;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float v = uw::raw_value(r[i], j);
+          const float y = __fmaf_rn(v, inv2, m);  // as above
+          const float d = __fmaf_rn(v, inv2, -__fsub_rn(y, m));
+          const bool near = !(fabsf(d) < kTieGuard);
+          flagged |= near ? 1u << j : 0u;
+          w |= (near ? (kAsym ? 0u : 8u) : __float_as_uint(y) - kMagicBits) << (4 * j);  // c + k in [0, 15]
+        }
+        if (!kAsym) w ^= 0x88888888u;
+        while (flagged) {
+          const int j = __ffs(flagged) - 1;
+          flagged &= flagged - 1;
+          const float v = uw::raw_value_at(r[i], j);
+          const float y = __fmaf_rn(v, inv2, m);
+          const float d = __fmaf_rn(v, inv2, -__fsub_rn(y, m));
+          w |= tie_code<kAsym>(v, y, d, m, s, ap.zero) << (4 * j);
+        }
+        word[i] = w;
+      }
+    }
+  } else {  // the rule, value by value (also every code of a scale-0 group: 0); a rolled loop,
+            // one division site: this path is for odd scales only and should not cost registers
+#pragma unroll
+    for (int i = 0; i < kCpt; ++i) word[i] = 0;
+#pragma unroll 1
+    for (int e = 0; e < kCpt * kVec; ++e) {
+      const float v = uw::raw_value_at(r, e);
+      const uint32_t bits = ((kAsym ? asym_code(v, ap) : sym_code(v, s)) & 0x0Fu) << (4 * (e % kVec));
+#pragma unroll
+      for (int i = 0; i < kCpt; ++i)
+        if (e / kVec == i) word[i] |= bits;
+    }
+  }
+  uint8_t* qw = qweight + first * (kVec / 2);
+  if (vec_store && c0 + kCpt <= n_chunks) {
+    *reinterpret_cast<uint4*>(qw) = make_uint4(word[0], word[1], word[2], word[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCpt; ++i)
+      if (c0 + i < n_chunks) *reinterpret_cast<uint32_t*>(qw + i * (kVec / 2)) = word[i];
   }
 }
 
@@ -257,6 +490,14 @@ template <bool kAsym, class T, int V>
 void quantize_launch(const T* x, int64_t n_groups, int64_t n_chunks, uint8_t* qweight, float* scales,
                      uint8_t* zeros, cudaStream_t st) {
   const uw::Plan p = uw::make_plan(n_groups, n_chunks);
+  if (V == kVec && p.spu == 1) {
+    static_assert(kCpt == 4, "a thread's 16 code bytes are one 16-byte store");
+    const bool vec_store = n_chunks % kCpt == 0 && uw::aligned_to(qweight, 16);
+    quantize_fused_kernel<kAsym, T, uw::fused_min_ctas<T>()><<<p.grid, uw::kThreads, 0, st>>>(
+        x, static_cast<int>(n_chunks), p.log_s, p.n_teams, qweight, scales, zeros, vec_store);
+    cuda::check_launch("int4 quantize kernel");
+    return;
+  }
   if (p.spu == 1) {
     quantize_kernel<kAsym, T, V, Pass::kFused><<<p.grid, uw::kThreads, 0, st>>>(
         x, n_chunks, p.log_s, 1, p.n_teams, qweight, scales, zeros, nullptr);

@@ -1,16 +1,18 @@
 // int8 CUDA codec: the per-value rules of int8.h (absmax_step, multiplier, scale_of,
 // quantize_value, dequantize_value) under the team work split of unitwise_cuda.cuh, so GPU
-// bytes equal CPU bytes by construction.
+// bytes equal CPU bytes.
 //
 // Quantize, units of up to 16384 values (8 per chunk on the vector path; 2048 on the
 // unaligned path): one kernel. A team of 1..512 threads holds its unit in registers (at most
-// 4 chunks of 8 values per thread), takes absmax (per-thread absmax_step, then team_reduce:
-// warp shuffles and, for teams wider than a warp, shared memory), writes the scale and the
-// codes (8 codes = one 8-byte store per chunk). DRAM traffic: the input once, the codes and
-// scales once. Per-tensor units and longer rows: (1) absmax per segment of 16384 values into
-// a workspace, (2) one CTA per unit combines its segments and writes the scale and the
-// absmax, (3) the codes per segment: the input is read twice (unavoidable when a unit does not
-// fit on chip), the reductions stay exact.
+// 4 chunks of 8 values per thread), takes absmax (per thread, then team_reduce: warp shuffles
+// and, for teams wider than a warp, shared memory), writes the scale and the codes (8 codes =
+// one 8-byte store per chunk). The vector path (quantize_fused_kernel) keeps the chunks as the
+// loaded 16-byte words, reduces packed pairs, and makes a code with one multiply and one add
+// (exact: see the kernel); the unaligned path (quantize_kernel) runs quantize_value per value.
+// DRAM traffic: the input once, the codes and scales once. Per-tensor units and longer rows:
+// (1) absmax per segment of 16384 values into a workspace, (2) one CTA per unit combines its
+// segments and writes the scale and the absmax, (3) the codes per segment: the input is read
+// twice (unavoidable when a unit does not fit on chip), the reductions stay exact.
 // Dequantize: the same split, no reduction: 8 codes (one 8-byte load) -> 8 values (one or two
 // 16-byte stores) per chunk, the unit's scale read once per thread.
 #include "common/cuda_utils.cuh"
@@ -82,6 +84,76 @@ quantize_kernel(const T* __restrict__ x, int64_t n_chunks, int log_s, int64_t sp
   }
 }
 
+// ---- The fused vector-path quantizer ----------------------------------------------------------
+//
+// The same rule with fewer instructions per value (about 4 for fp16 input, against about 20
+// for quantize_kernel). A thread keeps its chunks as the loaded 16-byte words (unitwise Raw8:
+// half the registers of float32 copies for 16-bit inputs), its absmax comes from packed pair
+// maxima and minima (unitwise absmax_raw), and a code is one multiply and one add: for a unit with a finite multiplier m > 0 (0 < absmax < inf and 127 / absmax < inf) and
+// a finite x, v = fl(x * m) has |v| <= 127 (1 + 2^-24)^2 < 127.5, and y = fl(v + 1.5 * 2^23) is
+// the very rounding that rint_small performs (quantize_value computes (v' + 1.5 * 2^23) - 1.5 *
+// 2^23 with v' = v clamped to [-127, 127]; the clamp moves v by less than 2^-16 and only from
+// (127, 127.5), where both round to 127, likewise below -127). y is then 1.5 * 2^23 + q for the
+// code q in [-127, 127], whose low byte is q's two's complement: codes are byte permutes of the
+// sums' bits, 8 per 8-byte store. Units without a finite m > 0 (absmax 0, < 3.7e-37, inf or NaN)
+// and threads holding a NaN (0 by the rule, where y would be a NaN's low byte) take
+// quantize_value itself.
+constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+
+template <class T, int kMinCtas = uw::fused_min_ctas<T>()>
+__global__ void __launch_bounds__(uw::kThreads, uw::min_ctas_for_arch(kMinCtas, uw::kThreads))
+quantize_fused_kernel(const T* __restrict__ x, int64_t n_chunks, int log_s, int64_t n_teams, int8_t* __restrict__ q,
+                      float* __restrict__ scale) {
+  const uw::Team t = uw::team_of(log_s, 1, n_teams);
+  const int64_t base = t.unit * n_chunks * kVec;  // the unit's first value
+  uw::Raw8<T> r[kCpt];
+#pragma unroll
+  for (int i = 0; i < kCpt; ++i) {  // all loads first: kCpt 16-byte loads (32 for float32) in flight
+    const int64_t c = t.chunk(i);
+    if (t.active && c < n_chunks) uw::load_raw8(x + base + c * kVec, r[i]);
+    else uw::zero_raw8(r[i]);  // +0: neutral for absmax, never stored
+  }
+  bool nan;
+  float amax = uw::absmax_raw(r, nan);
+  if (nan) {  // absmax_step's own NaN behaviour (a NaN input is outside the checked API)
+    amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kCpt; ++i)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) amax = absmax_step(amax, uw::raw_value(r[i], j));
+  }
+  {
+    __shared__ float red[uw::kWarps];
+    amax = uw::team_reduce(amax, log_s, red, MaxOp{});  // every thread of the CTA gets here
+  }
+  if (!t.active) return;
+  if (t.lane == 0) scale[t.unit] = scale_of(amax);
+  const float m = multiplier(amax);
+  uint8_t* qu = reinterpret_cast<uint8_t*>(q) + base;
+  if (m > 0.0f && m < INFINITY && !nan) {
+#pragma unroll
+    for (int i = 0; i < kCpt; ++i) {
+      uint32_t y[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) y[j] = __float_as_uint(__fadd_rn(__fmul_rn(uw::raw_value(r[i], j), m), kMagic));
+      uint2 w;  // byte j = low byte of y[j]
+      w.x = __byte_perm(__byte_perm(y[0], y[1], 0x0040), __byte_perm(y[2], y[3], 0x0040), 0x5410);
+      w.y = __byte_perm(__byte_perm(y[4], y[5], 0x0040), __byte_perm(y[6], y[7], 0x0040), 0x5410);
+      const int64_t c = t.chunk(i);
+      if (c < n_chunks) *reinterpret_cast<uint2*>(qu + c * kVec) = w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCpt; ++i) {
+      uint8_t b[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) b[j] = static_cast<uint8_t>(quantize_value(uw::raw_value(r[i], j), m));
+      const int64_t c = t.chunk(i);
+      if (c < n_chunks) uw::store_bytes<kVec>(qu + c * kVec, b);
+    }
+  }
+}
+
 // One CTA per unit: the unit's spu partial maxima -> amax[unit] and scale[unit].
 __global__ void __launch_bounds__(uw::kThreads)
 unit_absmax_kernel(const float* __restrict__ partial, int64_t spu, float* __restrict__ amax_out,
@@ -127,6 +199,11 @@ dequantize_kernel(const int8_t* __restrict__ q, const float* __restrict__ scale,
 template <class T, int V>
 void quantize_launch(const T* x, int64_t n_units, int64_t n_chunks, int8_t* q, float* scale, cudaStream_t st) {
   const uw::Plan p = uw::make_plan(n_units, n_chunks);
+  if (V == kVec && p.spu == 1) {
+    quantize_fused_kernel<T><<<p.grid, uw::kThreads, 0, st>>>(x, n_chunks, p.log_s, p.n_teams, q, scale);
+    cuda::check_launch("int8 quantize kernel");
+    return;
+  }
   if (p.spu == 1) {
     quantize_kernel<T, V, Pass::kFused><<<p.grid, uw::kThreads, 0, st>>>(x, n_chunks, p.log_s, 1, p.n_teams, q,
                                                                         scale, nullptr, nullptr);

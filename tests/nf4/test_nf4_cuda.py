@@ -215,6 +215,38 @@ def test_gpu_large_and_misaligned(shape, blocksize, dtype):
         assert_bytes_equal(out_mis, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("blocksize", [32, 64, 4096])
+def test_gpu_codes_at_every_midpoint(blocksize, dtype):
+    """Scaled values on and beside each of the 15 decision midpoints and the table cells' edges
+    (the CUDA quantizer finds a code by a table lookup and one comparison: nf4.h code_of_cells),
+    in blocks whose absmax is 1 (the scaled value is then the value itself), a power of two, or
+    an arbitrary number; and a partial last block (true division). GPU == CPU == reference."""
+    rng = np.random.default_rng(blocksize)
+    edges = ((np.arange(33) - 16.5) / 16).astype(np.float32)  # about where cells meet
+    vals = [np.concatenate([R.MIDPOINTS, edges, R.CODE])]
+    up = down = vals[0]
+    for _ in range(3):  # neighbours, 1..3 float32 ulps either side
+        up, down = np.nextafter(up, np.float32(2)), np.nextafter(down, np.float32(-2))
+        vals += [up, down]
+    v = np.clip(np.concatenate(vals), -1, 1).astype(np.float32)
+    blocks = []
+    for scale in (1.0, 2.0 ** -3, 2.0 ** 7, 0.7, 3.3e-3, 1234.5):
+        for _ in range(max(1, 4096 // blocksize)):
+            b = rng.choice(v, blocksize).astype(np.float32)
+            b[rng.integers(blocksize)] = 1.0  # absmax 1 before scaling
+            blocks.append(b * np.float32(scale))
+    x32 = np.concatenate(blocks + [v[: blocksize // 2 + 3] * np.float32(0.9)])  # a partial last block
+    x = torch.from_numpy(x32).to(_torch_dtype(dtype))
+    ref = _quantize_ref(x.float().numpy(), blocksize, False)
+    cpu = nf4.quantize(x, blocksize=blocksize)
+    for xx in (x.cuda(), misaligned_copy(x)):
+        g = nf4.quantize(xx, blocksize=blocksize)
+        _assert_same_buffers(g, ref)
+        for name in ref:
+            assert_bytes_equal(g.buffers[name], cpu.buffers[name])
+
+
 # --- streams, poisoned outputs, devices -----------------------------------------------------------
 
 def test_gpu_runs_on_the_callers_stream():

@@ -62,9 +62,10 @@
 //
 // CUDA (nf4_cuda.cu) runs the same per-value rules (the QF_HOST_DEVICE functions below; the tables
 // are read through accessors that see __constant__ copies on the device), so GPU bytes equal CPU
-// bytes: absmax is a max of non-negative values (order-free), the 4-bit code is counted by a
-// 4-step binary search equal to code_of for every float (code_of_search), and the offset is summed
-// in the same torch order by one CTA (the cascade helpers at the end of this file).
+// bytes: absmax is a max of non-negative values (order-free), the 4-bit code comes from a
+// 33-cell table and one comparison, equal to code_of for every float (code_of_cells, checked over
+// all 2^32 floats by tests/nf4/code_cells_check.cpp), and the offset is summed in the same torch
+// order by one CTA (the cascade helpers at the end of this file).
 //
 // Caveats of bitsandbytes 0.50 itself (the tests pin them down):
 // * torch splits a float32 sum of >= 32768 values across its intra-op threads, so for more than
@@ -200,16 +201,50 @@ QF_HOST_DEVICE uint8_t code_of(float s) {
   return static_cast<uint8_t>(q);
 }
 
-// The same count by a 4-step binary search over a copy `mid` of kMidpoint (the CUDA quantizer
-// keeps it in shared memory): 4 comparisons instead of 15. Equal to code_of for every float32
-// bit pattern, NaN and +-inf included (checked exhaustively over all 2^32 patterns when this was
-// written; the midpoints are strictly increasing, so "s > mid[q + k - 1]" decides code >= q + k).
-QF_HOST_DEVICE uint8_t code_of_search(float s, const float* mid) {
-  int q = s > mid[7] ? 8 : 0;  // q: the code found so far (a lower bound)
-  q += s > mid[q + 3] ? 4 : 0;
-  q += s > mid[q + 1] ? 2 : 0;
-  q += s > mid[q] ? 1 : 0;
-  return static_cast<uint8_t>(q);
+// The same count by one table lookup and one comparison (the CUDA quantizer's form; 8 bytes of
+// shared memory per cell). cell_of(s) puts s into one of kCodeCells cells: s clamped to [-1, 1]
+// (a NaN to -1), then the integer nearest 16 s + 16, read from the bits of fl(16 s + 1.5 * 2^23 +
+// 16) (one fused multiply-add). Each step is monotone, so cell_of is non-decreasing in s (NaN in
+// cell 0); cells are 1/16 wide in s and consecutive midpoints at least 0.08 apart, so no cell
+// holds two midpoints. With, for cell i, base = the number of midpoints in cells below i and mid
+// = the midpoint in cell i (+inf if none), code_of(s) = base + (s > mid) for s in cell i: the
+// midpoints of lower cells are below s, those of higher cells above it, and the one in its cell
+// is compared. The clamp changes no cell where |s| <= 1 + 2^-20 (fl(16 s + ...) rounds to the
+// same integer), which holds for every scaled value of finite input (|x * fl(1 / a)| <= 1 +
+// 2^-23 for |x| <= a), so the GPU leaves it out there. Both facts are checked for all 2^32
+// float32 bit patterns by tests/nf4/code_cells_check.cpp (with the premise of the argument: no
+// cell holds two midpoints).
+constexpr int kCodeCells = 33;
+constexpr float kCellMagic = 12582928.0f;  // 1.5 * 2^23 + 16
+constexpr uint32_t kCellMagicBase = 0x4B400000u;  // bits(1.5 * 2^23): bits(w) - this = the cell
+struct CodeCell {
+  float mid;  // the midpoint inside the cell, +inf if none
+  int base;   // the number of midpoints in lower cells
+};
+
+// The cell of s without the clamp: valid for |s| <= 1 + 2^-20 only (see above).
+QF_HOST_DEVICE int cell_of_unclamped(float s) {
+  return static_cast<int>(f32_bits(fmaf(s, 16.0f, kCellMagic)) - kCellMagicBase);
+}
+QF_HOST_DEVICE int cell_of(float s) {
+  const float c = s > 1.0f ? 1.0f : (s >= -1.0f ? s : -1.0f);  // NaN -> -1
+  return cell_of_unclamped(c);  // 0 .. 32
+}
+
+QF_HOST_DEVICE CodeCell code_cell(int i) {
+  CodeCell c{INFINITY, 0};
+  for (int j = 0; j < 15; ++j) {
+    const int cj = cell_of(midpoint(j));
+    if (cj < i) ++c.base;
+    else if (cj == i) c.mid = midpoint(j);
+  }
+  return c;
+}
+
+// code_of(s) from the kCodeCells cells code_cell(0 .. kCodeCells - 1).
+QF_HOST_DEVICE uint32_t code_of_cells(float s, const CodeCell* cells) {
+  const CodeCell c = cells[cell_of(s)];
+  return static_cast<uint32_t>(c.base + (s > c.mid ? 1 : 0));
 }
 
 // One step of the block absmax: a = max(a, |v|) as bitsandbytes' torch code gives it. Starting

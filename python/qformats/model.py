@@ -384,8 +384,12 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
             ratio_4bit=0, group_size 16). Exactly one of format / bits.
         group_size: values per group along in_features (int4, mixed2bit; int8 -> per-group
             scales; nf4 -> blocksize; q4_0 / q8_1 are fixed at 32).
-        method: ``"rtn"`` (round to nearest). ``"signround"``, ``"autoround"`` and ``"budget"``
-            raise NotImplementedError (they come with the next model-level issue).
+        method: ``"rtn"`` (round to nearest) or ``"signround"`` (trainable rounding, int4
+            asymmetric only: :mod:`qformats.signround`; its options go in ``**params``:
+            ``calibration`` (token-id tensors, or a text with ``tokenizer``), ``iters=200``,
+            ``nsamples=128``, ``seqlen=2048``, ``lr=None`` (1 / iters), ``batch_size=8``,
+            ``seed=0``; per-block losses in ``report.signround``). ``"autoround"`` and
+            ``"budget"`` raise NotImplementedError (they come with the next model-level issue).
         ignore: module-name patterns to keep in float (see :func:`matches`); default
             :data:`DEFAULT_IGNORE` (``lm_head``, embeddings) plus the model's
             ``get_output_embeddings()``. A list replaces the default: ``ignore=[]`` quantizes
@@ -409,7 +413,17 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     t0 = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    check_method(method)
+    params = dict(params)
+    sr_options = None
+    if method == "signround":  # trainable rounding: qformats.signround (int4 asymmetric only)
+        from .signround import pop_options
+        sr_options = pop_options(params)
+        if sr_options["calibration"] is None:
+            raise NotImplementedError(
+                "method='signround' without calibration= is not implemented yet (SignRound trains "
+                "on calibration data: pass calibration= token-id tensors, or a text with tokenizer=)")
+    else:
+        check_method(method)
     glob = {"format": format, "bits": bits, "group_size": group_size, "params": dict(params)}
     resolve_spec(format, bits, group_size, **params)  # validate the global choice up front
     overrides = dict(overrides or {})
@@ -485,6 +499,11 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     from .evaluate import progress_bar
 
     new = []
+    sr_stats = None
+    if sr_options is not None:
+        from .signround import quantize_plan
+        new, sr_stats = quantize_plan(model, plan, sr_options, progress=progress)
+        plan = []
     bar = progress_bar(plan, enabled=progress, desc=f"quantize ({method})", unit="layer", leave=False)
     for name, m, fmt, qparams in bar:
         t1 = time.perf_counter()
@@ -505,6 +524,8 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
                                        q.out_features, q.nbytes, q.avg_bits, seconds=secs)
     report.size = model_size(model)
     report.seconds = time.perf_counter() - t0
+    if sr_stats is not None:
+        report.signround = sr_stats  # per-block losses (see qformats.signround.quantize_plan)
     return report
 
 

@@ -1,0 +1,263 @@
+"""method="signround": trainable rounding for int4 asymmetric groups (qformats.signround).
+
+Small settings throughout (a tiny random Llama, a 2-block synthetic residual net, a few
+samples of 16-32 tokens, <= 20 iterations), so the file runs in seconds."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import qformats  # noqa: E402
+from qformats import int4  # noqa: E402
+from qformats._core import validate  # noqa: E402
+from qformats.nn import QuantizedLinear  # noqa: E402
+from qformats import signround as sr  # noqa: E402
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+# -- a tiny synthetic "transformer": embedding, 2 residual MLP blocks with a kwarg, a head ----
+
+class _Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x, gate=None):
+        y = self.down(F.gelu(self.up(x)))
+        return x + (y * gate if gate is not None else y)
+
+
+class _Net(nn.Module):
+    def __init__(self, vocab=64, d=64, h=128, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([_Block(d, h), _Block(d, h)])
+        self.lm_head = nn.Linear(d, vocab)
+        self.register_buffer("gate", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.layers:
+            x = b(x, gate=self.gate)
+        return self.lm_head(x)
+
+
+def _ids(n=4, L=16, vocab=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (L,), generator=g) for _ in range(n)]
+
+
+def _weight(out_f=16, in_f=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    w[0, :32] = 0.0                      # an all-zero group: scale 0
+    w[1, :32] = w[1, :32].abs() + 0.01   # a group without negative values (lo = 0)
+    w[2, 32:] = -w[2, 32:].abs() - 0.01  # one without positive values (hi = 0)
+    return w
+
+
+def _random_params(w, gs, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.rand(w.shape, generator=g) - 0.5
+    ng = w.shape[1] // gs
+    a = 0.5 + 0.5 * torch.rand(w.shape[0], ng, generator=g)
+    b = 0.5 + 0.5 * torch.rand(w.shape[0], ng, generator=g)
+    return v, a, b
+
+
+# -- the fake quantization and its export ----------------------------------------------------
+
+def test_initial_parameters_are_int4_rtn_bit_for_bit():
+    w = _weight()
+    gs = 32
+    v = torch.zeros_like(w)
+    one = torch.ones(w.shape[0], w.shape[1] // gs)
+    rtn = int4.quantize(w, group_size=gs)
+    fq = sr.fake_quant_int4(w, v, one, one, gs)
+    assert torch.equal(fq.view(torch.int32), rtn.dequantize("float32").view(torch.int32))
+    qt = sr.export_int4(w, v, one, one, gs)
+    for name in ("qweight", "scales", "zeros"):
+        assert torch.equal(qt.buffers[name], rtn.buffers[name]), name
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_export_equals_trained_fake_quant(seed):
+    w = _weight(seed=seed)
+    gs = 32
+    v, a, b = _random_params(w, gs, seed)
+    fq = sr.fake_quant_int4(w, v, a, b, gs)
+    qt = sr.export_int4(w, v, a, b, gs, dtype="float16")
+    validate(qt)
+    assert qt.params == {"group_size": gs, "symmetric": False} and qt.dtype == "float16"
+    deq = int4.dequantize(qt, dtype="float32")
+    assert torch.equal(deq.view(torch.int32), fq.view(torch.int32))  # bitwise
+    assert (qt.buffers["scales"][0, 0] == 0) and (qt.buffers["zeros"][0, 0] == 0)
+    # the packed layer computes what the fake-quantized one does
+    bias = torch.randn(w.shape[0])
+    lin = QuantizedLinear.from_quantized(qt, bias)
+    x = torch.randn(5, w.shape[1])
+    torch.testing.assert_close(lin(x), F.linear(x, fq, bias), rtol=1.3e-6, atol=1e-5)
+    assert torch.equal(lin.dequantize_weight("float32").view(torch.int32), fq.view(torch.int32))
+
+
+def test_clipping_changes_the_exported_scales():
+    w = _weight()
+    gs = 32
+    v = torch.zeros_like(w)
+    one = torch.ones(w.shape[0], 2)
+    half = torch.full((w.shape[0], 2), 0.5)
+    s1 = sr.export_int4(w, v, one, one, gs).buffers["scales"]
+    s2 = sr.export_int4(w, v, half, half, gs).buffers["scales"]
+    # scale = (alpha * hi - beta * lo) / 15: halved by alpha = beta = 1/2
+    torch.testing.assert_close(s2, s1 / 2, rtol=1e-6, atol=0)
+
+
+def test_straight_through_gradients_reach_every_parameter():
+    w = _weight()
+    lin = nn.Linear(64, 16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    m = sr.SignRoundLinear(lin, 32)
+    with torch.no_grad():
+        m.alpha.fill_(0.9)
+        m.beta.fill_(0.8)
+    m(torch.randn(8, 64)).pow(2).sum().backward()
+    for p in (m.v, m.alpha, m.beta):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+# -- block training -----------------------------------------------------------------------------
+
+def _setup_block(net, ids, gs=32):
+    """(fp32 block copy with SignRoundLinears, linears, inputs, targets) for block 0."""
+    inputs = sr.capture_block_inputs(net, net.layers[0], [i.reshape(1, -1) for i in ids])
+    fb = copy.deepcopy(net.layers[0]).float()
+    with torch.no_grad():
+        targets = [fb(x, **kw) for x, kw in inputs]
+    linears = {}
+    for rel in ("up", "down"):
+        linears[rel] = sr.SignRoundLinear(getattr(fb, rel), gs)
+        setattr(fb, rel, linears[rel])
+    return fb, linears, inputs, targets
+
+
+def test_train_block_improves_on_rtn_keeps_ranges_and_exports_what_it_trained():
+    net = _Net()
+    fb, linears, inputs, targets = _setup_block(net, _ids())
+    assert set(inputs[0][1]) == {"gate"} and inputs[0][0].dtype == torch.float32
+    st = sr.train_block(fb, linears, inputs, targets, iters=20, lr=None, batch_size=8)
+    assert st["loss"] <= st["rtn_loss"] and st["best_loss"] == min(st["losses"])
+    assert st["losses"][0] == pytest.approx(st["rtn_loss"], rel=1e-6)
+    assert st["loss"] < st["rtn_loss"]  # 20 steps of SignSGD do help on this block
+    assert st["loss"] == pytest.approx(st["best_loss"], rel=1e-5)  # full batch: same samples
+    for m in linears.values():
+        assert m.v.min() >= -0.5 and m.v.max() <= 0.5
+        for p in (m.alpha, m.beta):
+            assert p.min() >= 0.5 and p.max() <= 1.0
+        assert not torch.equal(m.v, torch.zeros_like(m.v))  # trained, not RTN
+    # the packed block (QuantizedLinears from the exported buffers) == the trained block
+    qb = copy.deepcopy(fb)
+    for rel, m in linears.items():
+        qt = m.export()
+        q = QuantizedLinear.from_quantized(qt, m.bias)
+        assert torch.equal(q.dequantize_weight("float32").view(torch.int32),
+                           m.qweight().detach().view(torch.int32))
+        setattr(qb, rel, q)
+    with torch.no_grad():
+        for x, kw in inputs:
+            torch.testing.assert_close(qb(x, **kw), fb(x, **kw), rtol=1.3e-6, atol=1e-5)
+
+
+def test_best_parameters_seen_are_kept():
+    # A learning rate of 5 throws every parameter to a bound on the first step (V = +-0.5,
+    # alpha/beta = 0.5 or 1): far worse than RTN, so the kept parameters are the initial ones.
+    net = _Net()
+    fb, linears, inputs, targets = _setup_block(net, _ids())
+    st = sr.train_block(fb, linears, inputs, targets, iters=3, lr=5.0, batch_size=8)
+    assert st["best_iter"] == 0 and len(st["losses"]) == 4
+    assert min(st["losses"][1:]) > st["losses"][0]
+    assert st["loss"] == pytest.approx(st["rtn_loss"], rel=1e-6)
+    for m in linears.values():
+        assert torch.equal(m.v, torch.zeros_like(m.v))
+        assert torch.equal(m.alpha, torch.ones_like(m.alpha))
+        assert torch.equal(m.beta, torch.ones_like(m.beta))
+    # and a normal run whose best is after the last step: the final parameters are kept
+    fb, linears, inputs, targets = _setup_block(net, _ids())
+    st = sr.train_block(fb, linears, inputs, targets, iters=20, lr=None, batch_size=8)
+    assert st["losses"][st["best_iter"]] == st["best_loss"] == min(st["losses"])
+    # iters=0: RTN, evaluated once
+    fb, linears, inputs, targets = _setup_block(net, _ids())
+    st = sr.train_block(fb, linears, inputs, targets, iters=0, lr=None, batch_size=2)
+    assert st["best_iter"] == 0 and len(st["losses"]) == 1 and st["loss"] == st["rtn_loss"]
+
+
+# -- quantize_model(method="signround") -----------------------------------------------------------
+
+def test_quantize_model_synthetic_net_matches_trained_losses():
+    net = _Net()
+    ref = copy.deepcopy(net)
+    ids = _ids()
+    rep = qformats.quantize_model(net, bits=4, group_size=32, method="signround", calibration=ids,
+                                  iters=10, nsamples=4, seqlen=16, batch_size=4)
+    assert rep.method == "signround" and rep.formats == {"int4": 4}
+    assert [l.name for l in rep.ignored] == ["lm_head"]
+    blocks = rep.signround["blocks"]
+    assert len(blocks) == 2 and blocks[0]["layers"] == ["layers.0.up", "layers.0.down"]
+    for b in blocks:
+        assert b["loss"] <= b["rtn_loss"]
+    # the packed model's block 0, on the inputs it sees, has the loss the training reported
+    inputs = sr.capture_block_inputs(net, net.layers[0], [i.reshape(1, -1) for i in ids])
+    with torch.no_grad():
+        loss = sum(F.mse_loss(net.layers[0](x, **kw), ref.layers[0](x, **kw)) for x, kw in inputs) / 4
+    assert float(loss) == pytest.approx(blocks[0]["loss"], rel=1e-4)
+    # block 1 is trained on the outputs of the quantized block 0
+    x1 = [(net.layers[0](x, **kw).detach(), kw) for x, kw in inputs]
+    with torch.no_grad():
+        loss1 = sum(F.mse_loss(net.layers[1](x, **kw), ref.layers[1](x, **kw)) for x, kw in x1) / 4
+    assert float(loss1) == pytest.approx(blocks[1]["loss"], rel=1e-4)
+
+
+def test_quantize_model_tiny_llama(make_tiny_llama):
+    model = make_tiny_llama()
+    rtn = copy.deepcopy(model)
+    fp = copy.deepcopy(model)
+    ids = [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))]
+    rep = qformats.quantize_model(model, bits=4, group_size=32, method="signround", calibration=ids,
+                                  iters=15, nsamples=2, seqlen=32, batch_size=2)
+    qformats.quantize_model(rtn, bits=4, group_size=32)
+    assert rep.formats == {"int4": 14} and len(rep.signround["blocks"]) == 2
+    for b in rep.signround["blocks"]:
+        assert b["loss"] <= b["rtn_loss"]
+    assert rep.signround["blocks"][0]["loss"] < rep.signround["blocks"][0]["rtn_loss"]
+    with torch.no_grad():
+        out = model(ids[0]).logits
+        ref = fp(ids[0]).logits
+    assert torch.isfinite(out).all() and out.shape == ref.shape
+
+
+def test_signround_errors(make_tiny_llama):
+    model = make_tiny_llama()
+    with pytest.raises(NotImplementedError, match="int4 asymmetric"):
+        qformats.quantize_model(model, bits=2, method="signround", calibration=_ids(vocab=256))
+    with pytest.raises(NotImplementedError, match="int4 asymmetric"):
+        qformats.quantize_model(model, bits=4, group_size=32, symmetric=True, method="signround",
+                                calibration=_ids(vocab=256))
+    with pytest.raises(ValueError, match="tokenizer"):
+        qformats.quantize_model(model, bits=4, group_size=32, method="signround", calibration="text")
+    assert all(type(m) is not QuantizedLinear for m in model.modules())
+
+
+def test_calibration_from_text():
+    class Tok:
+        def __call__(self, text, return_tensors=None):
+            return {"input_ids": torch.arange(len(text)).reshape(1, -1) % 50}
+    rows = sr.calibration_samples("x" * 100, Tok(), nsamples=3, seqlen=20)
+    assert len(rows) == 3 and all(r.shape == (1, 20) for r in rows)
+    assert [int(r[0, 0]) for r in rows] == [0, 40, 80 % 50]  # windows 0, 2, 4 of 5

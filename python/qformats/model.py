@@ -384,8 +384,9 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
             ratio_4bit=0, group_size 16). Exactly one of format / bits.
         group_size: values per group along in_features (int4, mixed2bit; int8 -> per-group
             scales; nf4 -> blocksize; q4_0 / q8_1 are fixed at 32).
-        method: ``"rtn"`` (round to nearest) or ``"signround"`` (trainable rounding, int4
-            asymmetric only: :mod:`qformats.signround`; its options go in ``**params``:
+        method: ``"rtn"`` (round to nearest) or ``"signround"`` (trainable rounding for int4
+            asymmetric and plain 2-bit mixed2bit: :mod:`qformats.signround`; its options go in
+            ``**params``:
             ``calibration`` (token-id tensors, or a text with ``tokenizer``), ``iters=200``,
             ``nsamples=128``, ``seqlen=2048``, ``lr=None`` (1 / iters), ``batch_size=8``,
             ``seed=0``; per-block losses in ``report.signround``). ``"autoround"`` and
@@ -415,7 +416,7 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     params = dict(params)
     sr_options = None
-    if method == "signround":  # trainable rounding: qformats.signround (int4 asymmetric only)
+    if method == "signround":  # trainable rounding: qformats.signround (int4 asym., plain 2-bit)
         from .signround import pop_options
         sr_options = pop_options(params)
         if sr_options["calibration"] is None:

@@ -1,4 +1,5 @@
-"""Trainable rounding (SignRound / AutoRound style) for int4 asymmetric groups.
+"""Trainable rounding (SignRound / AutoRound style) for int4 asymmetric groups and plain
+2-bit mixed2bit groups.
 
 Per quantized ``nn.Linear`` weight ``W`` ``[out, in]`` (groups of ``group_size`` along ``in``)
 three sets of parameters are trained:
@@ -31,8 +32,17 @@ their ranges. The parameters with the lowest loss seen (evaluated before every s
 after the last) are kept. The export writes the trained codes, the clipped scales and the zeros
 into an int4 QuantizedTensor: its ``dequantize`` equals the trained ``w'`` bit for bit.
 
-Used through :func:`qformats.quantize_model` with ``method="signround"``; the 2-bit mixed2bit
-export (second-order quantized scales) is not implemented yet.
+2-bit (``bits=2``: mixed2bit with ``ratio_4bit=0``, no outliers): the same parameters on
+mixed2bit's rule, second-order quantization included (:func:`fake_quant_2bit`): per group
+``lo = min(min(w), 0) * beta``, ``hi = max(w) * alpha``, ``scale = (hi - lo) / 3``,
+``m = -lo``; per block of ``scale_block`` groups the fp16 fields ``d = max(scale) / 15``,
+``dm = max(m) / 15`` (fp16 rounding with a straight-through gradient), 4-bit codes
+``sc = rint(scale / d)``, ``mc = rint(m / dm)``; ``q = clamp(rint((w + dm*mc) / (d*sc) + V), 0, 3)``,
+``w' = q * (d*sc) - dm*mc``. The export (:func:`export_2bit`) writes those codes and fields,
+so mixed2bit's ``dequantize`` equals ``w'`` bit for bit; at ``V = 0``, ``alpha = beta = 1``
+the buffers equal :func:`qformats.mixed2bit.quantize`'s (``ratio_4bit=0``).
+
+Used through :func:`qformats.quantize_model` with ``method="signround"``.
 """
 from __future__ import annotations
 
@@ -48,7 +58,8 @@ from torch import nn
 from ._core import QuantizedTensor, validate
 from .nn import QuantizedLinear
 
-__all__ = ["OPTIONS", "pop_options", "fake_quant_int4", "export_int4", "SignRoundLinear",
+__all__ = ["OPTIONS", "pop_options", "fake_quant_int4", "export_int4", "fake_quant_2bit",
+           "export_2bit", "SignRoundLinear",
            "calibration_samples", "find_blocks", "capture_block_inputs", "train_block",
            "quantize_plan"]
 
@@ -124,11 +135,109 @@ def export_int4(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: tor
     return qt
 
 
+def _ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` forward, identity (gradient of ``x``) backward."""
+    return (y - x).detach() + x
+
+
+def _m2_parts(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+              group_size: int, scale_block: int):
+    """mixed2bit plain 2-bit groups (ratio_4bit = 0, no outliers; ``mixed2bit.h`` steps 4-6)
+    with clipping: per group ``lo = min(min(v), 0) * beta``, ``hi = max(v) * alpha``,
+    ``scale = (hi - lo) / 3``, ``m = 0 - lo``; per block of ``scale_block`` groups (row-major
+    id order) ``d16 = fp16(max(0, scale_i) / 15)``, ``dm16 = fp16(max(0, m_i) / 15)``;
+    ``sc = clamp(rint(scale / d16), 0, 15)`` (0 if d16 = 0), likewise ``mc``;
+    ``s_eff = d16 * sc``, ``m_eff = dm16 * mc``; ``q = clamp(rint((w + m_eff) / s_eff + V), 0, 3)``
+    (0 if s_eff = 0). Returns float32 (q [n, gs], s_eff [n, 1], m_eff [n, 1], sc, mc, d16 [nb],
+    dm16 [nb])."""
+    g = w.reshape(-1, group_size) + 0.0        # -0 read as +0, as the format does
+    vg = v.reshape(-1, group_size)
+    n = g.shape[0]
+    mn = g.min(dim=1, keepdim=True).values
+    mx = g.max(dim=1, keepdim=True).values
+    lo = torch.clamp(mn, max=0.0) * beta.reshape(-1, 1)
+    hi = mx * alpha.reshape(-1, 1)
+    scale = (hi - lo) / 3.0
+    m = 0.0 - lo
+    nb = -(-n // scale_block)
+    pad = nb * scale_block - n
+
+    def block_field(val):
+        vv = torch.clamp(val.reshape(-1), min=0.0)
+        if pad:
+            vv = torch.cat([vv, vv.new_zeros(pad)])
+        bmax = vv.reshape(nb, scale_block).max(dim=1).values / 15.0
+        b16 = _ste(bmax, bmax.to(torch.float16).to(torch.float32))
+        if not torch.isfinite(b16).all():
+            raise ValueError("values too large for mixed2bit's fp16 second-order scales")
+        return b16
+
+    d16 = block_field(scale)
+    dm16 = block_field(m)
+    dg = d16.repeat_interleave(scale_block)[:n].reshape(-1, 1)
+    dmg = dm16.repeat_interleave(scale_block)[:n].reshape(-1, 1)
+
+    def code(val, dd):
+        ok = dd > 0
+        safe = torch.where(ok, dd, torch.ones_like(dd))
+        c = torch.clamp(_round_ste(val / safe), 0.0, 15.0)
+        return torch.where(ok, c, torch.zeros_like(c))
+
+    sc = code(scale, dg)
+    mc = code(m, dmg)
+    s_eff = dg * sc
+    m_eff = dmg * mc
+    ok = s_eff > 0
+    safe = torch.where(ok, s_eff, torch.ones_like(s_eff))
+    q = torch.clamp(_round_ste((g + m_eff) / safe + vg), 0.0, 3.0)
+    q = torch.where(ok, q, torch.zeros_like(q))
+    return q, s_eff, m_eff, sc, mc, d16, dm16
+
+
+def fake_quant_2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                    group_size: int, scale_block: int = 16) -> torch.Tensor:
+    """The fake-quantized float32 weight ``q * s_eff - m_eff`` ``[out, in]`` of plain 2-bit
+    mixed2bit groups (see :func:`_m2_parts`): mixed2bit's dequantize, bit for bit."""
+    q, s_eff, m_eff, *_ = _m2_parts(w, v, alpha, beta, group_size, scale_block)
+    return (q * s_eff - m_eff).reshape(w.shape)
+
+
+def export_2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                group_size: int, scale_block: int = 16, dtype: str = "float32") -> QuantizedTensor:
+    """The mixed2bit QuantizedTensor (ratio_4bit = 0, no outliers) of the trained parameters:
+    2-bit codes 16 per int32 word, ``scales2 = sc | mc << 4``, fp16 ``so2 = [d, dm]`` per block;
+    torch buffers on w's device, validated."""
+    from .mixed2bit import expected_buffers
+
+    out_f, in_f = w.shape
+    with torch.no_grad():
+        q, _, _, sc, mc, d16, dm16 = _m2_parts(w.float(), v, alpha, beta, group_size, scale_block)
+    params = {"group_size": int(group_size), "ratio_4bit": 0.0, "outlier_ratio": 0.0,
+              "scale_block": int(scale_block), "selection": "range", "n4": 0, "n_out": 0}
+    shapes = expected_buffers((out_f, in_f), params)
+    dev = w.device
+    bufs = {name: torch.zeros(shape, dtype=getattr(torch, dt), device=dev)
+            for name, (dt, shape) in shapes.items()}
+    qi = q.to(torch.int64).reshape(-1, group_size // 16, 16)
+    shifts = 2 * torch.arange(16, device=dev, dtype=torch.int64)
+    words = (qi << shifts).sum(dim=2)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    bufs["codes2"] = words.to(torch.int32).contiguous()
+    bufs["scales2"] = (sc.reshape(-1).to(torch.int64) | (mc.reshape(-1).to(torch.int64) << 4)).to(torch.uint8)
+    bufs["so2"] = torch.stack([d16, dm16], dim=1).to(torch.float16).contiguous()
+    qt = QuantizedTensor("mixed2bit", (out_f, in_f), dtype, params, bufs)
+    validate(qt)
+    return qt
+
+
 class SignRoundLinear(nn.Module):
     """A Linear whose weight is fake-quantized with trainable V / alpha / beta (float32)."""
 
-    def __init__(self, linear: nn.Linear, group_size: int):
+    def __init__(self, linear: nn.Linear, group_size: int, fmt: str = "int4", scale_block: int = 16):
         super().__init__()
+        if fmt not in ("int4", "mixed2bit"):
+            raise ValueError(f"signround: format {fmt!r} is not supported (int4, mixed2bit)")
+        self.fmt, self.scale_block = fmt, int(scale_block)
         w = linear.weight.detach().to(torch.float32).clone()
         out_f, in_f = w.shape
         if in_f % group_size:
@@ -144,6 +253,9 @@ class SignRoundLinear(nn.Module):
         assert self.alpha.numel() == ng
 
     def qweight(self) -> torch.Tensor:
+        if self.fmt == "mixed2bit":
+            return fake_quant_2bit(self.weight, self.v, self.alpha, self.beta, self.group_size,
+                                   self.scale_block)
         return fake_quant_int4(self.weight, self.v, self.alpha, self.beta, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +268,9 @@ class SignRoundLinear(nn.Module):
             self.beta.clamp_(*SCALE_RANGE)
 
     def export(self, dtype: str = "float32") -> QuantizedTensor:
+        if self.fmt == "mixed2bit":
+            return export_2bit(self.weight, self.v.detach(), self.alpha.detach(), self.beta.detach(),
+                               self.group_size, self.scale_block, dtype)
         return export_int4(self.weight, self.v.detach(), self.alpha.detach(), self.beta.detach(),
                            self.group_size, dtype)
 
@@ -386,13 +501,18 @@ def quantize_plan(model: nn.Module, plan: list, options: dict, progress: bool = 
     not modified. Returns ``(new, stats)``: ``new`` ``[(name, QuantizedLinear, seconds)]`` in
     plan order, ``stats`` ``{"blocks": [per-block train_block stats + "seconds", "layers"],
     "options": {...}}``.
-    Raises NotImplementedError for a planned layer that is not int4 asymmetric.
+    Raises NotImplementedError for a planned layer that is neither int4 asymmetric nor plain
+    2-bit mixed2bit (ratio_4bit=0, no outliers).
     """
     for name, m, fmt, qp in plan:
-        if fmt != "int4" or qp.get("symmetric", False):
+        ok4 = fmt == "int4" and not qp.get("symmetric", False)
+        ok2 = (fmt == "mixed2bit" and float(qp.get("ratio_4bit", 0.1)) == 0.0
+               and float(qp.get("outlier_ratio", 0.0)) == 0.0 and qp.get("sensitivity") is None)
+        if not (ok4 or ok2):
             raise NotImplementedError(
-                f"method='signround' supports int4 asymmetric groups (bits=4) only so far; layer "
-                f"{name} asks for {fmt} {qp} (2-bit mixed2bit export is not implemented yet)")
+                f"method='signround' supports int4 asymmetric groups (bits=4) and plain 2-bit "
+                f"mixed2bit groups (bits=2: ratio_4bit=0, no outliers) only; layer {name} asks "
+                f"for {fmt} {qp}")
     iters = int(options["iters"])
     if iters < 0:
         raise ValueError(f"iters must be >= 0, got {iters}")
@@ -420,7 +540,8 @@ def quantize_plan(model: nn.Module, plan: list, options: dict, progress: bool = 
         names = [(rel, by_id[id(sub)]) for rel, sub in block.named_modules() if id(sub) in by_id]
         linears = {}
         for rel, (name, fmt, qp) in names:
-            srl = SignRoundLinear(fblock.get_submodule(rel), qp.get("group_size", 128))
+            gs = qp.get("group_size", 128 if fmt == "int4" else 16)
+            srl = SignRoundLinear(fblock.get_submodule(rel), gs, fmt, qp.get("scale_block", 16))
             _replace(fblock, rel, srl)
             linears[rel] = srl
         if linears:

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import qformats  # noqa: E402
-from qformats import int4  # noqa: E402
+from qformats import int4, mixed2bit  # noqa: E402
 from qformats._core import validate  # noqa: E402
 from qformats.nn import QuantizedLinear  # noqa: E402
 from qformats import signround as sr  # noqa: E402
@@ -107,6 +107,38 @@ def test_export_equals_trained_fake_quant(seed):
     assert torch.equal(lin.dequantize_weight("float32").view(torch.int32), fq.view(torch.int32))
 
 
+@pytest.mark.parametrize("scale_block", [16, 5])
+def test_2bit_initial_parameters_are_mixed2bit_rtn_bit_for_bit(scale_block):
+    w = _weight(24, 96)
+    w[3, :16] = -0.0
+    gs = 16
+    v = torch.zeros_like(w)
+    one = torch.ones(w.shape[0], w.shape[1] // gs)
+    rtn = mixed2bit.quantize(w, group_size=gs, ratio_4bit=0.0, scale_block=scale_block)
+    qt = sr.export_2bit(w, v, one, one, gs, scale_block)
+    assert qt.params == rtn.params
+    for name in rtn.buffers:
+        assert torch.equal(qt.buffers[name], rtn.buffers[name]), name
+    fq = sr.fake_quant_2bit(w, v, one, one, gs, scale_block)
+    assert torch.equal(fq.view(torch.int32), rtn.dequantize("float32").view(torch.int32))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_2bit_export_equals_trained_fake_quant(seed):
+    w = _weight(24, 96, seed=seed)
+    gs, sb = 16, 16 if seed == 0 else 7
+    v, a, b = _random_params(w, gs, seed)
+    fq = sr.fake_quant_2bit(w, v, a, b, gs, sb)
+    qt = sr.export_2bit(w, v, a, b, gs, sb, dtype="float16")
+    validate(qt)
+    deq = mixed2bit.dequantize(qt, dtype="float32")
+    assert torch.equal(deq.view(torch.int32), fq.view(torch.int32))  # bitwise
+    bias = torch.randn(w.shape[0])
+    lin = QuantizedLinear.from_quantized(qt, bias)
+    x = torch.randn(5, w.shape[1])
+    torch.testing.assert_close(lin(x), F.linear(x, fq, bias), rtol=1.3e-6, atol=1e-5)
+
+
 def test_clipping_changes_the_exported_scales():
     w = _weight()
     gs = 32
@@ -119,12 +151,13 @@ def test_clipping_changes_the_exported_scales():
     torch.testing.assert_close(s2, s1 / 2, rtol=1e-6, atol=0)
 
 
-def test_straight_through_gradients_reach_every_parameter():
+@pytest.mark.parametrize("fmt,gs", [("int4", 32), ("mixed2bit", 16)])
+def test_straight_through_gradients_reach_every_parameter(fmt, gs):
     w = _weight()
     lin = nn.Linear(64, 16)
     with torch.no_grad():
         lin.weight.copy_(w)
-    m = sr.SignRoundLinear(lin, 32)
+    m = sr.SignRoundLinear(lin, gs, fmt)
     with torch.no_grad():
         m.alpha.fill_(0.9)
         m.beta.fill_(0.8)
@@ -135,7 +168,7 @@ def test_straight_through_gradients_reach_every_parameter():
 
 # -- block training -----------------------------------------------------------------------------
 
-def _setup_block(net, ids, gs=32):
+def _setup_block(net, ids, gs=32, fmt="int4"):
     """(fp32 block copy with SignRoundLinears, linears, inputs, targets) for block 0."""
     inputs = sr.capture_block_inputs(net, net.layers[0], [i.reshape(1, -1) for i in ids])
     fb = copy.deepcopy(net.layers[0]).float()
@@ -143,14 +176,15 @@ def _setup_block(net, ids, gs=32):
         targets = [fb(x, **kw) for x, kw in inputs]
     linears = {}
     for rel in ("up", "down"):
-        linears[rel] = sr.SignRoundLinear(getattr(fb, rel), gs)
+        linears[rel] = sr.SignRoundLinear(getattr(fb, rel), gs, fmt)
         setattr(fb, rel, linears[rel])
     return fb, linears, inputs, targets
 
 
-def test_train_block_improves_on_rtn_keeps_ranges_and_exports_what_it_trained():
+@pytest.mark.parametrize("fmt,gs", [("int4", 32), ("mixed2bit", 16)])
+def test_train_block_improves_on_rtn_keeps_ranges_and_exports_what_it_trained(fmt, gs):
     net = _Net()
-    fb, linears, inputs, targets = _setup_block(net, _ids())
+    fb, linears, inputs, targets = _setup_block(net, _ids(), gs, fmt)
     assert set(inputs[0][1]) == {"gate"} and inputs[0][0].dtype == torch.float32
     st = sr.train_block(fb, linears, inputs, targets, iters=20, lr=None, batch_size=8)
     assert st["loss"] <= st["rtn_loss"] and st["best_loss"] == min(st["losses"])
@@ -200,13 +234,14 @@ def test_best_parameters_seen_are_kept():
 
 # -- quantize_model(method="signround") -----------------------------------------------------------
 
-def test_quantize_model_synthetic_net_matches_trained_losses():
+@pytest.mark.parametrize("bits,gs,fmt", [(4, 32, "int4"), (2, 16, "mixed2bit")])
+def test_quantize_model_synthetic_net_matches_trained_losses(bits, gs, fmt):
     net = _Net()
     ref = copy.deepcopy(net)
     ids = _ids()
-    rep = qformats.quantize_model(net, bits=4, group_size=32, method="signround", calibration=ids,
+    rep = qformats.quantize_model(net, bits=bits, group_size=gs, method="signround", calibration=ids,
                                   iters=10, nsamples=4, seqlen=16, batch_size=4)
-    assert rep.method == "signround" and rep.formats == {"int4": 4}
+    assert rep.method == "signround" and rep.formats == {fmt: 4}
     assert [l.name for l in rep.ignored] == ["lm_head"]
     blocks = rep.signround["blocks"]
     assert len(blocks) == 2 and blocks[0]["layers"] == ["layers.0.up", "layers.0.down"]
@@ -245,7 +280,10 @@ def test_quantize_model_tiny_llama(make_tiny_llama):
 def test_signround_errors(make_tiny_llama):
     model = make_tiny_llama()
     with pytest.raises(NotImplementedError, match="int4 asymmetric"):
-        qformats.quantize_model(model, bits=2, method="signround", calibration=_ids(vocab=256))
+        qformats.quantize_model(model, bits=2, ratio_4bit=0.1, method="signround",
+                                calibration=_ids(vocab=256))
+    with pytest.raises(NotImplementedError, match="int4 asymmetric"):
+        qformats.quantize_model(model, format="nf4", method="signround", calibration=_ids(vocab=256))
     with pytest.raises(NotImplementedError, match="int4 asymmetric"):
         qformats.quantize_model(model, bits=4, group_size=32, symmetric=True, method="signround",
                                 calibration=_ids(vocab=256))

@@ -121,8 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "(mixed2bit, 2-bit groups of 16)")
     q.add_argument("--group-size", type=_positive, metavar="G",
                    help="values per group along in_features (nf4: blocksize)")
-    q.add_argument("--method", default="rtn", metavar="M",
-                   help="rounding method: rtn (round to nearest; the only one so far)")
+    q.add_argument("--method", default="rtn", choices=("rtn", "signround"),
+                   help="rtn (round to nearest) or signround (trainable rounding, block by block "
+                        "against the float model; int4 asymmetric and 2-bit only; needs "
+                        "--calibration)")
+    q.add_argument("--calibration", metavar="FILE",
+                   help="text file of calibration data for --method signround")
+    q.add_argument("--iters", type=_positive, default=200, metavar="N",
+                   help="signround: optimization steps per block (default 200)")
+    q.add_argument("--nsamples", type=_positive, default=128, metavar="N",
+                   help="signround: calibration windows (default 128)")
+    q.add_argument("--seqlen", type=_positive, default=2048, metavar="N",
+                   help="signround: tokens per calibration window (default 2048)")
     q.add_argument("--ignore", nargs="*", metavar="PAT",
                    help="module-name patterns (fnmatch, whole name or dotted suffix) to keep in "
                         "float; replaces the default (lm_head, embeddings); --ignore with no "
@@ -236,7 +246,7 @@ def _error(cmd: str, e: BaseException) -> int:
 
 
 def _cmd_quantize(args) -> int:
-    from .evaluate import EvalError, load_model, progress_bar
+    from .evaluate import EvalError, load_model, load_text, progress_bar
 
     try:
         if args.format is not None:
@@ -265,6 +275,12 @@ def _cmd_quantize(args) -> int:
 
         # Check the choice before the (slower) model load.
         check_method(args.method)
+        method_options = {}  # signround's own options: not format parameters
+        if args.method == "signround":
+            if not args.calibration:
+                raise ValueError("--method signround needs --calibration FILE (a text file)")
+            method_options = dict(calibration=load_text(args.calibration)[0], iters=args.iters,
+                                  nsamples=args.nsamples, seqlen=args.seqlen)
         resolve_spec(fmt, args.bits, args.group_size, **params)
         with _Threads(args.threads):
             bar = progress_bar(total=3, enabled=not args.no_progress, desc="quantize", unit="step")
@@ -275,10 +291,13 @@ def _cmd_quantize(args) -> int:
                 bar.set_postfix_str("quantizing")
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # listed in the report below
+                    if method_options:
+                        method_options["tokenizer"] = lm.tokenizer
                     report = quantize_model(lm.model, format=fmt, bits=args.bits,
                                             group_size=args.group_size, method=args.method,
                                             ignore=args.ignore, overrides=overrides,
-                                            progress=not args.no_progress, **params)
+                                            progress=not args.no_progress, **params,
+                                            **method_options)
                 bar.update(1)
                 bar.set_postfix_str("saving")
                 out = save_quantized(lm.model, args.out, tokenizer=lm.tokenizer, source=lm.path)

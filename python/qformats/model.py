@@ -48,8 +48,8 @@ BITS_FORMATS = {
 }
 
 #: Implemented methods; the others named here raise NotImplementedError.
-METHODS = ("rtn",)
-_LATER_METHODS = ("signround", "autoround", "budget")
+METHODS = ("rtn", "signround")
+_LATER_METHODS = ("autoround", "budget")
 _LATER_ISSUE = ("the model-level follow-up issue (trainable rounding: SignRound/AutoRound, and "
                 "budgeted per-layer bits)")
 
@@ -157,8 +157,8 @@ def resolve_spec(format: Optional[str] = None, bits: Optional[int] = None,
 
 
 def check_method(method: str) -> None:
-    """Raise NotImplementedError for the methods of the next issue (``"signround"``,
-    ``"autoround"``, ``"budget"``), ValueError for an unknown one; nothing for ``"rtn"``."""
+    """Raise NotImplementedError for the methods not implemented yet (``"autoround"``,
+    ``"budget"``), ValueError for an unknown one; nothing for ``"rtn"`` and ``"signround"``."""
     if method in _LATER_METHODS:
         raise NotImplementedError(f"method={method!r} is not implemented yet; it comes with "
                                   f"{_LATER_ISSUE}. Use method='rtn'.")
@@ -420,9 +420,9 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
         from .signround import pop_options
         sr_options = pop_options(params)
         if sr_options["calibration"] is None:
-            raise NotImplementedError(
-                "method='signround' without calibration= is not implemented yet (SignRound trains "
-                "on calibration data: pass calibration= token-id tensors, or a text with tokenizer=)")
+            raise ValueError(
+                "method='signround' needs calibration data: pass calibration= token-id tensors, "
+                "or a text with tokenizer=")
     else:
         check_method(method)
     glob = {"format": format, "bits": bits, "group_size": group_size, "params": dict(params)}

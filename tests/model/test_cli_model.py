@@ -67,7 +67,7 @@ def test_eval_quantized_and_plain(llama, quantized_dir, valid_path, capsys):
 
 
 #: argparse's own usage errors print the usage line before the error line.
-ARGPARSE = ("not allowed", "one of the arguments")
+ARGPARSE = ("not allowed", "one of the arguments", "invalid choice")
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -77,7 +77,9 @@ ARGPARSE = ("not allowed", "one of the arguments")
     (["quantize", "{llama}", "--bits", "4", "--group-size", "2048", "--out", "{tmp}/x"],
      "no Linear layer could be quantized"),
     (["quantize", "{llama}", "--bits", "4", "--method", "signround", "--out", "{tmp}/x"],
-     "not implemented yet"),
+     "needs --calibration"),
+    (["quantize", "{llama}", "--bits", "4", "--method", "budget", "--out", "{tmp}/x"],
+     "invalid choice"),
     (["quantize", "{llama}", "--bits", "4", "--override", "nothing=8", "--out", "{tmp}/x"],
      "match no nn.Linear"),
     (["quantize", "{llama}", "--bits", "4", "--override", "oops", "--out", "{tmp}/x"],
@@ -114,3 +116,17 @@ def test_error_line_stands_alone_with_progress_bars(llama, tmp_path, capsys):
 def test_compare_still_parses():
     args = cli.build_parser().parse_args(["compare", "MODEL", "--formats", "q4_0"])
     assert args.func is cli._cmd_compare and args.formats == ["q4_0"]
+
+
+def test_quantize_signround_then_eval(llama, valid_path, tmp_path, capsys):
+    # Tiny settings: the CLI path (calibration text -> trained int4 -> saved folder -> eval).
+    rc, out, err = _run(capsys, "quantize", llama.path, "--bits", "4", "--method", "signround",
+                        "--calibration", valid_path, "--iters", 2, "--nsamples", 2, "--seqlen", 128,
+                        "--out", tmp_path / "sr", "--no-progress")
+    assert rc == 0, err
+    assert "quantized 42 of 43 Linear layers (signround): int4 x42" in out
+    rc, out, err = _run(capsys, "eval", tmp_path / "sr", "--text", valid_path, "--max-tokens", 512,
+                        "--no-progress")
+    assert rc == 0, err
+    ppl = float(re.search(r"^perplexity: ([0-9.]+)$", out, re.M).group(1))
+    assert 10 < ppl < 80, ppl  # one window of the tutorial text (fp32 there: ~19)

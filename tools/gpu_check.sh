@@ -4,6 +4,7 @@
 # build:    pip install --no-build-isolation . for sm_90 only (CI compiles sm_75..sm_90)
 # test:     the whole test suite; the GPU tests (tests/*/test_*_cuda.py) run here
 # bench:    benchmarks/codecs.py (median of CUDA events, rotated buffers, % of copy bandwidth)
+# gemm:     benchmarks/gemm.py (GEMV/GEMM table against cuBLAS fp16, _int_mm, bitsandbytes)
 # sanitize: compute-sanitizer memcheck and racecheck over the GPU tests (PATTERN below)
 # Logs go to $OUT (the device tool brings them back) or /tmp/qformats-gpu.
 set -uo pipefail
@@ -32,6 +33,8 @@ for stage in $stages; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench)
       python3 benchmarks/codecs.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/codecs.txt" | tail -60 ;;
+    gemm)
+      python3 benchmarks/gemm.py --csv "$OUT/gemm.csv" ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.txt" | tail -80 ;;
     sanitize)
       pattern=${SANITIZE_K:-"cuda and (large or misaligned or stream or poison)"}
       for tool in memcheck racecheck; do

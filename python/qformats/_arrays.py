@@ -173,11 +173,12 @@ def check_matmul_operands(name: str, a: Any, b: Any, dtype: str, values_per_elem
                           max_k: int) -> tuple[int, int, int]:
     """Checks for the integer GEMMs ``A . B^T``: a [N, Ka] and b [M, Ka] of ``dtype`` (each
     element holding ``values_per_element`` values, so K = Ka * values_per_element), 2-D,
-    C-contiguous, on the CPU, K <= max_k (so the int32 result cannot overflow).
-    Returns (N, M, K). Raises TypeError / ValueError / NotImplementedError."""
+    C-contiguous, on one device (CPU, or CUDA in a CUDA build), K <= max_k (so the int32
+    result cannot overflow). Returns (N, M, K). Raises TypeError / ValueError /
+    NotImplementedError (CUDA tensors in a build without CUDA kernels)."""
     check_array(a, "a", dtype)
     check_array(b, "b", dtype)
-    cpu_only(name, a, b)
+    same_device(("a", a), ("b", b))
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"{name}: expected 2-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     (n, ka), (m, kb) = a.shape, b.shape
@@ -209,6 +210,17 @@ def stream_for(x: Any) -> Iterator[int]:
             yield t.cuda.current_stream(x.device).cuda_stream
     else:
         yield 0
+
+
+def gemm_operands(x: Any, N: int, M: int) -> tuple[Any, Any]:
+    """``(x, out)`` for a weight-only GEMM: on the CPU ``x`` as given and a float32 ``[N, M]``
+    output; on a CUDA device the output takes ``x``'s dtype and ``x`` is copied when its data
+    is not 16-byte aligned (a view at an odd offset), as the kernels load 8 values at a time."""
+    if is_cuda(x):
+        if x.data_ptr() % 16:
+            x = x.clone()
+        return x, empty(x, (N, M), dtype_name(x))
+    return x, empty(x, (N, M), "float32")
 
 
 def zeros(like: Any, shape: Sequence[int], dtype: str) -> Any:

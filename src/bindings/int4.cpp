@@ -121,18 +121,26 @@ void unpack(const Array& packed, const Array& out, uintptr_t stream) {
   }
 }
 
-// x: float [N, K] (float32, float16 or bfloat16: converted to float32 exactly); weight buffers
-// of an [M, K] int4 tensor; out: float32 [N, M]. The GEMMs are CPU only (CUDA GEMMs are a later
-// issue): CUDA arrays get "expected a CPU array".
+// x: float [N, K] (float32, float16 or bfloat16); weight buffers of an [M, K] int4 tensor. CPU:
+// x converted to float32 exactly, out float32 [N, M]. CUDA: out [N, M] in x's dtype
+// (gemm/weight_only_formats.h: group_size = 32 * 2^j).
 void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
-          const Array& out, int64_t N, int64_t K, int64_t M, int64_t group_size) {
+          const Array& out, int64_t N, int64_t K, int64_t M, int64_t group_size, uintptr_t stream) {
   if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
-  require_cpu_contiguous(x, "x");
-  require<float>(out, "out");
+  const Device dev = device_of(x, stream, "x");
+  require_contiguous_on(x, "x", dev);
   require_numel(x, N * K, "x");
   require_numel(out, N * M, "out");
-  check_buffers(M * K, group_size, qweight, scales, zeros);
+  check_buffers(M * K, group_size, qweight, scales, zeros, dev);
   if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
+  if (dev.cuda) {
+    dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
+      QF_ON_CUDA(gemm::int4_gemm_cuda(px, N, K, M, cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros),
+                                      group_size, py, dev.stream));
+    });
+    return;
+  }
+  require<float>(out, "out");
   std::vector<float> buf;
   const float* px = float32_activations(x, "x", buf);
   gemm::int4_gemm_cpu(px, N, K, M, cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), group_size,
@@ -140,16 +148,22 @@ void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales,
 }
 
 // a: uint8 [N, K/2], b: uint8 [M, K/2] (symmetric packed codes); out: int32 [N, M].
-void int4_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K) {
+void int4_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K,
+                 uintptr_t stream) {
   if (N < 0 || M < 0 || K < 0 || K % 2) throw std::invalid_argument("bad N, M, K (K must be even)");
   if (K > gemm::kInt4MaxK) throw std::invalid_argument("K > 33554431: the int32 result could overflow");
-  require<uint8_t>(a, "a");
-  require<uint8_t>(b, "b");
-  require<int32_t>(out, "out");
+  const Device dev = device_of(a, stream, "a");
+  require<uint8_t>(a, "a", dev);
+  require<uint8_t>(b, "b", dev);
+  require<int32_t>(out, "out", dev);
   require_numel(a, N * (K / 2), "a");
   require_numel(b, M * (K / 2), "b");
   require_numel(out, N * M, "out");
-  gemm::int4_matmul_cpu(cptr<uint8_t>(a), cptr<uint8_t>(b), mptr<int32_t>(out), N, M, K);
+  if (dev.cuda) {
+    QF_ON_CUDA(gemm::int4_matmul_cuda(cptr<uint8_t>(a), cptr<uint8_t>(b), mptr<int32_t>(out), N, M, K, dev.stream));
+  } else {
+    gemm::int4_matmul_cpu(cptr<uint8_t>(a), cptr<uint8_t>(b), mptr<int32_t>(out), N, M, K);
+  }
 }
 
 }  // namespace
@@ -164,8 +178,9 @@ NB_MODULE(_native, m) {
   m.def("pack", &pack, nb::arg("values"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("unpack", &unpack, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
-        nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), release_gil());
+        nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), nb::arg("stream") = 0,
+        release_gil());
   m.def("int4_matmul", &int4_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
-        nb::arg("K"), release_gil());
+        nb::arg("K"), nb::arg("stream") = 0, release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

@@ -58,32 +58,38 @@ void dequantize(const Array& q, const Array& scale, const Array& out, int64_t un
   });
 }
 
-// a: int8 [N, K], b: int8 [M, K], out: int32 [N, M]. CPU only (a CUDA GEMM is a later issue):
-// CUDA arrays get "expected a CPU array".
-void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K) {
+// a: int8 [N, K], b: int8 [M, K], out: int32 [N, M], all on one device (CPU or CUDA).
+void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K,
+                 uintptr_t stream) {
   if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
   if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
-  require<int8_t>(a, "a");
-  require<int8_t>(b, "b");
-  require<int32_t>(out, "out");
+  const Device dev = device_of(a, stream, "a");
+  require<int8_t>(a, "a", dev);
+  require<int8_t>(b, "b", dev);
+  require<int32_t>(out, "out", dev);
   require_numel(a, N * K, "a");
   require_numel(b, M * K, "b");
   require_numel(out, N * M, "out");
-  gemm::int8_matmul_cpu(cptr<int8_t>(a), cptr<int8_t>(b), mptr<int32_t>(out), N, M, K);
+  if (dev.cuda) {
+    QF_ON_CUDA(gemm::int8_matmul_cuda(cptr<int8_t>(a), cptr<int8_t>(b), mptr<int32_t>(out), N, M, K, dev.stream));
+  } else {
+    gemm::int8_matmul_cpu(cptr<int8_t>(a), cptr<int8_t>(b), mptr<int32_t>(out), N, M, K);
+  }
 }
 
 // The fused int8 linear layer: a int8 [N, K], a_scale float32 [N] or [1], b int8 [M, K],
-// b_scale float32 [M] or [1], bias None or float [M] (float32/float16/bfloat16), out [N, M] of
-// float32, float16 or bfloat16: relu?(acc * (a_scale * b_scale * scale_c) + bias). CPU only.
+// b_scale float32 [M] or [1], bias None or [M] (CPU: float32/float16/bfloat16; CUDA: float32),
+// out [N, M] of float32, float16 or bfloat16: relu?(acc * (a_scale * b_scale * scale_c) + bias).
 void int8_linear(const Array& a, const Array& a_scale, const Array& b, const Array& b_scale,
                  const std::optional<Array>& bias, bool relu, double scale_c, const Array& out, int64_t N,
-                 int64_t M, int64_t K) {
+                 int64_t M, int64_t K, uintptr_t stream) {
   if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
   if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
-  require<int8_t>(a, "x_q");
-  require<int8_t>(b, "w_q");
-  require<float>(a_scale, "x_scale");
-  require<float>(b_scale, "w_scale");
+  const Device dev = device_of(a, stream, "x_q");
+  require<int8_t>(a, "x_q", dev);
+  require<int8_t>(b, "w_q", dev);
+  require<float>(a_scale, "x_scale", dev);
+  require<float>(b_scale, "w_scale", dev);
   require_numel(a, N * K, "x_q");
   require_numel(b, M * K, "w_q");
   require_numel(out, N * M, "out");
@@ -94,11 +100,22 @@ void int8_linear(const Array& a, const Array& a_scale, const Array& b, const Arr
   const float* pbias = nullptr;
   if (bias) {
     require_numel(*bias, M, "bias");
-    pbias = float32_activations(*bias, "bias", bias_buf);
+    if (dev.cuda) {
+      require<float>(*bias, "bias", dev);
+      pbias = cptr<float>(*bias);
+    } else {
+      pbias = float32_activations(*bias, "bias", bias_buf);
+    }
   }
-  dispatch_float_out(out, "out", Device{}, [&](auto* py) {
-    gemm::int8_linear_cpu(cptr<int8_t>(a), cptr<float>(a_scale), na == N, cptr<int8_t>(b), cptr<float>(b_scale),
-                          nw == M, pbias, relu, static_cast<float>(scale_c), py, N, M, K);
+  dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (dev.cuda) {
+      QF_ON_CUDA(gemm::int8_linear_cuda(cptr<int8_t>(a), cptr<float>(a_scale), na == N, cptr<int8_t>(b),
+                                        cptr<float>(b_scale), nw == M, pbias, relu, static_cast<float>(scale_c), py,
+                                        N, M, K, dev.stream));
+    } else {
+      gemm::int8_linear_cpu(cptr<int8_t>(a), cptr<float>(a_scale), na == N, cptr<int8_t>(b), cptr<float>(b_scale),
+                            nw == M, pbias, relu, static_cast<float>(scale_c), py, N, M, K);
+    }
   });
 }
 
@@ -111,9 +128,9 @@ NB_MODULE(_native, m) {
   m.def("dequantize", &dequantize, nb::arg("q"), nb::arg("scale"), nb::arg("out"), nb::arg("unit_len"),
         nb::arg("stream") = 0, release_gil());
   m.def("int8_matmul", &int8_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"),
-        nb::arg("M"), nb::arg("K"), release_gil());
+        nb::arg("M"), nb::arg("K"), nb::arg("stream") = 0, release_gil());
   m.def("int8_linear", &int8_linear, nb::arg("a"), nb::arg("a_scale"), nb::arg("b"), nb::arg("b_scale"),
         nb::arg("bias").none(), nb::arg("relu"), nb::arg("scale_c"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
-        nb::arg("K"), release_gil());
+        nb::arg("K"), nb::arg("stream") = 0, release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

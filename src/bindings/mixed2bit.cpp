@@ -155,26 +155,61 @@ void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block
   });
 }
 
-// Y [N, rows] = X [N, K] . W^T, X float32, float16 or bfloat16 (computed in float32), W decoded a
-// tile at a time (gemm/weight_only_formats.h). CPU only for now: CUDA arrays are refused by the checks.
+// Y [N, rows] = X [N, K] . W^T, X float32, float16 or bfloat16. CPU: computed in float32 with W
+// decoded a tile at a time, out float32. CUDA: decoded in registers, out in x's dtype, with
+// n4_before = row_index()'s output (gemm/weight_only_formats.h; gemm_cuda_supports() says
+// which parameters the kernel takes).
 void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
           int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
           const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
-          const Array& outlier_idx, const Array& outlier_val, const Array& out) {
-  const Device cpu;  // every array must be a CPU array
+          const Array& outlier_idx, const Array& outlier_val, const Array& out, const Array& n4_before,
+          uintptr_t stream) {
+  const Device dev = device_of(x, stream, "x");
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
-  check_buffers(d, cpu, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
-  require_cpu_contiguous(x, "x");
-  require<float>(out, "out");
+  check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  require_contiguous_on(x, "x", dev);
   if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K)
     throw std::invalid_argument("x: expected float [N, K]");
   const int64_t N = static_cast<int64_t>(x.shape(0));
   require_numel(out, N * rows, "out");
   const m2::ConstBuffers q =
       const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  if (dev.cuda) {
+    if (!n4_before.is_valid()) throw std::invalid_argument("n4_before: required for CUDA arrays");
+    require<int64_t>(n4_before, "n4_before", dev);
+    require_numel(n4_before, rows + 1, "n4_before");
+    if (!::qf::gemm::mixed2bit_gemm_cuda_supports(d))
+      throw std::invalid_argument("the CUDA GEMM needs group_size = 16 * 2^j <= 512, a power-of-two "
+                                  "scale_block and no outliers");
+    dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
+      QF_ON_CUDA(::qf::gemm::mixed2bit_gemm_cuda(px, N, q, d, cptr<int64_t>(n4_before), py, dev.stream));
+    });
+    return;
+  }
+  require<float>(out, "out");
   std::vector<float> buf;
   const float* px = float32_activations(x, "x", buf);  // float16 / bfloat16: exact float32 copy
   ::qf::gemm::mixed2bit_gemm_cpu(px, N, q, d, mptr<float>(out));  // validates the map and outliers
+}
+
+// n4_before: int64 [rows + 1] on the device of group_map: 4-bit groups before each row
+// (exclusive prefix; the last entry is the total). CUDA only (the CPU GEMM indexes itself).
+void row_index(const Array& group_map, int64_t rows, int64_t groups_per_row, const Array& n4_before,
+               uintptr_t stream) {
+  const Device dev = device_of(group_map, stream, "group_map");
+  if (!dev.cuda) throw std::invalid_argument("group_map: row_index is for CUDA arrays");
+  if (rows < 0 || groups_per_row < 0) throw std::invalid_argument("bad rows / groups_per_row");
+  require<uint8_t>(group_map, "group_map", dev);
+  require_numel(group_map, (rows * groups_per_row + 7) / 8, "group_map");
+  require<int64_t>(n4_before, "n4_before", dev);
+  require_numel(n4_before, rows + 1, "n4_before");
+  QF_ON_CUDA(::qf::gemm::mixed2bit_row_index_cuda(cptr<uint8_t>(group_map), rows, groups_per_row,
+                                                  mptr<int64_t>(n4_before), dev.stream));
+}
+
+bool gemm_cuda_supports(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
+                        int64_t n_out) {
+  return ::qf::gemm::mixed2bit_gemm_cuda_supports(make_dims(rows, K, group_size, scale_block, n4, n_out));
 }
 
 // values: uint8 with 16 * numel(out) elements; out: int32.
@@ -226,7 +261,12 @@ NB_MODULE(_native, m) {
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"),
         nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
-        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"), release_gil());
+        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"),
+        nb::arg("n4_before").none() = nb::none(), nb::arg("stream") = 0, release_gil());
+  m.def("row_index", &row_index, nb::arg("group_map"), nb::arg("rows"), nb::arg("groups_per_row"),
+        nb::arg("n4_before"), nb::arg("stream") = 0, release_gil());
+  m.def("gemm_cuda_supports", &gemm_cuda_supports, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
+        nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
   m.def("pack_2bit", &pack_2bit, nb::arg("values"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("unpack_2bit", &unpack_2bit, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());

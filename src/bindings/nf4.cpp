@@ -109,18 +109,18 @@ void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset
   }
 }
 
-// out[N, M] = x[N, K] . W^T with W [M, K] given as nf4 (packed, decoded float32 absmax); x float32,
-// float16 or bfloat16 (converted to float32 exactly). CPU arrays only for now (the CPU-only checks
-// refuse CUDA arrays with a ValueError). The blocks run over the flattened W, so a block may
-// straddle two rows when K % blocksize != 0: the tile decoder works on flat element ranges.
+// out[N, M] = x[N, K] . W^T with W [M, K] given as nf4 (packed, decoded float32 absmax). CPU: x
+// float32, float16 or bfloat16 (converted to float32 exactly), out float32. CUDA: out in x's dtype
+// (gemm/weight_only_formats.h; K a multiple of 32). The blocks run over the flattened W, so a
+// block may straddle two rows when K % blocksize != 0: the CPU tile decoder works on flat ranges.
 void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Array& out, int64_t M, int64_t K,
-          int64_t blocksize) {
+              int64_t blocksize, uintptr_t stream) {
   check_blocksize(blocksize);
   if (M < 0 || K < 0) throw std::invalid_argument("M and K must be >= 0");
-  require_cpu_contiguous(x, "x");
-  require<uint8_t>(packed, "packed");
-  require<float>(absmax, "absmax");
-  require<float>(out, "out");
+  const Device dev = device_of(x, stream, "x");
+  require_contiguous_on(x, "x", dev);
+  require<uint8_t>(packed, "packed", dev);
+  require<float>(absmax, "absmax", dev);
   if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K)
     throw std::invalid_argument("x: expected shape [N, " + std::to_string(K) + "]");
   const int64_t N = static_cast<int64_t>(x.shape(0));
@@ -128,6 +128,14 @@ void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Ar
   require_numel(packed, (n + 1) / 2, "packed");
   require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
   require_numel(out, N * M, "out");
+  if (dev.cuda) {
+    dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
+      QF_ON_CUDA(gemm::nf4_gemm_cuda(px, N, K, M, cptr<uint8_t>(packed), cptr<float>(absmax), blocksize, py,
+                                     dev.stream));
+    });
+    return;
+  }
+  require<float>(out, "out");
   std::vector<float> buf;
   const float* px = float32_activations(x, "x", buf);
   gemm::nf4_gemm_cpu(px, N, K, M, cptr<uint8_t>(packed), cptr<float>(absmax), blocksize, mptr<float>(out));
@@ -163,7 +171,7 @@ NB_MODULE(_native, m) {
   m.def("dequantize_absmax", &dequantize_absmax, nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"),
         nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &gemm_nf4, nb::arg("x"), nb::arg("packed"), nb::arg("absmax"), nb::arg("out"), nb::arg("M"),
-        nb::arg("K"), nb::arg("blocksize"), release_gil());
+        nb::arg("K"), nb::arg("blocksize"), nb::arg("stream") = 0, release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
   m.def("mean_torch_order", &mean_torch_order, nb::arg("x"));
   m.def("constants", &constants);

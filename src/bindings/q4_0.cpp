@@ -48,15 +48,28 @@ void dequantize(const Array& blocks, const Array& out, uintptr_t stream) {
   });
 }
 
-void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M, int64_t N, int64_t K) {
+// out: [M, N] (W . A^T, the seed's layout) or, with out_nm, [N, M] (a linear layer's output).
+// CPU: float32. CUDA: float32, float16 or bfloat16 (the float32 sum rounded once).
+void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M, int64_t N, int64_t K, bool out_nm,
+                    uintptr_t stream) {
   if (M < 0 || N < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, N, K");
-  require<uint8_t>(w, "weight_q");
-  require<uint8_t>(a, "activation_q");
-  require<float>(out, "out");
+  const Device dev = device_of(w, stream, "weight_q");
+  require<uint8_t>(w, "weight_q", dev);
+  require<uint8_t>(a, "activation_q", dev);
   require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "weight_q");
   require_numel(a, N * (K / q8_1::QK) * int64_t(sizeof(q8_1::block_q8_1)), "activation_q");
   require_numel(out, M * N, "out");
-  gemm::gemm_q4_0_q8_1_cpu(cptr<q4_0::block_q4_0>(w), cptr<q8_1::block_q8_1>(a), mptr<float>(out), M, N, K);
+  const int64_t ldo_m = out_nm ? 1 : N, ldo_n = out_nm ? M : 1;
+  const auto* pw = cptr<q4_0::block_q4_0>(w);
+  const auto* pa = cptr<q8_1::block_q8_1>(a);
+  if (dev.cuda) {
+    dispatch_float_out(out, "out", dev, [&](auto* py) {
+      QF_ON_CUDA(gemm::q4_0_q8_1_cuda(pw, pa, M, N, K, py, ldo_m, ldo_n, dev.stream));
+    });
+    return;
+  }
+  require<float>(out, "out");
+  gemm::q4_0_q8_1_cpu(pw, pa, M, N, K, mptr<float>(out), ldo_m, ldo_n);
 }
 
 // Checks of the weight-side GEMMs: x [N, K] float (float32/float16/bfloat16), w q4_0 blocks of
@@ -79,8 +92,24 @@ void linear(const Array& x, const Array& w, const Array& out, int64_t M, int64_t
   dispatch_float(x, "x", [&](auto* px) { gemm::linear_q4_0_cpu(px, N, K, pw, M, mptr<float>(out)); });
 }
 
-// Weight-only: out [N, M] = x . W^T in float32, W decoded a tile at a time.
-void weight_only_gemm(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K) {
+// Weight-only: out [N, M] = x . W^T, W decoded a tile at a time (CPU: float32 out) or in
+// registers (CUDA: out in x's dtype).
+void weight_only_gemm(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K,
+                      uintptr_t stream) {
+  const Device dev = device_of(x, stream, "x");
+  if (dev.cuda) {
+    if (M < 0 || N < 0 || K < 0 || K % q4_0::QK)
+      throw std::invalid_argument("bad M, N, K (K must be a multiple of 32)");
+    require<uint8_t>(w, "w", dev);
+    require_contiguous_on(x, "x", dev);
+    require_numel(x, N * K, "x");
+    require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "w");
+    require_numel(out, N * M, "out");
+    dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
+      QF_ON_CUDA(gemm::q4_0_gemm_cuda(px, N, K, M, cptr<q4_0::block_q4_0>(w), py, dev.stream));
+    });
+    return;
+  }
   check_x_w_out(x, w, out, M, N, K);
   std::vector<float> buf;
   const float* px = float32_activations(x, "x", buf);
@@ -95,10 +124,11 @@ NB_MODULE(_native, m) {
   m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), nb::arg("stream") = 0,
         release_gil());
   m.def("gemm_q4_0_q8_1", &gemm_q4_0_q8_1, nb::arg("weight_q"), nb::arg("activation_q"),
-        nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"), release_gil());
+        nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"), nb::arg("out_nm") = false,
+        nb::arg("stream") = 0, release_gil());
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"),
         release_gil());
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"),
-        nb::arg("K"), release_gil());
+        nb::arg("K"), nb::arg("stream") = 0, release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

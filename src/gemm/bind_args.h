@@ -29,6 +29,21 @@ inline const float* float32_activations(const Array& x, const char* name, std::v
   return p;
 }
 
+// The CUDA weight-only GEMM adapters: x float [N, K] (float32, float16 or bfloat16) on device
+// `dev`, 16-byte aligned (the kernels load 8 values at a time), out of x's dtype; calls
+// fn(const T* x, T* out).
+template <class Fn>
+void dispatch_cuda_x_out(const Array& x, const Array& out, const Device& dev, Fn&& fn) {
+  require_contiguous_on(out, "out", dev);
+  if (out.dtype() != x.dtype()) throw nb::type_error("out: expected the dtype of x");
+  if (reinterpret_cast<uintptr_t>(x.data()) % 16)
+    throw std::invalid_argument("x: the CUDA GEMM needs a 16-byte aligned array (x.contiguous().clone())");
+  dispatch_float(x, "x", dev, [&](auto* px) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(px)>>;
+    fn(px, static_cast<T*>(out.data()));
+  });
+}
+
 // The instruction set the CPU GEMMs of this extension use now ("avx512", "avx2" or "scalar").
 inline std::string gemm_isa() { return gemm::isa_name(gemm::active_isa()); }
 

@@ -28,4 +28,13 @@ void int8_linear_cpu(const int8_t* A, const float* x_scale, bool x_scale_per_row
                      const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c,
                      T* out, int64_t N, int64_t M, int64_t K);
 
+// CUDA (int_gemm_cuda.cu): the same two products on device pointers, launched on `stream`
+// (dp4a over 64 x 64 output tiles). Same results bit for bit: the sums are exact integers and
+// the fused epilogue is the formula above, operation for operation.
+void int8_matmul_cuda(const int8_t* A, const int8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K, void* stream);
+template <class T>
+void int8_linear_cuda(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B,
+                      const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c,
+                      T* out, int64_t N, int64_t M, int64_t K, void* stream);
+
 }  // namespace qf::gemm

@@ -38,6 +38,35 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
 void mixed2bit_row_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims, int64_t* n4_before,
                          int64_t* out_before);
 
+// --- CUDA (weight_only_formats_cuda.cu; gemm/weight_only_cuda.cuh) -------------------------------
+// The same products on the GPU: X [N, K] of T (float, half_t or bf16_t), Y [N, M] of T (the
+// activations' dtype), device pointers, launched on `stream` (a cudaStream_t) of the current
+// device. X and Y 16-byte aligned, K a multiple of 32 (16 for mixed2bit). Summation in float32
+// (FMA) with each unit's scale applied to the unit's sum (see weight_only_cuda.cuh), one rounding
+// to T at the end. Formats' extra conditions (std::invalid_argument otherwise): nf4 none; int4
+// group_size = 32 * 2^j; mixed2bit group_size = 16 * 2^j <= 512, power-of-two scale_block, no
+// outliers (mixed2bit_gemm_cuda_supports), plus n4_before = mixed2bit_row_index_cuda's output.
+template <class T>
+void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
+                   int64_t blocksize, T* Y, void* stream);
+template <class T>
+void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
+                    const uint8_t* zeros, int64_t gs, T* Y, void* stream);
+template <class T>
+void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, void* stream);
+inline bool mixed2bit_gemm_cuda_supports(const mixed2bit::Dims& d) {
+  auto pow2 = [](int64_t v) { return v > 0 && (v & (v - 1)) == 0; };
+  return d.group_size % 16 == 0 && pow2(d.group_size / 16) && d.group_size <= 512 && pow2(d.scale_block) &&
+         d.n_out == 0;
+}
+// n4_before [rows + 1] (device int64): 4-bit groups before each row (exclusive prefix; the last
+// entry is the total, which the caller compares with dims.n4 to reject inconsistent buffers).
+void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t groups_per_row, int64_t* n4_before,
+                              void* stream);
+template <class T>
+void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
+                         const int64_t* n4_before, T* Y, void* stream);
+
 // x [n] of float, half_t or bf16_t -> float32 (exact), threaded for large n.
 template <class T>
 void to_float32(const T* x, int64_t n, float* out) {

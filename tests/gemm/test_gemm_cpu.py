@@ -512,20 +512,3 @@ def test_native_adapters_refuse_bad_sizes():
     qn = nf4.quantize(np.ones((4, 64), F32))
     with pytest.raises(ValueError, match="x"):
         nf4._native.gemm(np.ones((2, 32), F32), qn.buffers["packed"], qn.buffers["absmax"], np.empty((2, 4), F32), 4, 64, 64)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_tensors_raise_not_implemented():
-    w = np.ones((4, 64), F32)
-    xc = torch.ones(2, 64, device="cuda")
-    for mod, qt in ((q4_0, q4_0.quantize(w)), (nf4, nf4.quantize(w)), (int4, int4.quantize(w, 32)),
-                    (mixed2bit, mixed2bit.quantize(w))):
-        with pytest.raises(NotImplementedError, match="CPU only"):
-            mod.gemm(xc, qt)
-    with pytest.raises(NotImplementedError, match="CPU only"):
-        q4_0.linear(xc, q4_0.quantize(w))
-    a = torch.zeros(2, 16, dtype=torch.int8, device="cuda")
-    with pytest.raises(NotImplementedError, match="CPU only"):
-        int8.int8_linear(a, torch.ones(2, device="cuda"), a, torch.ones(2, device="cuda"))
-    with pytest.raises(NotImplementedError, match="CPU only"):
-        int8.int8_matmul(a, a)

@@ -206,52 +206,60 @@ def int4_matmul(a: Any, b: Any) -> Any:
 
     Args:
         a: uint8 ``[N, K // 2]``: signed nibbles (e.g. ``quantize(..., symmetric=True)``'s
-            ``qweight``, or :func:`pack_int4` of int8 codes), numpy or torch CPU (CPU only
-            for now).
-        b: uint8 ``[M, K // 2]``, the same packing.
+            ``qweight``, or :func:`pack_int4` of int8 codes), numpy or torch (CPU or CUDA).
+        b: uint8 ``[M, K // 2]``, the same packing, on a's device.
     Returns:
         int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]`` over the unpacked signed
-        codes, in the library of ``a``. Exact (|a * b| <= 64 and K <= 33554431).
+        codes, in the library and on the device of ``a``. Exact (|a * b| <= 64 and
+        K <= 33554431); on CUDA the nibbles are sign-extended in registers and multiplied with
+        dp4a.
     Raises:
         TypeError: not arrays/tensors, or not uint8.
-        ValueError: not 2-D, K mismatch, K > 33554431, non-contiguous.
-        NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
+        ValueError: not 2-D, K mismatch, K > 33554431, non-contiguous, different devices.
     """
     N, M, K = A.check_matmul_operands("int4_matmul", a, b, "uint8", 2, MAX_MATMUL_K)
     out = A.empty(a, (N, M), "int32")
-    _native.int4_matmul(a, b, out, N, M, K)
+    with A.stream_for(a) as stream:
+        _native.int4_matmul(a, b, out, N, M, K, stream)
     return out
 
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
     """Weight-only GEMM ``Y = X . W^T`` with float activations and int4 weights.
 
-    The weights are decoded to exactly the values :func:`dequantize` gives, a cache-sized tile
-    at a time (in registers for N <= 4 when group_size % 32 == 0 on AVX-512 CPUs), never
-    materialized whole, and multiplied in float32 (FMA; ``src/gemm/weight_only_cpu.h``),
-    threaded, in an order fixed by the CPU's instruction set (not by the thread count).
+    The weights are decoded to exactly the values :func:`dequantize` gives: on the CPU a
+    cache-sized tile at a time (in registers for N <= 4 when group_size % 32 == 0 on AVX-512
+    CPUs) and multiplied in float32 (FMA; ``src/gemm/weight_only_cpu.h``), threaded, in an order
+    fixed by the CPU's instruction set (not by the thread count); on the GPU in registers
+    (``src/gemm/weight_only_cuda.cuh``: float32 sums of ``(q - zero) * x`` per group, times the
+    group's scale), never materialized whole.
 
     Args:
-        x: ``[N, K]`` float32, float16 or bfloat16 (16-bit values are converted to float32
-            exactly), numpy or torch CPU, C-contiguous, finite (CPU only for now).
-        w: a 2-D int4 QuantizedTensor ``[M, K]``, either mode, with CPU buffers.
+        x: ``[N, K]`` float32, float16 or bfloat16, numpy or torch (CPU, or CUDA with w's
+            buffers on the same device), C-contiguous, finite.
+        w: a 2-D int4 QuantizedTensor ``[M, K]``, either mode. On CUDA group_size must be
+            32 * 2^j (32, 64, 128, ...).
     Returns:
-        float32 ``[N, M]`` in the library of ``x``.
+        ``[N, M]`` in the library and on the device of ``x``: float32 on the CPU, ``x``'s dtype
+        on CUDA (one rounding of the float32 result).
     Raises:
         TypeError: x not a float array/tensor, w not a QuantizedTensor.
-        ValueError: x not 2-D, w not 2-D or not int4, K mismatch, non-contiguous, NaN/Inf.
-        NotImplementedError: x or w on a CUDA device (no CUDA GEMM yet).
+        ValueError: x not 2-D, w not 2-D or not int4, K mismatch, non-contiguous, NaN/Inf,
+            x and w on different devices, a CUDA group_size that is not 32 * 2^j.
     """
     A.check_type(x, "x")
     w = check_quantized(w, FORMAT)
-    A.cpu_only("int4.gemm", x, *w.buffers.values())
     A.check_float(x, "x", ndim=2)
     if len(w.shape) != 2:
         raise ValueError(f"gemm: w must be a 2-D int4 tensor [M, K], got shape {w.shape}")
     (N, K), (M, Kw) = x.shape, w.shape
     if K != Kw:
         raise ValueError(f"gemm: K mismatch, x is {tuple(x.shape)} and w is {w.shape}")
+    A.same_device(("x", x), *w.buffers.items())
     qweight, scales, zeros, gs = _decode_args(w)
-    out = A.empty(x, (N, M), "float32")
-    _native.gemm(x, qweight, scales, zeros, out, N, K, M, gs)
+    if A.is_cuda(x) and (gs % 32 or (gs // 32) & (gs // 32 - 1)):
+        raise ValueError(f"int4.gemm on CUDA needs group_size = 32 * 2^j, got {gs}")
+    x, out = A.gemm_operands(x, N, M)
+    with A.stream_for(x) as stream:
+        _native.gemm(x, qweight, scales, zeros, out, N, K, M, gs, stream)
     return out

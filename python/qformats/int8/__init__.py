@@ -194,20 +194,21 @@ def int8_matmul(a: Any, b: Any) -> Any:
     """Exact integer ``A . B^T`` (bitsandbytes' ``int8_linear_matmul`` convention).
 
     Args:
-        a: int8 ``[N, K]`` (numpy array or torch CPU tensor, C-contiguous; CPU only for now).
-        b: int8 ``[M, K]``.
+        a: int8 ``[N, K]`` (numpy array or torch tensor, CPU or CUDA, C-contiguous).
+        b: int8 ``[M, K]`` on a's device.
     Returns:
-        int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]``, in the library of ``a``.
-        Exact: with ``K <= 131071`` no sum can leave int32 (|a * b| <= 2^14). Threaded, with
-        AVX-512 VNNI / AVX2 kernels where the CPU has them (the same integers on every path).
+        int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]``, in the library and on the
+        device of ``a``. Exact: with ``K <= 131071`` no sum can leave int32 (|a * b| <= 2^14).
+        CPU: threaded, AVX-512 VNNI / AVX2 kernels where the CPU has them; CUDA: dp4a tiles on
+        torch's current stream (the same integers everywhere).
     Raises:
         TypeError: not arrays/tensors, or not int8.
-        ValueError: not 2-D, K mismatch, K > 131071, non-contiguous.
-        NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
+        ValueError: not 2-D, K mismatch, K > 131071, non-contiguous, different devices.
     """
     N, M, K = A.check_matmul_operands("int8_matmul", a, b, "int8", 1, MAX_MATMUL_K)
     out = A.empty(a, (N, M), "int32")
-    _native.int8_matmul(a, b, out, N, M, K)
+    with A.stream_for(a) as stream:
+        _native.int8_matmul(a, b, out, N, M, K, stream)
     return out
 
 
@@ -239,7 +240,8 @@ def int8_linear(x_q: Any, x_scale: Any, w_q: Any, w_scale: Any, bias: Any = None
     ``scale_c = 1 / 127**2``.
 
     Args:
-        x_q: int8 ``[N, K]`` activation codes (numpy or torch CPU, C-contiguous).
+        x_q: int8 ``[N, K]`` activation codes (numpy or torch, CPU or CUDA, C-contiguous; every
+            other tensor argument on the same device).
         x_scale: float32 per-row scales, N elements (``[N]`` or ``[N, 1]``, as
             ``quantize(x, "row")``'s ``scale``) or 1 element (per tensor).
         w_q: int8 ``[M, K]`` weight codes.
@@ -249,17 +251,19 @@ def int8_linear(x_q: Any, x_scale: Any, w_q: Any, w_scale: Any, bias: Any = None
         scale_c: a float multiplied into every scale (rounded to float32).
         out_dtype: "float32" (default), "float16" or "bfloat16" (torch only).
     Returns:
-        ``[N, M]`` of ``out_dtype`` in the library of ``x_q``.
+        ``[N, M]`` of ``out_dtype`` in the library and on the device of ``x_q``; the CPU and
+        the GPU give the same bits (exact integers, the same float32 formula).
     Raises:
         TypeError: wrong types or dtypes (relu not a bool, scale_c not a real number).
         ValueError: shapes (not 2-D, K mismatch, scale or bias sizes), K > 131071,
-            non-contiguous, a non-finite scale_c, a bad out_dtype.
-        NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
+            non-contiguous, a non-finite scale_c, a bad out_dtype, arguments on different
+            devices.
     """
     N, M, K = A.check_matmul_operands("int8_linear", x_q, w_q, "int8", 1, MAX_MATMUL_K)
     A.check_type(x_scale, "x_scale")
     A.check_type(w_scale, "w_scale")
-    A.cpu_only("int8_linear", x_scale, w_scale, bias)
+    A.same_device(("x_q", x_q), ("x_scale", x_scale), ("w_scale", w_scale),
+                  *((("bias", bias),) if bias is not None else ()))
     xs = _scale_vector(x_scale, "x_scale", N, "row of x_q")
     ws = _scale_vector(w_scale, "w_scale", M, "row of w_q")
     if bias is not None:
@@ -276,6 +280,9 @@ def int8_linear(x_q: Any, x_scale: Any, w_q: Any, w_scale: Any, bias: Any = None
         raise TypeError(f"out_dtype: expected a str, got {type(out_dtype).__name__}")
     if out_dtype not in A.FLOAT_DTYPES:
         raise ValueError(f"out_dtype: expected one of {A.FLOAT_DTYPES}, got {out_dtype!r}")
+    if bias is not None and A.is_cuda(bias):
+        bias = bias.float()  # exact; the CUDA adapter takes float32
     out = A.empty(x_q, (N, M), out_dtype)
-    _native.int8_linear(x_q, xs, w_q, ws, bias, relu, float(scale_c), out, N, M, K)
+    with A.stream_for(x_q) as stream:
+        _native.int8_linear(x_q, xs, w_q, ws, bias, relu, float(scale_c), out, N, M, K, stream)
     return out

@@ -247,36 +247,41 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
 
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
-    """``Y = X . W^T`` with float activations and nf4 weights, W decoded a tile at a time (in
-    registers for N <= 4 on AVX-512 CPUs), never materialized whole.
+    """``Y = X . W^T`` with float activations and nf4 weights, W decoded a tile at a time on the
+    CPU (in registers for N <= 4 on AVX-512 CPUs) and in registers on the GPU, never
+    materialized whole.
 
     Args:
-        x: float32, float16 or bfloat16 ``[N, K]`` numpy array / CPU torch tensor (16-bit values
-            are converted to float32 exactly), contiguous, finite.
+        x: float32, float16 or bfloat16 ``[N, K]`` numpy array / torch tensor (CPU, or CUDA with
+            w's buffers on the same device), contiguous, finite. On CUDA, K % 32 == 0.
         w: a 2-D nf4 QuantizedTensor of shape ``[M, K]`` (blocks run over the flattened W, so they
-            may straddle rows when K % blocksize != 0), plain or with compressed statistics; CPU
-            buffers (the GEMM has no CUDA kernel yet).
+            may straddle rows when K % blocksize != 0), plain or with compressed statistics.
     Returns:
-        float32 ``[N, M]`` in the library of ``x``; each dot product is a float32 (FMA) sum of
-        ``x[n, k] * w'[m, k]`` with ``w' = CODE[code] * absmax`` exactly as :func:`dequantize`
-        (bitsandbytes ``dequantize_4bit``), threaded, in an order fixed by the CPU's
-        instruction set (AVX-512, AVX2 or plain C++), not by the thread count.
+        ``[N, M]`` in the library and on the device of ``x``: float32 on the CPU, ``x``'s dtype on
+        CUDA. Each dot product is a float32 (FMA) sum of ``x[n, k] * w'[m, k]`` with ``w' =
+        CODE[code] * absmax`` exactly as :func:`dequantize` (bitsandbytes ``dequantize_4bit``);
+        the CPU orders the sum by instruction set (AVX-512, AVX2 or plain C++), not by thread
+        count; the GPU kernel (``src/gemm/weight_only_cuda.cuh``) applies each block's absmax to
+        the block's sum of ``CODE * x`` and rounds once to the output dtype.
     Raises:
         TypeError: x not a float32/float16/bfloat16 array or tensor, w not a QuantizedTensor.
-        ValueError: shapes do not match, w not 2-D, NaN/Inf in x, non-contiguous x.
-        NotImplementedError: x or a buffer of w on a CUDA device.
+        ValueError: shapes do not match, w not 2-D, NaN/Inf in x, non-contiguous x, x and w on
+            different devices, K % 32 != 0 on CUDA.
     """
     w = check_quantized(w, FORMAT)
     A.check_type(x, "x")
-    A.cpu_only("nf4.gemm", x, *w.buffers.values())
     A.check_float(x, "x", ndim=2)
     if len(w.shape) != 2:
         raise ValueError(f"w: expected a 2-D weight [M, K], got shape {w.shape}")
     M, K = w.shape
     if x.shape[1] != K:
         raise ValueError(f"x: expected shape [N, {K}] to match w {list(w.shape)}, got {tuple(x.shape)}")
+    A.same_device(("x", x), *w.buffers.items())
+    if A.is_cuda(x) and K % 32:
+        raise ValueError(f"nf4.gemm on CUDA needs K % 32 == 0, got K={K}")
     blocksize, _ = _check_params(w.params)
     absmax = decoded_absmax(w)
-    out = A.empty(x, (x.shape[0], M), "float32")
-    _native.gemm(x, w.buffers["packed"], absmax, out, M, K, blocksize)
+    x, out = A.gemm_operands(x, x.shape[0], M)
+    with A.stream_for(x) as stream:
+        _native.gemm(x, w.buffers["packed"], absmax, out, M, K, blocksize, stream)
     return out

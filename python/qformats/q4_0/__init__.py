@@ -105,31 +105,35 @@ def gemm_q4_0_q8_1(weight_q: Any, activation_q: Any, M: int, N: int, K: int) -> 
     ``vec_dot_q4_0_q8_1``).
 
     Args:
-        weight_q: uint8 ``[M, K // 32, 18]`` q4_0 blocks (W is ``[M, K]``), numpy or torch CPU.
+        weight_q: uint8 ``[M, K // 32, 18]`` q4_0 blocks (W is ``[M, K]``), numpy or torch (CPU
+            or CUDA).
         activation_q: uint8 ``[N, K // 32, 36]`` q8_1 blocks from
             :func:`qformats.q8_1.quantize_q8_1` (A is ``[N, K]``).
         M, N, K: the sizes; K a multiple of 32.
     Returns:
-        float32 ``[M, N]`` in the library of ``weight_q``: ``out[m, n] = sum_b d_w * d_a *
+        float32 ``[M, N]`` in the library and on the device of ``weight_q``: ``out[m, n] = sum_b d_w * d_a *
         sum_j (q_w - 8) * q_a`` over the K/32 blocks, each block sum an exact integer (the -8
         offset folded in integers, as llama.cpp's CPU kernel; q8_1's rounded ``s`` field is not
         used), float32 accumulation across blocks. The order of that float32 sum depends on
         the CPU's instruction set (AVX-512 VNNI, AVX2 or plain C++), never on the thread count.
+        On CUDA the block sums are the same integers (dp4a: llama.cpp's mmvq for N <= 16, 64 x 64
+        shared-memory tiles above) and the float32 sum runs in another order.
     Raises:
         TypeError: not arrays/tensors, not uint8, M/N/K not ints.
-        ValueError: K not a multiple of 32, shapes that do not match M, N, K, non-contiguous.
-        NotImplementedError: a CUDA tensor (no CUDA GEMM yet).
+        ValueError: K not a multiple of 32, shapes that do not match M, N, K, non-contiguous,
+            operands on different devices.
     """
     M, N, K = (A.check_int(v, n) for v, n in ((M, "M"), (N, "N"), (K, "K")))
     if K % QK:
         raise ValueError(f"K={K} is not a multiple of {QK}")
     A.check_type(weight_q, "weight_q")
     A.check_type(activation_q, "activation_q")
-    A.cpu_only("gemm_q4_0_q8_1", weight_q, activation_q)
+    A.same_device(("weight_q", weight_q), ("activation_q", activation_q))
     A.check_array(weight_q, "weight_q", "uint8", (M, K // QK, BLOCK_BYTES))
     A.check_array(activation_q, "activation_q", "uint8", (N, K // QK, 36))
     out = A.empty(weight_q, (M, N), "float32")
-    _native.gemm_q4_0_q8_1(weight_q, activation_q, out, M, N, K)
+    with A.stream_for(weight_q) as stream:
+        _native.gemm_q4_0_q8_1(weight_q, activation_q, out, M, N, K, False, stream)
     return out
 
 
@@ -137,8 +141,8 @@ def _weight_and_x(name: str, x: Any, w: QuantizedTensor) -> tuple:
     """Checks shared by :func:`linear` and :func:`gemm`: (x, blocks, N, M, K)."""
     w = check_quantized(w, FORMAT)
     A.check_type(x, "x")
-    A.cpu_only(name, x, *w.buffers.values())
     A.check_float(x, "x", ndim=2)
+    A.same_device(("x", x), ("blocks", w.buffers["blocks"]))
     if len(w.shape) != 2:
         raise ValueError(f"{name}: w must be a 2-D q4_0 tensor [M, K], got shape {w.shape}")
     (N, K), (M, Kw) = (int(s) for s in x.shape), w.shape
@@ -162,20 +166,21 @@ def linear(x: Any, w: QuantizedTensor) -> Any:
     AVX-512 VNNI (VPDPBUSD) or AVX2 (VPMADDUBSW) integer dot products where the CPU has them.
 
     Args:
-        x: float32, float16 or bfloat16 ``[N, K]`` activations (numpy or torch CPU,
+        x: float32, float16 or bfloat16 ``[N, K]`` activations (numpy or torch, CPU or CUDA,
             C-contiguous, finite, ``|x| < 65520 * 127`` so that every q8_1 scale fits fp16).
-        w: a 2-D q4_0 :class:`~qformats.QuantizedTensor` ``[M, K]`` (K a multiple of 32), CPU
-            buffers.
+        w: a 2-D q4_0 :class:`~qformats.QuantizedTensor` ``[M, K]`` (K a multiple of 32) on
+            x's device.
     Returns:
-        float32 ``[N, M]`` in the library of ``x``; bitwise equal to
-        ``gemm_q4_0_q8_1(w.buffers["blocks"], quantize_q8_1(x), M, N, K).T``. Its error against
+        ``[N, M]`` in the library and on the device of ``x``: float32 on the CPU, bitwise equal
+        to ``gemm_q4_0_q8_1(w.buffers["blocks"], quantize_q8_1(x), M, N, K).T``; on CUDA in
+        x's dtype, x quantized by the q8_1 CUDA kernel (the same bytes) and multiplied by the
+        dp4a kernels of :func:`gemm_q4_0_q8_1` (float32 sum rounded once). Its error against
         ``x . dequantize(w)^T`` is the q8_1 rounding of x (at most half a step, ``max|x| / 254``
         per block); against the dequantized operands it is float32 summation only.
     Raises:
         TypeError: x not a float array/tensor, w not a QuantizedTensor.
         ValueError: x not 2-D, w not 2-D or not q4_0, K mismatch, non-contiguous, NaN/Inf, or
             |x| too large for q8_1's fp16 scale.
-        NotImplementedError: x or w on a CUDA device (no CUDA GEMM yet).
     """
     blocks, N, M, K = _weight_and_x("q4_0.linear", x, w)
     amax = np.float32(_max_abs(x))
@@ -183,6 +188,15 @@ def linear(x: Any, w: QuantizedTensor) -> Any:
         too_large = bool(np.isinf(np.float16(amax / np.float32(127.0))))
     if too_large:
         raise ValueError("x: a q8_1 block scale would overflow fp16: q4_0.linear needs |x| < 65520 * 127")
+    if A.is_cuda(x):
+        from ..q8_1 import _native as q8_native
+
+        xq = A.empty(x, (N, K // QK, 36), "uint8")
+        out = A.empty(x, (N, M), A.dtype_name(x))
+        with A.stream_for(x) as stream:
+            q8_native.quantize(x, xq, stream)
+            _native.gemm_q4_0_q8_1(blocks, xq, out, M, N, K, True, stream)
+        return out
     out = A.empty(x, (N, M), "float32")
     _native.linear(x, blocks, out, M, N, K)
     return out
@@ -190,23 +204,35 @@ def linear(x: Any, w: QuantizedTensor) -> Any:
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
     """Weight-only GEMM ``Y = X . W^T``: float activations, q4_0 weights (llama.cpp
-    ``block_q4_0``) decoded in cache-sized tiles (or in registers for N <= 4 on AVX-512 CPUs),
-    never materialized whole; threaded.
+    ``block_q4_0``) decoded in cache-sized tiles on the CPU (in registers for N <= 4 on AVX-512
+    CPUs) and in registers on the GPU, never materialized whole; threaded.
 
     Args:
         x: float32, float16 or bfloat16 ``[N, K]`` (16-bit values are converted to float32
-            exactly), numpy or torch CPU, C-contiguous, finite.
-        w: a 2-D q4_0 :class:`~qformats.QuantizedTensor` ``[M, K]``, CPU buffers.
+            exactly), numpy or torch (CPU, or CUDA with w's blocks on the same device),
+            C-contiguous, finite.
+        w: a 2-D q4_0 :class:`~qformats.QuantizedTensor` ``[M, K]``.
     Returns:
-        float32 ``[N, M]`` in the library of ``x``: float32 dot products of x with exactly the
-        values :func:`dequantize` gives (``(q - 8) * d``), FMA-accumulated in an order fixed by
-        the CPU's instruction set (not by the thread count).
+        ``[N, M]`` in the library and on the device of ``x`` (float32 on the CPU, ``x``'s dtype
+        on CUDA): float32 dot products of x with exactly the values :func:`dequantize` gives
+        (``(q - 8) * d``), FMA-accumulated in an order fixed by the CPU's instruction set (not
+        by the thread count); on the GPU each block's ``d`` multiplies the block's sum.
     Raises:
         TypeError: x not a float array/tensor, w not a QuantizedTensor.
-        ValueError: x not 2-D, w not 2-D or not q4_0, K mismatch, non-contiguous, NaN/Inf.
-        NotImplementedError: x or w on a CUDA device (no CUDA GEMM yet).
+        ValueError: x not 2-D, w not 2-D or not q4_0, K mismatch, non-contiguous, NaN/Inf, x and
+            w on different devices.
     """
-    blocks, N, M, K = _weight_and_x("q4_0.gemm", x, w)
-    out = A.empty(x, (N, M), "float32")
-    _native.gemm(x, blocks, out, M, N, K)
+    w = check_quantized(w, FORMAT)
+    A.check_type(x, "x")
+    A.check_float(x, "x", ndim=2)
+    if len(w.shape) != 2:
+        raise ValueError(f"q4_0.gemm: w must be a 2-D q4_0 tensor [M, K], got shape {w.shape}")
+    (N, K), (M, Kw) = (int(s) for s in x.shape), w.shape
+    if K != Kw:
+        raise ValueError(f"q4_0.gemm: K mismatch, x is {tuple(x.shape)} and w is {list(w.shape)}")
+    A.same_device(("x", x), ("blocks", w.buffers["blocks"]))
+    blocks = A.check_array(w.buffers["blocks"], "blocks", "uint8", (M, K // QK, BLOCK_BYTES))
+    x, out = A.gemm_operands(x, N, M)
+    with A.stream_for(x) as stream:
+        _native.gemm(x, blocks, out, M, N, K, stream)
     return out

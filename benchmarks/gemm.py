@@ -1,0 +1,183 @@
+"""Quantized GEMV/GEMM on the GPU against cuBLAS fp16, torch._int_mm and bitsandbytes.
+
+    python benchmarks/gemm.py [--shapes 4096x4096,14336x4096,4096x14336]
+                              [--n 1,2,4,8,16,64,512,2048] [--iters 15] [--csv FILE]
+
+Y = X . W^T with W [M, K] and X [N, K] (fp16 activations). Each time is the median over `iters`
+calls timed with CUDA events; the weights (and activations) rotate through copies that together
+exceed 4x the L2 cache, so weights come from DRAM, and a torch.cuda._sleep before each start
+event keeps the GPU busy while Python issues the call (launch overhead is not counted; the
+operation's own kernels and the gaps between them are). Input checks that synchronize (the
+NaN/Inf scan) are switched off with qformats.skip_finite_check(), as a model's forward does.
+
+Columns: time in microseconds; TFLOP/s = 2 N M K / time; weight GB/s = stored weight bytes /
+time; % copy = weight GB/s over the device-to-device copy bandwidth measured in the same run
+(bytes read + written / time); x fp16 = cuBLAS fp16 time / this time.
+
+Rows (ours): nf4, int4 (g128 asymmetric), q4_0 (weight-only), q4_0xq8_1 (llama.cpp's pair:
+x quantized to q8_1 by our kernel, then dp4a; the time includes both), mixed2bit (g16, 10%
+4-bit), int8 fused (int8_linear: int8 x int8 with the scale epilogue, fp16 out; x pre-quantized),
+int4xint4 (int4_matmul, int32 out; x pre-quantized). "+cuBLAS" rows: our dequantize to fp16 then
+cuBLAS, the large-N path of QuantizedLinear. Peers: fp16 (F.linear, cuBLAS), torch._int_mm
+(int8, N > 16), bnb-nf4 (bitsandbytes.matmul_4bit, blocksize 64), bnb-int8 (Linear8bitLt,
+threshold 0).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import qformats
+from qformats import int4, int8, mixed2bit, nf4, q4_0
+
+L2_BYTES = 60 * 2**20
+DIRECT_MAX_N = 64  # the register-decoding weight-only kernels are timed up to this N
+
+
+def nbytes_of(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    return obj.nbytes  # QuantizedTensor
+
+
+def rotations(nbytes: int) -> int:
+    return max(2, -(-4 * L2_BYTES // max(nbytes, 1)))
+
+
+def time_us(fn, arg_sets, iters: int, warmup: int = 2) -> float:
+    for i in range(warmup):
+        fn(*arg_sets[i % len(arg_sets)])
+    torch.cuda.synchronize()
+    events = []
+    for i in range(iters):
+        torch.cuda._sleep(200_000)  # ~100 us of GPU work while Python issues the call
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(*arg_sets[i % len(arg_sets)])
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
+    ap.add_argument("--n", default="1,2,4,8,16,64,512,2048")
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args(argv)
+    if not qformats.cuda_available():
+        print("no CUDA device or a CPU-only build: nothing to measure")
+        return 1
+    try:
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as bnbf
+    except Exception:
+        bnb = bnbf = None
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ns = [int(v) for v in args.n.split(",")]
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  qformats {qformats.__version__}"
+          f"  bitsandbytes {getattr(bnb, '__version__', 'absent')}")
+    rows = []
+    for (m, k) in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w16 = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g) * 0.02
+        # copy bandwidth of this weight's fp16 bytes
+        r16 = rotations(nbytes_of(w16))
+        ws16 = [w16 * (1 + 0.001 * i) for i in range(r16)]
+        dst = [torch.empty_like(w16) for _ in ws16]
+        copy_us = time_us(lambda a, b: b.copy_(a), list(zip(ws16, dst)), args.iters)
+        copy_gbs = 2 * nbytes_of(w16) / copy_us / 1e3
+        del dst
+        print(f"\n{m}x{k}: d2d copy {copy_us:.1f} us = {copy_gbs:.0f} GB/s")
+
+        ours = {}
+        def quant_sets(fmt, fn, weight_of=lambda q: q):
+            q0 = fn(w16)
+            reps = rotations(nbytes_of(weight_of(q0)))
+            return [q0] + [fn(w16 * (1 + 0.001 * i)) for i in range(1, reps)]
+        ours["nf4"] = quant_sets("nf4", lambda w: nf4.quantize(w, blocksize=64))
+        ours["int4"] = quant_sets("int4", lambda w: int4.quantize(w, group_size=128))
+        ours["q4_0"] = quant_sets("q4_0", lambda w: q4_0.quantize(w))
+        ours["mixed2bit"] = quant_sets("mixed2bit", lambda w: mixed2bit.quantize(w))
+        w8 = [int8.quantize(w, "row") for w in ws16[: rotations(m * k)]]
+        w4s = [int4.quantize(w, group_size=k, symmetric=True) for w in ws16[: rotations(m * k // 2)]]
+        bnb_w = []
+        if bnbf is not None:
+            try:
+                bnb_w = [bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4") for w in ws16]
+            except Exception as e:
+                print(f"bitsandbytes nf4 unavailable: {e}")
+        bnb_l8 = []
+        if bnb is not None:
+            try:
+                for w in ws16[: rotations(m * k)]:
+                    lin = bnb.nn.Linear8bitLt(k, m, bias=False, has_fp16_weights=False, threshold=0.0)
+                    lin.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False)
+                    bnb_l8.append(lin.cuda())
+            except Exception as e:
+                print(f"bitsandbytes Linear8bitLt unavailable: {e}")
+                bnb_l8 = []
+        for n in ns:
+            xs = [torch.randn(n, k, device="cuda", dtype=torch.float16, generator=g) for _ in range(4)]
+            res = {}
+            fp16_us = time_us(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws16)], args.iters)
+            res["fp16 cuBLAS"] = (fp16_us, 2 * m * k)
+            with qformats.skip_finite_check():
+                for fmt, mod in (("nf4", nf4), ("int4", int4), ("q4_0", q4_0), ("mixed2bit", mixed2bit)):
+                    qs = ours[fmt]
+                    sets = [(q, xs[i % 4]) for i, q in enumerate(qs)]
+                    if n <= DIRECT_MAX_N:
+                        res[fmt] = (time_us(lambda q, x: mod.gemm(x, q), sets, args.iters), qs[0].nbytes)
+                    if n >= 16:
+                        res[f"{fmt}+cuBLAS"] = (time_us(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,
+                                                        args.iters), qs[0].nbytes)
+                qs = ours["q4_0"]
+                res["q4_0xq8_1"] = (time_us(lambda q, x: q4_0.linear(x, q), [(q, xs[i % 4]) for i, q in enumerate(qs)],
+                                            args.iters), qs[0].nbytes)
+                xq = [int8.quantize(x, "row") for x in xs]
+                sets = [(w, xq[i % 4]) for i, w in enumerate(w8)]
+                res["int8 fused"] = (time_us(lambda w, x: int8.int8_linear(
+                    x.buffers["q"], x.buffers["scale"], w.buffers["q"], w.buffers["scale"],
+                    out_dtype="float16"), sets, args.iters), m * k + 4 * m)
+                x4 = [int4.quantize(x, group_size=k, symmetric=True).buffers["qweight"] for x in xs]
+                sets = [(w.buffers["qweight"], x4[i % 4]) for i, w in enumerate(w4s)]
+                res["int4xint4"] = (time_us(lambda w, x: int4.int4_matmul(x, w), sets, args.iters), m * k // 2)
+            if n > 16:
+                sets = [(w.buffers["q"], xq[i % 4].buffers["q"]) for i, w in enumerate(w8)]
+                res["torch._int_mm"] = (time_us(lambda w, x: torch._int_mm(x, w.t()), sets, args.iters), m * k)
+            if bnb_w:
+                sets = [(wq, st, xs[i % 4]) for i, (wq, st) in enumerate(bnb_w)]
+                res["bnb-nf4"] = (time_us(lambda wq, st, x: bnb.matmul_4bit(x, wq.t(), quant_state=st), sets,
+                                          args.iters), nbytes_of(bnb_w[0][0]) + 4 * (m * k // 64))
+            if bnb_l8:
+                sets = [(lin, xs[i % 4]) for i, lin in enumerate(bnb_l8)]
+                res["bnb-int8"] = (time_us(lambda lin, x: lin(x), sets, args.iters), m * k + 4 * m)
+            for name, (us, wbytes) in res.items():
+                tflops = 2 * n * m * k / us / 1e6
+                gbs = wbytes / us / 1e3
+                rows.append((f"{m}x{k}", n, name, us, tflops, gbs, 100 * gbs / copy_gbs, fp16_us / us))
+            del xs
+        del ours, w8, w4s, bnb_w, bnb_l8, ws16
+        torch.cuda.empty_cache()
+
+    hdr = ("| M x K       |    N | kernel          |   time us | TFLOP/s | weight GB/s | % copy | x fp16 |\n"
+           "|-------------|-----:|-----------------|----------:|--------:|------------:|-------:|-------:|")
+    print("\n" + hdr)
+    for shape, n, name, us, tf, gbs, pct, ratio in rows:
+        print(f"| {shape:<11} | {n:4d} | {name:<15} | {us:9.1f} | {tf:7.1f} | {gbs:11.0f} | {pct:5.1f}% | {ratio:5.2f}x |")
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("shape,N,kernel,time_us,tflops,weight_gbs,pct_copy,x_fp16\n")
+            for r in rows:
+                f.write(",".join(str(v) for v in r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

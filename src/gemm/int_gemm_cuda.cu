@@ -1,0 +1,347 @@
+// Integer-dot-product GEMMs on the GPU: int8 x int8 -> int32 (and its fused epilogue), int4 x
+// int4 -> int32, and llama.cpp's q4_0 x q8_1 (declared in gemm/int8_int8.h, int4_int4.h,
+// q4_0_q8_1.h). All of them reduce to dp4a on int8 codes:
+// * tile kernel (any N): a CTA computes a 64 x 64 tile of the output, K in steps of 32 values.
+//   Each step, 64 threads fetch one row of A each and 64 threads one row of B (a "row fetch" of
+//   the operand's policy turns 32 values of its format into 8 words of 4 signed bytes: int8
+//   as is, int4 nibbles sign-extended, q4_0 nibbles minus 8, q8_1 codes), store them to shared
+//   memory, and every thread accumulates a 4 x 4 block of outputs with 8 dp4a per output. The
+//   next step's fetch is issued before this step's dot products (register double buffer).
+//   For the block formats a step is one block: its exact int32 sum is scaled by d_w * d_a and
+//   added in float32 (the CPU's order within a block: (d_w * d_a) * sumi).
+// * GEMV kernel (q4_0 x q8_1, small N): one warp per 4 weight rows, one lane per block, as
+//   llama.cpp's mmvq: the weight is streamed once per 8 activation rows.
+// Integer results are exact (the adapters bound K), so they equal the CPU's bit for bit; the
+// fused int8 epilogue uses the CPU's float32 formula, so it does too.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+
+#include "common/cuda_utils.cuh"
+#include "common/fp16.h"
+#include "gemm/int4_int4.h"
+#include "gemm/int8_int8.h"
+#include "gemm/q4_0_q8_1.h"
+
+namespace qf::gemm {
+namespace {
+
+constexpr int kTile = 64;      // output tile rows (A) and columns (B)
+constexpr int kLdw = 9;        // words per shared row: 8 + 1 of padding (rows hit distinct banks)
+constexpr int kThreads = 256;  // 16 x 16 threads, 4 x 4 outputs each
+
+// --- row fetches: 32 values of row `row`, step s (values 32 s .. 32 s + 31) -> 8 words ----------
+
+struct Int8Rows {  // int8 [rows, K]
+  const int8_t* p;
+  bool vec;  // K % 16 == 0 and p 16-byte aligned: two 16-byte loads per full step
+  __device__ void fetch(int64_t row, int64_t s, int64_t rows, int64_t K, uint32_t (&w)[8], float& d) const {
+    d = 0.0f;
+    const int64_t k0 = 32 * s;
+    if (row >= rows) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = 0;
+      return;
+    }
+    const int8_t* r = p + row * K + k0;
+    if (vec && k0 + 32 <= K) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(r)), b = __ldg(reinterpret_cast<const uint4*>(r) + 1);
+      w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {  // the ragged end of a row (or an unaligned row): bytes, zero-filled
+      uint32_t v = 0;
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+        if (k0 + 4 * i + t < K) v |= uint32_t(uint8_t(__ldg(r + 4 * i + t))) << (8 * t);
+      w[i] = v;
+    }
+  }
+};
+
+// Two's-complement nibbles (element 2j low, 2j+1 high) -> signed bytes: the low nibbles of 4
+// bytes and the high nibbles, each sign-extended by (n ^ 8) - 8 per byte (__vsub4: no borrow
+// between bytes). The dot product pairs A's and B's values in the same order, so the
+// interleaving does not matter.
+__device__ __forceinline__ void split_s4(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  lo = __vsub4((v & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u);
+  hi = __vsub4(((v >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u);
+}
+
+struct Int4Rows {  // packed uint8 [rows, K / 2]
+  const uint8_t* p;
+  bool vec;  // K % 32 == 0 and p 16-byte aligned
+  __device__ void fetch(int64_t row, int64_t s, int64_t rows, int64_t K, uint32_t (&w)[8], float& d) const {
+    d = 0.0f;
+    if (row >= rows) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = 0;
+      return;
+    }
+    const int64_t kb = K / 2, b0 = 16 * s;  // bytes per row, first byte of the step
+    const uint8_t* r = p + row * kb + b0;
+    uint32_t v[4];
+    if (vec && b0 + 16 <= kb) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(r));
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t x = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+          if (b0 + 4 * i + t < kb) x |= uint32_t(__ldg(r + 4 * i + t)) << (8 * t);
+        v[i] = x;  // zero bytes are two zero codes
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split_s4(v[i], w[2 * i], w[2 * i + 1]);
+  }
+};
+
+struct Q4_0Rows {  // block_q4_0 [rows, K / 32] as halfwords (blocks are 2-byte aligned)
+  const uint16_t* p;
+  __device__ void fetch(int64_t row, int64_t s, int64_t rows, int64_t K, uint32_t (&w)[8], float& d) const {
+    if (row >= rows) {
+      d = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = 0;
+      return;
+    }
+    const uint16_t* b = p + (row * (K / 32) + s) * 9;
+    uint16_t h[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) h[i] = __ldg(b + i);
+    d = fp16_bits_to_fp32(h[0]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // qs[j]: element j low nibble, element j + 16 high nibble
+      const uint32_t q = uint32_t(h[1 + 2 * i]) | uint32_t(h[2 + 2 * i]) << 16;
+      w[i] = __vsub4(q & 0x0F0F0F0Fu, 0x08080808u);
+      w[4 + i] = __vsub4((q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+    }
+  }
+};
+
+struct Q8_1Rows {  // block_q8_1 [rows, K / 32] as words: [d | s << 16, qs[0..31]]
+  const uint32_t* p;
+  __device__ void fetch(int64_t row, int64_t s, int64_t rows, int64_t K, uint32_t (&w)[8], float& d) const {
+    if (row >= rows) {
+      d = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = 0;
+      return;
+    }
+    const uint32_t* b = p + (row * (K / 32) + s) * 9;
+    d = fp16_bits_to_fp32(static_cast<uint16_t>(__ldg(b) & 0xFFFFu));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = __ldg(b + 1 + i);
+  }
+};
+
+// --- epilogues: called once per output element (n < N, m < M) ----------------------------------
+
+struct Int32Out {
+  int32_t* out;
+  int64_t M;
+  __device__ void operator()(int64_t n, int64_t m, int32_t acc, float) const { out[n * M + m] = acc; }
+};
+
+template <class T>
+struct Int8Fused {  // int8_linear_cpu's formula, operation for operation
+  T* out;
+  int64_t M;
+  const float *x_scale, *w_scale, *bias;
+  bool x_per_row, w_per_row, relu;
+  float scale_c;
+  __device__ void operator()(int64_t n, int64_t m, int32_t acc, float) const {
+    const float s = (x_scale[x_per_row ? n : 0] * w_scale[w_per_row ? m : 0]) * scale_c;
+    float v = static_cast<float>(acc) * s;
+    if (bias) v = v + bias[m];
+    if (relu) v = v < 0.0f ? 0.0f : v;
+    from_f32(v, out + n * M + m);
+  }
+};
+
+template <class T>
+struct FloatOut {  // out[n * ldo_n + m * ldo_m]
+  T* out;
+  int64_t ldo_n, ldo_m;
+  __device__ void operator()(int64_t n, int64_t m, int32_t, float acc) const { from_f32(acc, out + n * ldo_n + m * ldo_m); }
+};
+
+// out[n, m] = sum_k A[n, k] B[m, k]; kScaled: per 32-step, (dB[m] * dA[n]) * int32 sum in float.
+template <class PA, class PB, class Epi, bool kScaled>
+__global__ void __launch_bounds__(kThreads)
+tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, int64_t K) {
+  __shared__ uint32_t as[kTile][kLdw], bs[kTile][kLdw];
+  __shared__ float ad[kTile], bd[kTile];
+  const int tid = threadIdx.x, tn = tid / 16, tm = tid % 16;
+  const int64_t n0 = int64_t(blockIdx.y) * kTile, m0 = int64_t(blockIdx.x) * kTile;
+  int32_t iacc[4][4];
+  float facc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      iacc[i][j] = 0;
+      facc[i][j] = 0.0f;
+    }
+  const int64_t steps = (K + 31) / 32;
+  uint32_t reg[8];
+  float rd = 0.0f;
+  auto fetch = [&](int64_t s) {
+    if (tid < kTile) pa.fetch(n0 + tid, s, N, K, reg, rd);
+    else if (tid < 2 * kTile) pb.fetch(m0 + tid - kTile, s, M, K, reg, rd);
+  };
+  if (steps > 0) fetch(0);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (tid < 2 * kTile) {
+      uint32_t(*dst)[kLdw] = tid < kTile ? as : bs;
+      const int r = tid % kTile;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dst[r][i] = reg[i];
+      (tid < kTile ? ad : bd)[r] = rd;
+    }
+    __syncthreads();
+    if (s + 1 < steps) fetch(s + 1);  // in flight while the dot products run
+    int32_t part[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) part[i][j] = kScaled ? 0 : iacc[i][j];
+#pragma unroll
+    for (int kw = 0; kw < 8; ++kw) {
+      int a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = static_cast<int>(as[tn + 16 * i][kw]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = static_cast<int>(bs[tm + 16 * j][kw]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) part[i][j] = __dp4a(a[i], b[j], part[i][j]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (kScaled) facc[i][j] += (bd[tm + 16 * j] * ad[tn + 16 * i]) * static_cast<float>(part[i][j]);
+        else iacc[i][j] = part[i][j];
+      }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = n0 + tn + 16 * i, m = m0 + tm + 16 * j;
+      if (n < N && m < M) epi(n, m, iacc[i][j], facc[i][j]);
+    }
+}
+
+template <bool kScaled, class PA, class PB, class Epi>
+void launch_tile(const PA& pa, const PB& pb, const Epi& epi, int64_t N, int64_t M, int64_t K, void* stream) {
+  if (N <= 0 || M <= 0) return;
+  const dim3 grid(cuda::grid_for(M, kTile), cuda::grid_for(N, kTile));
+  if (grid.y > 65535) throw std::invalid_argument("integer GEMM: too many activation rows for one launch");
+  tile_kernel<PA, PB, Epi, kScaled><<<grid, kThreads, 0, cuda::stream(stream)>>>(pa, pb, epi, N, M, K);
+  cuda::check_launch("integer GEMM");
+}
+
+// q4_0 x q8_1 for few activation rows: warp = 4 weight rows, lane = one block of each per step.
+constexpr int kGemvRows = 4, kGemvWarps = 4, kGemvNT = 8;
+
+template <class T>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+q4q8_gemv_kernel(const Q4_0Rows w, const Q8_1Rows a, int64_t N, int64_t M, int64_t K, FloatOut<T> epi) {
+  const int lane = threadIdx.x & 31;
+  const int64_t m0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * kGemvRows;
+  if (m0 >= M) return;
+  const int64_t n0 = int64_t(blockIdx.y) * kGemvNT;
+  const int nt = static_cast<int>(N - n0 < kGemvNT ? N - n0 : kGemvNT);
+  float acc[kGemvRows][kGemvNT];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+    for (int n = 0; n < kGemvNT; ++n) acc[r][n] = 0.0f;
+  for (int64_t s = lane; s < K / 32; s += 32) {
+    uint32_t wq[kGemvRows][8];
+    float dw[kGemvRows];
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) w.fetch(m0 + r, s, M, K, wq[r], dw[r]);
+#pragma unroll
+    for (int n = 0; n < kGemvNT; ++n) {
+      if (n < nt) {
+        uint32_t aq[8];
+        float da;
+        a.fetch(n0 + n, s, N, K, aq, da);
+#pragma unroll
+        for (int r = 0; r < kGemvRows; ++r) {
+          int sumi = 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sumi = __dp4a(static_cast<int>(wq[r][i]), static_cast<int>(aq[i]), sumi);
+          acc[r][n] += (dw[r] * da) * static_cast<float>(sumi);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+    for (int n = 0; n < kGemvNT; ++n) {
+      float v = acc[r][n];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      if (lane == 0 && m0 + r < M && n < nt) epi(n0 + n, m0 + r, 0, v);
+    }
+}
+
+}  // namespace
+
+void int8_matmul_cuda(const int8_t* A, const int8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K, void* stream) {
+  const bool vec = K % 16 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
+  launch_tile<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, Int32Out{out, M}, N, M, K, stream);
+}
+
+template <class T>
+void int8_linear_cuda(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B,
+                      const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c,
+                      T* out, int64_t N, int64_t M, int64_t K, void* stream) {
+  const bool vec = K % 16 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
+  const Int8Fused<T> epi{out, M, x_scale, w_scale, bias, x_scale_per_row, w_scale_per_row, relu, scale_c};
+  launch_tile<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, epi, N, M, K, stream);
+}
+
+void int4_matmul_cuda(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K,
+                      void* stream) {
+  const bool vec = K % 32 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
+  launch_tile<false>(Int4Rows{A, vec}, Int4Rows{B, vec}, Int32Out{out, M}, N, M, K, stream);
+}
+
+template <class T>
+void q4_0_q8_1_cuda(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K, T* out,
+                    int64_t ldo_m, int64_t ldo_n, void* stream) {
+  if (K % 32) throw std::invalid_argument("q4_0 x q8_1: K must be a multiple of 32");
+  if (N <= 0 || M <= 0) return;
+  const Q4_0Rows w{reinterpret_cast<const uint16_t*>(W)};
+  const Q8_1Rows a{reinterpret_cast<const uint32_t*>(A)};
+  const FloatOut<T> epi{out, ldo_n, ldo_m};
+  if (N <= kQ4Q8GemvMaxN) {
+    const dim3 grid(cuda::grid_for(M, kGemvRows * kGemvWarps), cuda::grid_for(N, kGemvNT));
+    q4q8_gemv_kernel<T><<<grid, kGemvWarps * 32, 0, cuda::stream(stream)>>>(w, a, N, M, K, epi);
+    cuda::check_launch("q4_0 x q8_1 GEMV");
+    return;
+  }
+  launch_tile<true>(a, w, epi, N, M, K, stream);
+}
+
+#define QF_INSTANTIATE(T)                                                                                         \
+  template void int8_linear_cuda<T>(const int8_t*, const float*, bool, const int8_t*, const float*, bool,         \
+                                    const float*, bool, float, T*, int64_t, int64_t, int64_t, void*);             \
+  template void q4_0_q8_1_cuda<T>(const q4_0::block_q4_0*, const q8_1::block_q8_1*, int64_t, int64_t, int64_t, T*, \
+                                  int64_t, int64_t, void*);
+QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
+#undef QF_INSTANTIATE
+
+}  // namespace qf::gemm

@@ -1,0 +1,327 @@
+// Weight-only GEMMs of the quantized weight formats on the GPU: the format policies of
+// gemm/weight_only_cuda.cuh (how a unit of one weight row is loaded and decoded) and their
+// launchers (declared in gemm/weight_only_formats.h). Each policy decodes to the values of its
+// format's dequantize (nf4.h, int4.h, q4_0.h, mixed2bit.h), split as w = v * scale - offset.
+#include <stdexcept>
+
+#include "formats/nf4/nf4.h"
+#include "gemm/weight_only_cuda.cuh"
+#include "gemm/weight_only_formats.h"
+
+namespace qf::gemm {
+namespace {
+
+using cuda_wo::kMagic;
+using cuda_wo::magic_u4;
+
+struct NoShared {};
+struct NoRowState {};
+
+// Element 2b of a word's byte b in the LOW nibble, 2b+1 in the high one (int4, mixed2bit): v[]
+// gets the codes in element order as exact floats (2^23 + c) - zf.
+__device__ __forceinline__ void nibbles_lo_first(uint32_t w, float zf, float (&v)[8]) {
+  const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    v[2 * b] = magic_u4(lo, b) - zf;
+    v[2 * b + 1] = magic_u4(hi, b) - zf;
+  }
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& q, int j) {
+  return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;  // j is a constant after unrolling
+}
+
+// nf4 (bitsandbytes): element 2b in the HIGH nibble of byte b; value CODE[c] * absmax, blocks of
+// blocksize >= 32 over the flattened W, so a unit of 32 never straddles two.
+struct Nf4 {
+  static constexpr int kUnit = 32;
+  static constexpr bool kOffset = false;
+  const uint8_t* packed;
+  const float* absmax;
+  int64_t K;
+  int log2_bs;
+  struct Shared {
+    float code[16];  // 16 floats in 16 banks: any lookup pattern is conflict-free
+  };
+  using RowState = NoRowState;
+  struct Unit {
+    uint4 q;
+    float scale, offset;
+  };
+  __device__ void init(Shared& s) const {
+    if (threadIdx.x < 16) s.code[threadIdx.x] = nf4::code_value(static_cast<int>(threadIdx.x));
+  }
+  __device__ RowState row(int64_t) const { return {}; }
+  __device__ Unit load(RowState&, int64_t m, int64_t u, bool) const {
+    const int64_t e = m * K + u * kUnit;
+    return {__ldg(reinterpret_cast<const uint4*>(packed + e / 2)), __ldg(absmax + (e >> log2_bs)), 0.0f};
+  }
+  __device__ void decode8(const Shared& s, const Unit& un, int j, float (&v)[8]) const {
+    const uint32_t w = word_of(un.q, j);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      v[2 * b] = s.code[(w >> (8 * b + 4)) & 15u];
+      v[2 * b + 1] = s.code[(w >> (8 * b)) & 15u];
+    }
+  }
+};
+
+// int4 (formats/int4): element 2b in the LOW nibble; asymmetric w = (q - zero) * scale, symmetric
+// codes are two's-complement nibbles, turned into q + 8 by flipping bit 3 (zero = 8).
+// group_size = 32 * 2^gshift, so a unit of 32 lies in one group.
+struct Int4 {
+  static constexpr int kUnit = 32;
+  static constexpr bool kOffset = false;
+  const uint8_t* qweight;
+  const float* scales;
+  const uint8_t* zeros;  // nullptr: symmetric
+  int64_t K;
+  int gshift;
+  using Shared = NoShared;
+  using RowState = NoRowState;
+  struct Unit {
+    uint4 q;
+    float scale, offset, zf;
+  };
+  __device__ void init(Shared&) const {}
+  __device__ RowState row(int64_t) const { return {}; }
+  __device__ Unit load(RowState&, int64_t m, int64_t u, bool) const {
+    const int64_t e = m * K + u * kUnit, g = m * (K >> (gshift + 5)) + (u >> gshift);
+    Unit r;
+    r.q = __ldg(reinterpret_cast<const uint4*>(qweight + e / 2));
+    r.scale = __ldg(scales + g);
+    r.offset = 0.0f;
+    if (zeros) {
+      r.zf = kMagic + static_cast<float>(__ldg(zeros + g));
+    } else {
+      r.q.x ^= 0x88888888u; r.q.y ^= 0x88888888u; r.q.z ^= 0x88888888u; r.q.w ^= 0x88888888u;
+      r.zf = kMagic + 8.0f;
+    }
+    return r;
+  }
+  __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
+    nibbles_lo_first(word_of(un.q, j), un.zf, v);
+  }
+};
+
+// q4_0 (llama.cpp block_q4_0, 18 bytes: fp16 d, 16 bytes qs): element i in the low nibble of
+// qs[i], element i + 16 in the high nibble; w = (q - 8) * d. Blocks are only 2-byte aligned,
+// so a lane reads its block as 9 halfwords (consecutive lanes, consecutive blocks).
+struct Q4_0 {
+  static constexpr int kUnit = 32;
+  static constexpr bool kOffset = false;
+  const uint16_t* blocks;
+  int64_t nb;  // blocks per row (K / 32)
+  using Shared = NoShared;
+  using RowState = NoRowState;
+  struct Unit {
+    uint32_t q[4];
+    float scale, offset;
+  };
+  __device__ void init(Shared&) const {}
+  __device__ RowState row(int64_t) const { return {}; }
+  __device__ Unit load(RowState&, int64_t m, int64_t u, bool) const {
+    const uint16_t* p = blocks + (m * nb + u) * 9;
+    uint16_t h[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) h[i] = __ldg(p + i);
+    Unit r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.q[i] = uint32_t(h[1 + 2 * i]) | uint32_t(h[2 + 2 * i]) << 16;
+    r.scale = fp16_bits_to_fp32(h[0]);
+    r.offset = 0.0f;
+    return r;
+  }
+  __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
+    // j = 0, 1: low nibbles of qs[8j .. 8j+7]; j = 2, 3: high nibbles of qs[8(j-2) ..]
+    const uint32_t w0 = un.q[2 * (j & 1)], w1 = un.q[2 * (j & 1) + 1];
+    const int sh = j >= 2 ? 4 : 0;
+    const uint32_t a = (w0 >> sh) & 0x0F0F0F0Fu, b = (w1 >> sh) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = magic_u4(a, i) - (kMagic + 8.0f);
+      v[4 + i] = magic_u4(b, i) - (kMagic + 8.0f);
+    }
+  }
+};
+
+// mixed2bit (formats/mixed2bit): a unit is 16 values of one group (one codes2 word or two codes4
+// words); group_size = 16 * 2^ushift <= 512 so a warp's 32 units hold whole groups, and
+// scale_block = 2^bshift. A lane finds its group's slot in the 2-bit or 4-bit list from the
+// row's running counts plus a vote over the group starts of this warp step (the paper's
+// per-row offsets, without a per-group index array). w = q * s_eff - m_eff.
+struct Mixed2 {
+  static constexpr int kUnit = 16;
+  static constexpr bool kOffset = true;
+  const uint8_t* map;
+  const uint32_t* codes2;
+  const uint32_t* codes4;
+  const uint8_t* scales2;
+  const uint8_t* scales4;
+  const uint16_t* so2;
+  const uint16_t* so4;
+  const int64_t* n4_before;  // [rows + 1], from mixed2bit_row_index_cuda
+  int64_t G;                 // groups per row
+  int ushift, bshift;
+  using Shared = NoShared;
+  struct RowState {
+    int64_t n4, n2;  // 4-bit / 2-bit groups before the current warp step
+  };
+  struct Unit {
+    uint32_t c0, c1;  // the unit's 16 codes as nibbles (2-bit codes spread to 4 bits)
+    float scale, offset;
+  };
+  __device__ void init(Shared&) const {}
+  __device__ RowState row(int64_t m) const {
+    const int64_t n4 = __ldg(n4_before + m);
+    return {n4, m * G - n4};
+  }
+  // 8 2-bit fields in the low 16 bits -> 8 nibbles (field i to bits 4i..4i+3).
+  static __device__ __forceinline__ uint32_t spread2(uint32_t x) {
+    x &= 0xFFFFu;
+    x = (x | (x << 8)) & 0x00FF00FFu;
+    x = (x | (x << 4)) & 0x0F0F0F0Fu;
+    return (x | (x << 2)) & 0x33333333u;
+  }
+  __device__ Unit load(RowState& rs, int64_t m, int64_t u, bool valid) const {
+    const int sub = static_cast<int>(u & ((1 << ushift) - 1));
+    const int64_t g = m * G + (u >> ushift);
+    const bool start = valid && sub == 0;
+    const bool is4 = valid && ((__ldg(map + (g >> 3)) >> (g & 7)) & 1u);
+    const uint32_t m4 = __ballot_sync(0xFFFFFFFFu, start && is4);
+    const uint32_t m2 = __ballot_sync(0xFFFFFFFFu, start && !is4);
+    const uint32_t before = (1u << ((threadIdx.x & 31) - sub)) - 1u;  // group starts before ours
+    const int64_t i4 = rs.n4 + __popc(m4 & before), i2 = rs.n2 + __popc(m2 & before);
+    rs.n4 += __popc(m4);
+    rs.n2 += __popc(m2);
+    Unit r{0u, 0u, 0.0f, 0.0f};
+    if (!valid) return r;
+    uint32_t sc, mc;
+    const uint16_t* so;
+    if (is4) {
+      const uint32_t* c = codes4 + ((i4 << ushift) + sub) * 2;
+      r.c0 = __ldg(c);
+      r.c1 = __ldg(c + 1);
+      sc = __ldg(scales4 + 2 * i4);
+      mc = __ldg(scales4 + 2 * i4 + 1);
+      so = so4 + 2 * (i4 >> bshift);
+    } else {
+      const uint32_t c = __ldg(codes2 + (i2 << ushift) + sub);
+      r.c0 = spread2(c);
+      r.c1 = spread2(c >> 16);
+      const uint32_t s = __ldg(scales2 + i2);
+      sc = s & 15u;
+      mc = s >> 4;
+      so = so2 + 2 * (i2 >> bshift);
+    }
+    // s_eff = d16 * sc, m_eff = dm16 * mc: the format's float32 products
+    r.scale = fp16_bits_to_fp32(__ldg(so)) * static_cast<float>(sc);
+    r.offset = fp16_bits_to_fp32(__ldg(so + 1)) * static_cast<float>(mc);
+    return r;
+  }
+  __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
+    nibbles_lo_first(j == 0 ? un.c0 : un.c1, kMagic, v);
+  }
+};
+
+// Per-row popcounts of group_map into n4_before[r + 1] (one warp per row).
+__global__ void row_count_kernel(const uint8_t* __restrict__ map, int64_t rows, int64_t G, int64_t* __restrict__ out) {
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31;
+  int64_t count = 0;
+  for (int64_t c0 = 0; c0 < G; c0 += 32) {
+    const int64_t c = c0 + lane, g = r * G + c;
+    const bool bit = c < G && ((__ldg(map + (g >> 3)) >> (g & 7)) & 1u);
+    count += __popc(__ballot_sync(0xFFFFFFFFu, bit));
+  }
+  if (lane == 0) out[r + 1] = count;
+  if (r == 0 && lane == 0) out[0] = 0;
+}
+
+// In-place inclusive scan of out[0 .. n) by one CTA of 1024 threads (n = rows + 1, a few
+// thousand: each thread scans a contiguous chunk, then the chunk totals are scanned).
+__global__ void __launch_bounds__(1024) scan_kernel(int64_t* __restrict__ out, int64_t n) {
+  __shared__ int64_t part[1024];
+  const int64_t per = (n + 1023) / 1024, i0 = threadIdx.x * per, i1 = i0 + per < n ? i0 + per : n;
+  int64_t s = 0;
+  for (int64_t i = i0; i < i1; ++i) s += out[i];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int o = 1; o < 1024; o <<= 1) {  // Hillis-Steele over the chunk totals
+    const int64_t v = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
+    __syncthreads();
+    part[threadIdx.x] += v;
+    __syncthreads();
+  }
+  s = threadIdx.x ? part[threadIdx.x - 1] : 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    s += out[i];
+    out[i] = s;
+  }
+}
+
+int log2_exact(int64_t v) {
+  int s = 0;
+  while ((int64_t(1) << s) < v) ++s;
+  return (int64_t(1) << s) == v ? s : -1;
+}
+
+}  // namespace
+
+template <class T>
+void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
+                   int64_t blocksize, T* Y, void* stream) {
+  const int lb = log2_exact(blocksize);
+  if (K % 32 || lb < 5) throw std::invalid_argument("nf4 CUDA GEMM: K must be a multiple of 32");
+  cuda_wo::launch_weight_only(Nf4{packed, absmax, K, lb}, X, N, K, M, Y, stream);
+}
+
+template <class T>
+void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
+                    const uint8_t* zeros, int64_t gs, T* Y, void* stream) {
+  const int gshift = gs % 32 ? -1 : log2_exact(gs / 32);
+  if (gshift < 0 || K % gs) throw std::invalid_argument("int4 CUDA GEMM: group_size must be 32 * 2^j dividing K");
+  cuda_wo::launch_weight_only(Int4{qweight, scales, zeros, K, gshift}, X, N, K, M, Y, stream);
+}
+
+template <class T>
+void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, void* stream) {
+  if (K % q4_0::QK) throw std::invalid_argument("q4_0 CUDA GEMM: K must be a multiple of 32");
+  cuda_wo::launch_weight_only(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, stream);
+}
+
+void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t G, int64_t* n4_before,
+                              void* stream) {
+  cudaStream_t s = cuda::stream(stream);
+  if (rows > 0) row_count_kernel<<<cuda::grid_for(rows, 8), 256, 0, s>>>(group_map, rows, G, n4_before);
+  else cuda::check(cudaMemsetAsync(n4_before, 0, sizeof(int64_t), s), "mixed2bit row index");
+  scan_kernel<<<1, 1024, 0, s>>>(n4_before, rows + 1);
+  cuda::check_launch("mixed2bit row index");
+}
+
+template <class T>
+void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& d,
+                         const int64_t* n4_before, T* Y, void* stream) {
+  if (!mixed2bit_gemm_cuda_supports(d))
+    throw std::invalid_argument("mixed2bit CUDA GEMM: needs group_size = 16 * 2^j <= 512, a power-of-two "
+                                "scale_block and no outliers");
+  const Mixed2 f{q.group_map, q.codes2, q.codes4, q.scales2, q.scales4,
+                 reinterpret_cast<const uint16_t*>(q.so2), reinterpret_cast<const uint16_t*>(q.so4), n4_before,
+                 d.groups_per_row(), log2_exact(d.group_size / 16), log2_exact(d.scale_block)};
+  cuda_wo::launch_weight_only(f, X, N, d.K, d.rows, Y, stream);
+}
+
+#define QF_INSTANTIATE(T)                                                                                    \
+  template void nf4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*, int64_t, \
+                                 T*, void*);                                                                 \
+  template void int4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*,         \
+                                  const uint8_t*, int64_t, T*, void*);                                       \
+  template void q4_0_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const q4_0::block_q4_0*, T*, void*); \
+  template void mixed2bit_gemm_cuda<T>(const T*, int64_t, const mixed2bit::ConstBuffers&,                    \
+                                       const mixed2bit::Dims&, const int64_t*, T*, void*);
+QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
+#undef QF_INSTANTIATE
+
+}  // namespace qf::gemm

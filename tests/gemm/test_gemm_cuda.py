@@ -1,0 +1,212 @@
+"""CUDA GEMMs against float64 references (float kernels) and the CPU kernels (integer ones).
+
+Float kernels: ||got - x w^T|| <= tol ||(|x| |w|^T)|| with the float64 product of the operands as
+the kernel sees them (x rounded to its dtype, w dequantized exactly); tol 1e-5 for float32
+output, 1e-3 for float16 and 4e-3 for bfloat16 (the output rounding: 2^-11 / 2^-8 relative).
+Integer kernels and the fused int8 epilogue: equal to the CPU's bits. Every native call writes
+into a poisoned output, so unwritten elements show; all N of the issue's list, odd M, K at the
+block granularity. Run on the GPU machine (tools/gpu_check.sh); skipped without a device.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import requires_cuda  # noqa: E402
+from qformats import int4, int8, mixed2bit, nf4, q4_0, q8_1  # noqa: E402
+
+pytestmark = requires_cuda
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 4e-3}
+N_VALUES = (1, 2, 3, 4, 8, 9, 16, 17, 64)
+
+
+def assert_close(got: torch.Tensor, x: torch.Tensor, w64: np.ndarray, tol: float) -> None:
+    x64 = x.double().cpu().numpy()
+    g = got.double().cpu().numpy()
+    ref = x64 @ w64.T
+    scale = np.abs(x64) @ np.abs(w64).T
+    assert g.shape == ref.shape
+    assert np.isfinite(g).all(), "unwritten (poisoned) or non-finite outputs"
+    err = np.linalg.norm(g - ref)
+    assert err <= tol * np.linalg.norm(scale) + 1e-30, (err / np.linalg.norm(scale), tol)
+
+
+def weight(fmt: str, m: int, k: int, seed: int, **params):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((m, k)) * rng.uniform(0.05, 3)).astype(np.float32)
+    q = {"nf4": nf4, "int4": int4, "q4_0": q4_0, "mixed2bit": mixed2bit}[fmt].quantize(w, **params)
+    mod = {"nf4": nf4, "int4": int4, "q4_0": q4_0, "mixed2bit": mixed2bit}[fmt]
+    w64 = np.asarray(mod.dequantize(q, dtype="float32"), dtype=np.float64)
+    return mod, q, q.to("cuda"), w64
+
+
+CASES = [
+    ("nf4", {}), ("nf4", {"blocksize": 32}), ("nf4", {"blocksize": 256, "compress_statistics": True}),
+    ("int4", {"group_size": 128}), ("int4", {"group_size": 32, "symmetric": True}), ("int4", {"group_size": 64}),
+    ("q4_0", {}),
+    ("mixed2bit", {}), ("mixed2bit", {"group_size": 32, "ratio_4bit": 0.25}), ("mixed2bit", {"ratio_4bit": 0.0}),
+    ("mixed2bit", {"ratio_4bit": 1.0, "scale_block": 4}),
+]
+
+
+@pytest.mark.parametrize("fmt,params", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n", N_VALUES)
+def test_weight_only_gemm_cuda(fmt, params, dtype, n):
+    m, k = 37, 256 if fmt != "mixed2bit" else 512  # 37 rows: 9 full warps of 4 and one row
+    mod, _, qc, w64 = weight(fmt, m, k, n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(DTYPES[dtype]).cuda()
+    got = mod.gemm(x, qc)
+    assert got.dtype == x.dtype and got.device == x.device and got.shape == (n, m)
+    assert_close(got, x, w64, TOL[dtype])
+
+
+@pytest.mark.parametrize("fmt,params", [("nf4", {}), ("int4", {"group_size": 32}), ("q4_0", {}),
+                                        ("mixed2bit", {"group_size": 16})])
+def test_weight_only_poison_and_long_k(fmt, params):
+    """Outputs pre-filled with NaN are all overwritten; K spans many warp steps (K = 4096 + a
+    partial step), M not a multiple of the 16 rows of a CTA."""
+    m, k, n = 53, 4096 + 96, 5
+    mod, q, qc, w64 = weight(fmt, m, k, 7, **params)
+    x = torch.randn(n, k, device="cuda", dtype=torch.float16)
+    out = torch.full((n, m), float("nan"), device="cuda", dtype=torch.float16)
+    stream = torch.cuda.current_stream().cuda_stream
+    if fmt == "nf4":
+        mod._native.gemm(x, qc.buffers["packed"], nf4.decoded_absmax(qc), out, m, k, q.params["blocksize"], stream)
+    elif fmt == "int4":
+        mod._native.gemm(x, qc.buffers["qweight"], qc.buffers["scales"], qc.buffers["zeros"], out, n, k, m, 32, stream)
+    elif fmt == "q4_0":
+        mod._native.gemm(x, qc.buffers["blocks"], out, m, n, k, stream)
+    else:
+        mod._native.gemm(x, *mixed2bit._native_args(qc), out, mixed2bit._row_index(qc), stream)
+    torch.cuda.synchronize()
+    assert_close(out, x, w64, TOL["float16"])
+
+
+def test_weight_only_misaligned_x_is_copied_not_misread():
+    mod, _, qc, w64 = weight("nf4", 20, 64, 1)
+    base = torch.randn(3 * 64 + 1, device="cuda", dtype=torch.float16)
+    x = base[1:].view(3, 64)  # data pointer 2 bytes past an aligned one
+    assert x.data_ptr() % 16
+    assert_close(nf4.gemm(x, qc), x, w64, TOL["float16"])
+
+
+def test_weight_only_bad_inputs():
+    _, _, qc, _ = weight("int4", 8, 64, 0, group_size=32)
+    with pytest.raises(ValueError, match="device"):
+        int4.gemm(torch.randn(2, 64), qc)  # x on the CPU, w on the GPU
+    with pytest.raises(ValueError, match="contiguous"):
+        int4.gemm(torch.randn(64, 2, device="cuda").T, qc)
+    with pytest.raises(ValueError, match="NaN"):
+        int4.gemm(torch.full((2, 64), float("nan"), device="cuda"), qc)
+    with pytest.raises(ValueError):
+        int4.gemm(torch.randn(2, 48, device="cuda"), qc)
+    _, _, q48, _ = weight("int4", 8, 96, 0, group_size=48)
+    with pytest.raises(ValueError, match="group_size"):
+        int4.gemm(torch.randn(2, 96, device="cuda"), q48)
+    # The native adapter checks on its own too: wrong out dtype, wrong sizes.
+    out = torch.empty(2, 8, device="cuda", dtype=torch.float32)
+    x = torch.randn(2, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(TypeError, match="out"):
+        int4._native.gemm(x, qc.buffers["qweight"], qc.buffers["scales"], qc.buffers["zeros"], out, 2, 64, 8, 32, 0)
+
+
+def test_mixed2bit_outliers_fall_back_and_bad_map_raises():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((24, 128)).astype(np.float32)
+    q = mixed2bit.quantize(w, outlier_ratio=0.01)
+    assert not mixed2bit.gemm_cuda_supported(q)
+    qc = q.to("cuda")
+    x = torch.randn(3, 128, device="cuda")
+    w64 = np.asarray(mixed2bit.dequantize(q), np.float64)
+    assert_close(mixed2bit.gemm(x, qc), x, w64, 1e-5)
+    q2 = mixed2bit.quantize(w, ratio_4bit=0.2).to("cuda")
+    q2.buffers["group_map"] = q2.buffers["group_map"].clone()
+    q2.buffers["group_map"][0] ^= 1  # one group more or less than n4
+    with pytest.raises(ValueError, match="group_map"):
+        mixed2bit.gemm(x, q2)
+
+
+# --- integer GEMMs: equal to the CPU ------------------------------------------------------------
+
+@pytest.mark.parametrize("n,m,k", [(1, 1, 1), (3, 37, 33), (17, 64, 100), (65, 130, 256), (130, 67, 4096 + 16)])
+def test_int8_matmul_cuda_equals_cpu(n, m, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    a = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    want = int8.int8_matmul(a, b)
+    got = int8.int8_matmul(a.cuda(), b.cuda())
+    assert got.dtype == torch.int32 and got.is_cuda
+    assert torch.equal(got.cpu(), want)
+    out = torch.full((n, m), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
+    int8._native.int8_matmul(a.cuda(), b.cuda(), out, n, m, k, torch.cuda.current_stream().cuda_stream)
+    assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.parametrize("n,m,k", [(1, 5, 2), (3, 37, 34), (70, 65, 256), (9, 130, 4096 + 64)])
+def test_int4_matmul_cuda_equals_cpu(n, m, k):
+    g = torch.Generator().manual_seed(k)
+    a = int4.pack_int4(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g))
+    b = int4.pack_int4(torch.randint(-8, 8, (m, k), dtype=torch.int8, generator=g))
+    want = int4.int4_matmul(a, b)
+    assert torch.equal(int4.int4_matmul(a.cuda(), b.cuda()).cpu(), want)
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bias,relu,per_row", [(False, False, True), (True, True, True), (True, False, False)])
+def test_int8_linear_cuda_bitwise_equals_cpu(out_dtype, bias, relu, per_row):
+    n, m, k = 33, 70, 96
+    g = torch.Generator().manual_seed(5)
+    xq = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    wq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    xs = torch.rand(n if per_row else 1, generator=g) / 127
+    ws = torch.rand(m if per_row else 1, generator=g) / 127
+    b = torch.randn(m, generator=g).to(torch.bfloat16) if bias else None
+    want = int8.int8_linear(xq, xs, wq, ws, b, relu=relu, scale_c=0.5, out_dtype=out_dtype)
+    got = int8.int8_linear(xq.cuda(), xs.cuda(), wq.cuda(), ws.cuda(), None if b is None else b.cuda(),
+                           relu=relu, scale_c=0.5, out_dtype=out_dtype)
+    assert got.dtype == want.dtype and got.is_cuda
+    assert torch.equal(got.cpu().view(torch.int16 if out_dtype != "float32" else torch.int32),
+                       want.view(torch.int16 if out_dtype != "float32" else torch.int32))
+
+
+@pytest.mark.parametrize("n", N_VALUES + (100,))
+def test_q4_0_q8_1_cuda(n):
+    """Both paths (mmvq-style GEMV for N <= 16, tiles above): the same exact block sums as the CPU,
+    float32 sums in another order, so within 1e-5 of the CPU's result (and of float64)."""
+    m, k = 45, 32 * 13
+    rng = np.random.default_rng(n)
+    wq = q4_0.quantize_q4_0(rng.standard_normal((m, k)).astype(np.float32))
+    aq = q8_1.quantize_q8_1(rng.standard_normal((n, k)).astype(np.float32))
+    want = q4_0.gemm_q4_0_q8_1(wq, aq, m, n, k)
+    got = q4_0.gemm_q4_0_q8_1(torch.from_numpy(wq).cuda(), torch.from_numpy(aq).cuda(), m, n, k)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    w64 = np.asarray(q4_0.dequantize_q4_0(wq, k), np.float64)
+    a64 = np.asarray(q8_1.dequantize_q8_1(aq, k), np.float64)
+    scale = np.abs(w64) @ np.abs(a64).T
+    g = got.cpu().double().numpy()
+    assert np.isfinite(g).all()
+    assert np.linalg.norm(g - want) <= 1e-5 * np.linalg.norm(scale)
+    assert np.linalg.norm(g - w64 @ a64.T) <= 1e-5 * np.linalg.norm(scale)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_q4_0_linear_cuda(dtype, n):
+    """x quantized to q8_1 on the GPU (the CPU's bytes), then the integer GEMM; out in x's dtype."""
+    m, k = 29, 256
+    rng = np.random.default_rng(n)
+    qt = q4_0.quantize(rng.standard_normal((m, k)).astype(np.float32))
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(DTYPES[dtype])
+    want = q4_0.linear(x, qt)  # CPU, float32
+    got = q4_0.linear(x.cuda(), qt.to("cuda"))
+    assert got.dtype == x.dtype and got.shape == (n, m)
+    w64 = np.asarray(q4_0.dequantize(qt), np.float64)
+    a64 = np.asarray(q8_1.dequantize_q8_1(q8_1.quantize_q8_1(x), k), np.float64)
+    scale = np.abs(a64) @ np.abs(w64).T
+    g = got.cpu().double().numpy()
+    assert np.linalg.norm(g - want.double().numpy()) <= TOL[dtype] * np.linalg.norm(scale)

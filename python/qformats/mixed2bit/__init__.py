@@ -53,7 +53,6 @@ there. :func:`gemm` is CPU-only for now.
 from __future__ import annotations
 
 import math
-import weakref
 from numbers import Real
 from typing import Any
 
@@ -271,82 +270,6 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     return out
 
 
-# group_map tensor -> (its version counter, n4_before): the per-row prefix of 4-bit groups that
-# the CUDA GEMM starts each row from, computed once per weight (it costs two small launches and
-# one host sync, which a decode step should not pay).
-_ROW_INDEX: "weakref.WeakKeyDictionary[Any, tuple[int, Any]]" = weakref.WeakKeyDictionary()
-
-
-def _row_index(q: QuantizedTensor) -> Any:
-    """int64 ``[rows + 1]`` on the GPU: 4-bit groups before each row of the CUDA weight ``q``.
-    Raises ValueError when group_map does not mark exactly ``n4`` groups."""
-    gm = q.buffers["group_map"]
-    hit = _ROW_INDEX.get(gm)
-    if hit is not None and hit[0] == gm._version:
-        return hit[1]
-    import torch
-
-    rows, K = q.shape
-    idx = torch.empty(rows + 1, dtype=torch.int64, device=gm.device)
-    with A.stream_for(gm) as stream:
-        _native.row_index(gm, rows, K // q.params["group_size"], idx, stream)
-    total = int(idx[-1])
-    if total != q.params["n4"]:
-        raise ValueError(f"mixed2bit: group_map marks {total} 4-bit groups but n4 is {q.params['n4']}")
-    _ROW_INDEX[gm] = (gm._version, idx)
-    return idx
-
-
-def gemm_cuda_supported(w: QuantizedTensor) -> bool:
-    """Whether the CUDA GEMM kernel takes weight ``w``'s parameters: group_size = 16 * 2^j <= 512,
-    a power-of-two scale_block, no outliers. :func:`gemm` falls back to dequantize + matmul on
-    the GPU otherwise."""
-    p = w.params
-    return bool(_native.gemm_cuda_supports(*w.shape, p["group_size"], p["scale_block"], p["n4"], p["n_out"]))
-
-
-def gemm(x: Any, w: QuantizedTensor) -> Any:
-    """``Y = X . W^T`` with float activations and mixed2bit weights, never fully materialized:
-    decoded a tile of rows at a time on the CPU, in registers on the GPU (the 2-bit and 4-bit
-    groups streamed from their own arrays: the asynchronous dequantization of arXiv 2311.16442).
-
-    Args:
-        x: float ``[N, K]`` array/tensor (on the CPU float16/bfloat16 are converted to float32
-            first), C-contiguous, finite; CPU, or CUDA with w's buffers on the same device.
-        w: a mixed2bit QuantizedTensor of shape ``[M, K]``.
-    Returns:
-        ``[N, M]`` in the library and on the device of ``x``: float32 on the CPU (8 interleaved
-        float32 partial sums per dot product); ``x``'s dtype on CUDA, where each 16-value unit's
-        ``sum(q * x)`` and ``sum(x)`` are combined as ``s_eff * sum(q x) - m_eff * sum(x)`` in
-        float32 (``src/gemm/weight_only_formats_cuda.cu``). Weights the CUDA kernel does not
-        take (:func:`gemm_cuda_supported` False: outliers, other group sizes) are dequantized on
-        the GPU and multiplied with torch.
-    Raises:
-        TypeError / ValueError: as :func:`dequantize` for ``w``; x not a float array, not 2-D,
-            K mismatch, non-contiguous or non-finite; x and w on different devices; a group_map
-            that does not mark n4 groups.
-    """
-    w = check_quantized(w, FORMAT)
-    A.check_type(x, "x")
-    A.check_float(x, "x", ndim=2)
-    M, K = w.shape
-    if x.shape[1] != K:
-        raise ValueError(f"x: expected K={K} columns, got shape {tuple(x.shape)}")
-    A.same_device(("x", x), *w.buffers.items())
-    if _on_cuda(x):
-        if not gemm_cuda_supported(w):
-            return x @ dequantize(w, dtype=A.dtype_name(x)).T
-        n4_before = _row_index(w)
-        x, out = A.gemm_operands(x, x.shape[0], M)
-        with A.stream_for(x) as stream:
-            _native.gemm(x, *_native_args(w), out, n4_before, stream)
-        return out
-    x = A.cast(x, "float32")
-    out = A.empty(x, (x.shape[0], M), "float32")
-    _native.gemm(x, *_native_args(w), out)
-    return out
-
-
 def _check_int_array(v: Any, name: str) -> None:
     if not (isinstance(v, np.ndarray) or A.is_torch(v)):
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(v).__name__}")
@@ -435,4 +358,4 @@ def nmse(w: Any, q: Any) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
-from ._gemm import gemm  # noqa: E402,F401,F811  (the CPU GEMM lives in _gemm.py)
+from ._gemm import gemm, gemm_cuda_supported, _row_index  # noqa: E402,F401  (the GEMMs live in _gemm.py)

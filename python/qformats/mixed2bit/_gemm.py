@@ -1,40 +1,91 @@
-"""mixed2bit weight-only GEMM on the CPU (kept apart from the codec module; ``qformats.mixed2bit``
-re-exports :func:`gemm`)."""
+"""mixed2bit weight-only GEMM on the CPU and the GPU (kept apart from the codec module;
+``qformats.mixed2bit`` re-exports :func:`gemm`)."""
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized
 
+# group_map tensor -> (its version counter, n4_before): the per-row prefix of 4-bit groups that
+# the CUDA GEMM starts each row from, computed once per weight (it costs two small launches and
+# one host sync, which a decode step should not pay).
+_ROW_INDEX: "weakref.WeakKeyDictionary[Any, tuple[int, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _row_index(q: QuantizedTensor) -> Any:
+    """int64 ``[rows + 1]`` on the GPU: 4-bit groups before each row of the CUDA weight ``q``.
+    Raises ValueError when group_map does not mark exactly ``n4`` groups."""
+    gm = q.buffers["group_map"]
+    hit = _ROW_INDEX.get(gm)
+    if hit is not None and hit[0] == gm._version:
+        return hit[1]
+    import torch
+
+    from . import _native
+
+    rows, K = q.shape
+    idx = torch.empty(rows + 1, dtype=torch.int64, device=gm.device)
+    with A.stream_for(gm) as stream:
+        _native.row_index(gm, rows, K // q.params["group_size"], idx, stream)
+    total = int(idx[-1])
+    if total != q.params["n4"]:
+        raise ValueError(f"mixed2bit: group_map marks {total} 4-bit groups but n4 is {q.params['n4']}")
+    _ROW_INDEX[gm] = (gm._version, idx)
+    return idx
+
+
+def gemm_cuda_supported(w: QuantizedTensor) -> bool:
+    """Whether the CUDA GEMM kernel takes weight ``w``'s parameters: group_size = 16 * 2^j <= 512,
+    a power-of-two scale_block, no outliers. :func:`gemm` falls back to dequantize + matmul on
+    the GPU otherwise."""
+    from . import _native
+
+    p = w.params
+    return bool(_native.gemm_cuda_supports(*w.shape, p["group_size"], p["scale_block"], p["n4"], p["n_out"]))
+
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
-    """``Y = X . W^T`` with float activations and mixed2bit weights, decoded a cache-sized tile
-    of rows at a time (vectorized decoders for the 2- and 4-bit groups, outliers patched into the
-    tile), never fully materialized, multiplied in float32 (FMA), threaded.
+    """``Y = X . W^T`` with float activations and mixed2bit weights, never fully materialized:
+    decoded a tile of rows at a time on the CPU, in registers on the GPU (the 2-bit and 4-bit
+    groups streamed from their own arrays: the asynchronous dequantization of arXiv 2311.16442).
 
     Args:
         x: float32, float16 or bfloat16 ``[N, K]`` array/tensor (16-bit values are converted to
-            float32 exactly), C-contiguous, CPU, finite.
-        w: a mixed2bit QuantizedTensor of shape ``[M, K]`` (CPU buffers).
+            float32 exactly on the CPU), C-contiguous, finite; CPU, or CUDA with w's buffers on
+            the same device.
+        w: a mixed2bit QuantizedTensor of shape ``[M, K]``.
     Returns:
-        float32 ``[N, M]`` in the library of ``x``: float32 dot products of x with exactly the
-        values :func:`qformats.mixed2bit.dequantize` gives, summed in an order fixed by the CPU's
-        instruction set (AVX-512, AVX2 or plain C++), not by the thread count.
+        ``[N, M]`` in the library and on the device of ``x``: float32 on the CPU (vectorized
+        decoders for the 2- and 4-bit groups, outliers patched into each tile, FMA sums in an
+        order fixed by the instruction set, not by the thread count); ``x``'s dtype on CUDA, where each 16-value unit's
+        ``sum(q * x)`` and ``sum(x)`` are combined as ``s_eff * sum(q x) - m_eff * sum(x)`` in
+        float32 (``src/gemm/weight_only_formats_cuda.cu``). Weights the CUDA kernel does not
+        take (:func:`gemm_cuda_supported` False: outliers, other group sizes) are dequantized on
+        the GPU and multiplied with torch.
     Raises:
-        TypeError / ValueError: as :func:`qformats.mixed2bit.dequantize` for ``w``; x not a float
-            array, not 2-D, K mismatch, non-contiguous or non-finite.
-        NotImplementedError: x or w on a CUDA device (the GEMM is CPU-only for now).
+        TypeError / ValueError: as :func:`dequantize` for ``w``; x not a float array, not 2-D,
+            K mismatch, non-contiguous or non-finite; x and w on different devices; a group_map
+            that does not mark n4 groups.
     """
-    from . import FORMAT, _native, _native_args  # this module is imported at the end of __init__
+    from . import FORMAT, _native, _native_args, dequantize  # imported at the end of __init__
 
     w = check_quantized(w, FORMAT)
     A.check_type(x, "x")
-    A.cpu_only("mixed2bit.gemm", x, *w.buffers.values())
     A.check_float(x, "x", ndim=2)
     M, K = w.shape
     if x.shape[1] != K:
         raise ValueError(f"x: expected K={K} columns, got shape {tuple(x.shape)}")
+    A.same_device(("x", x), *w.buffers.items())
+    if A.is_cuda(x):
+        if not gemm_cuda_supported(w):
+            return x @ dequantize(w, dtype=A.dtype_name(x)).T
+        n4_before = _row_index(w)
+        x, out = A.gemm_operands(x, x.shape[0], M)
+        with A.stream_for(x) as stream:
+            _native.gemm(x, *_native_args(w), out, n4_before, stream)
+        return out
     out = A.empty(x, (x.shape[0], M), "float32")
     _native.gemm(x, *_native_args(w), out)
     return out

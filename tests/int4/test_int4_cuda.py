@@ -274,14 +274,15 @@ def test_gpu_mixed_devices_raise():
         I.quantize(torch.randn(64, 64, device="cuda").t(), 32)
 
 
-def test_gpu_gemms_are_cpu_only():
+def test_gpu_gemms_check_devices():
+    """The GEMMs run on CUDA (tests/gemm/test_gemm_cuda.py checks the values); operands on two
+    devices raise, from the Python layer and from the native adapter on its own."""
     w = I.quantize(torch.randn(8, 64, device="cuda"), 32)
-    with pytest.raises(NotImplementedError, match="CPU only"):
-        I.gemm(torch.randn(2, 64, device="cuda"), w)
-    with pytest.raises(NotImplementedError, match="CPU only"):
+    assert I.gemm(torch.randn(2, 64, device="cuda"), w).is_cuda
+    with pytest.raises(ValueError, match="device"):
         I.gemm(torch.randn(2, 64), w)  # CPU activations, CUDA weights
     a = torch.zeros(2, 8, dtype=torch.uint8, device="cuda")
-    with pytest.raises(NotImplementedError, match="CPU only"):
-        I.int4_matmul(a, a)
-    with pytest.raises(ValueError, match="CPU"):  # the native adapter on its own
-        I._native.int4_matmul(a, a, torch.empty(2, 2, dtype=torch.int32, device="cuda"), 2, 2, 16)
+    with pytest.raises(ValueError, match="device"):
+        I.int4_matmul(a, a.cpu())
+    with pytest.raises(ValueError, match="same device"):
+        I._native.int4_matmul(a, a, torch.empty(2, 2, dtype=torch.int32), 2, 2, 16, 0)

@@ -183,11 +183,10 @@ def test_gpu_mixed_devices_raise():
         I.dequantize_tensor(torch.zeros(4, 8, dtype=torch.int8, device="cuda"), torch.ones(1, 1))
 
 
-def test_gpu_matmul_is_cpu_only():
+def test_gpu_matmul_checks_devices():
     a = torch.zeros(2, 8, dtype=torch.int8, device="cuda")
-    with pytest.raises(NotImplementedError, match="CPU only"):
-        I.int8_matmul(a, a)
-    with pytest.raises(NotImplementedError, match="CPU only"):
+    assert I.int8_matmul(a, a).is_cuda
+    with pytest.raises(ValueError, match="device"):
         I.int8_matmul(a.cpu(), a)
-    with pytest.raises(ValueError, match="CPU"):  # the native adapter on its own
-        I._native.int8_matmul(a, a, torch.empty(2, 2, dtype=torch.int32, device="cuda"), 2, 2, 8)
+    with pytest.raises(ValueError, match="same device"):  # the native adapter on its own
+        I._native.int8_matmul(a, a, torch.empty(2, 2, dtype=torch.int32), 2, 2, 8, 0)

@@ -300,16 +300,17 @@ def test_gpu_mixed_devices_raise():
         nf4.quantize(torch.randn(64, 64, device="cuda").t())
 
 
-def test_gpu_gemm_is_cpu_only():
+def test_gpu_gemm_checks_devices():
     w = torch.randn(8, 64)
-    with pytest.raises(NotImplementedError, match="CPU only"):
+    assert nf4.gemm(torch.randn(2, 64, device="cuda"), nf4.quantize(w.cuda())).is_cuda
+    with pytest.raises(ValueError, match="device"):
         nf4.gemm(torch.randn(2, 64, device="cuda"), nf4.quantize(w))
-    with pytest.raises(NotImplementedError, match="CPU only"):
+    with pytest.raises(ValueError, match="device"):
         nf4.gemm(torch.randn(2, 64), nf4.quantize(w.cuda()))
-    with pytest.raises(ValueError, match="CPU array"):  # the native adapter refuses device pointers too
+    with pytest.raises(ValueError, match="same device"):  # the native adapter refuses mixed pointers too
         wq = nf4.quantize(w)
         _native.gemm(torch.randn(2, 64, device="cuda"), wq.buffers["packed"], wq.buffers["absmax"],
-                     torch.empty(2, 8), 8, 64, 64)
+                     torch.empty(2, 8, device="cuda"), 8, 64, 64, 0)
 
 
 # --- bitsandbytes' CUDA kernels --------------------------------------------------------------------

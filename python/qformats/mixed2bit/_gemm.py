@@ -2,23 +2,23 @@
 ``qformats.mixed2bit`` re-exports :func:`gemm`)."""
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized
 
-# group_map tensor -> (its version counter, n4_before): the per-row prefix of 4-bit groups that
-# the CUDA GEMM starts each row from, computed once per weight (it costs two small launches and
-# one host sync, which a decode step should not pay).
-_ROW_INDEX: "weakref.WeakKeyDictionary[Any, tuple[int, Any]]" = weakref.WeakKeyDictionary()
+# The per-row prefix of 4-bit groups that the CUDA GEMM starts each row from is computed once
+# per weight (two small launches and one host sync, which a decode step should not pay) and
+# kept on the group_map tensor itself as (its version counter, n4_before), so it lives exactly
+# as long as the buffer and is recomputed if the buffer is modified in place.
+_CACHE_ATTR = "_qformats_n4_before"
 
 
 def _row_index(q: QuantizedTensor) -> Any:
     """int64 ``[rows + 1]`` on the GPU: 4-bit groups before each row of the CUDA weight ``q``.
     Raises ValueError when group_map does not mark exactly ``n4`` groups."""
     gm = q.buffers["group_map"]
-    hit = _ROW_INDEX.get(gm)
+    hit = getattr(gm, _CACHE_ATTR, None)
     if hit is not None and hit[0] == gm._version:
         return hit[1]
     import torch
@@ -32,7 +32,7 @@ def _row_index(q: QuantizedTensor) -> Any:
     total = int(idx[-1])
     if total != q.params["n4"]:
         raise ValueError(f"mixed2bit: group_map marks {total} 4-bit groups but n4 is {q.params['n4']}")
-    _ROW_INDEX[gm] = (gm._version, idx)
+    setattr(gm, _CACHE_ATTR, (gm._version, idx))
     return idx
 
 

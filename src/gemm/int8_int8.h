@@ -28,9 +28,13 @@ void int8_linear_cpu(const int8_t* A, const float* x_scale, bool x_scale_per_row
                      const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c,
                      T* out, int64_t N, int64_t M, int64_t K);
 
+// CUDA: activation-row count up to which the integer GEMMs (int8, int4, q4_0 x q8_1) use the
+// warp-per-rows GEMV kernel instead of 64 x 64 tiles.
+constexpr int64_t kIntGemvMaxN = 16;
+
 // CUDA (int_gemm_cuda.cu): the same two products on device pointers, launched on `stream`
 // (dp4a over 64 x 64 output tiles). Same results bit for bit: the sums are exact integers and
-// the fused epilogue is the formula above, operation for operation.
+// the fused epilogue is the formula above, operation for operation. N <= kIntGemvMaxN: GEMV.
 void int8_matmul_cuda(const int8_t* A, const int8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K, void* stream);
 template <class T>
 void int8_linear_cuda(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B,

@@ -9,8 +9,8 @@
 //   next step's fetch is issued before this step's dot products (register double buffer).
 //   For the block formats a step is one block: its exact int32 sum is scaled by d_w * d_a and
 //   added in float32 (the CPU's order within a block: (d_w * d_a) * sumi).
-// * GEMV kernel (q4_0 x q8_1, small N): one warp per 4 weight rows, one lane per block, as
-//   llama.cpp's mmvq: the weight is streamed once per 8 activation rows.
+// * GEMV kernel (N <= kIntGemvMaxN, every pair): one warp per 4 weight rows, one lane per 32-value
+//   step, as llama.cpp's mmvq: the weight is streamed once per 8 activation rows.
 // Integer results are exact (the adapters bound K), so they equal the CPU's bit for bit; the
 // fused int8 epilogue uses the CPU's float32 formula, so it does too.
 #include <cuda_runtime.h>
@@ -249,23 +249,31 @@ void launch_tile(const PA& pa, const PB& pb, const Epi& epi, int64_t N, int64_t 
   cuda::check_launch("integer GEMM");
 }
 
-// q4_0 x q8_1 for few activation rows: warp = 4 weight rows, lane = one block of each per step.
+// Few activation rows (N <= kIntGemvMaxN): warp = 4 weight rows, lane = one 32-value step of
+// each per iteration, as llama.cpp's mmvq, so the weight is streamed once per 8 activation rows
+// with every lane busy (the 64 x 64 tiles would leave most of the GPU idle at N = 1).
+// out[n, m] = sum_k A[n, k] W[m, k]; kScaled: per step (dW * dA) * int32 sum in float.
 constexpr int kGemvRows = 4, kGemvWarps = 4, kGemvNT = 8;
 
-template <class T>
+template <class PW, class PA, class Epi, bool kScaled>
 __global__ void __launch_bounds__(kGemvWarps * 32)
-q4q8_gemv_kernel(const Q4_0Rows w, const Q8_1Rows a, int64_t N, int64_t M, int64_t K, FloatOut<T> epi) {
+gemv_kernel(const PW w, const PA a, const Epi epi, int64_t N, int64_t M, int64_t K) {
   const int lane = threadIdx.x & 31;
   const int64_t m0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * kGemvRows;
   if (m0 >= M) return;
   const int64_t n0 = int64_t(blockIdx.y) * kGemvNT;
   const int nt = static_cast<int>(N - n0 < kGemvNT ? N - n0 : kGemvNT);
-  float acc[kGemvRows][kGemvNT];
+  float facc[kGemvRows][kGemvNT];
+  int32_t iacc[kGemvRows][kGemvNT];
 #pragma unroll
   for (int r = 0; r < kGemvRows; ++r)
 #pragma unroll
-    for (int n = 0; n < kGemvNT; ++n) acc[r][n] = 0.0f;
-  for (int64_t s = lane; s < K / 32; s += 32) {
+    for (int n = 0; n < kGemvNT; ++n) {
+      facc[r][n] = 0.0f;
+      iacc[r][n] = 0;
+    }
+  const int64_t steps = (K + 31) / 32;
+  for (int64_t s = lane; s < steps; s += 32) {
     uint32_t wq[kGemvRows][8];
     float dw[kGemvRows];
 #pragma unroll
@@ -278,10 +286,11 @@ q4q8_gemv_kernel(const Q4_0Rows w, const Q8_1Rows a, int64_t N, int64_t M, int64
         a.fetch(n0 + n, s, N, K, aq, da);
 #pragma unroll
         for (int r = 0; r < kGemvRows; ++r) {
-          int sumi = 0;
+          int sumi = kScaled ? 0 : iacc[r][n];
 #pragma unroll
           for (int i = 0; i < 8; ++i) sumi = __dp4a(static_cast<int>(wq[r][i]), static_cast<int>(aq[i]), sumi);
-          acc[r][n] += (dw[r] * da) * static_cast<float>(sumi);
+          if (kScaled) facc[r][n] += (dw[r] * da) * static_cast<float>(sumi);
+          else iacc[r][n] = sumi;
         }
       }
     }
@@ -290,18 +299,36 @@ q4q8_gemv_kernel(const Q4_0Rows w, const Q8_1Rows a, int64_t N, int64_t M, int64
   for (int r = 0; r < kGemvRows; ++r)
 #pragma unroll
     for (int n = 0; n < kGemvNT; ++n) {
-      float v = acc[r][n];
+      float v = facc[r][n];
+      int32_t iv = iacc[r][n];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-      if (lane == 0 && m0 + r < M && n < nt) epi(n0 + n, m0 + r, 0, v);
+      for (int o = 16; o > 0; o >>= 1) {
+        if (kScaled) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        else iv += __shfl_xor_sync(0xFFFFFFFFu, iv, o);
+      }
+      if (lane == 0 && m0 + r < M && n < nt) epi(n0 + n, m0 + r, iv, v);
     }
+}
+
+// out = A . W^T for A [N, K] (policy PA) and W [M, K] (policy PW): the GEMV kernel for few
+// activation rows, 64 x 64 tiles otherwise.
+template <bool kScaled, class PA, class PW, class Epi>
+void launch_int(const PA& pa, const PW& pw, const Epi& epi, int64_t N, int64_t M, int64_t K, void* stream) {
+  if (N <= 0 || M <= 0) return;
+  if (N <= kIntGemvMaxN) {
+    const dim3 grid(cuda::grid_for(M, kGemvRows * kGemvWarps), cuda::grid_for(N, kGemvNT));
+    gemv_kernel<PW, PA, Epi, kScaled><<<grid, kGemvWarps * 32, 0, cuda::stream(stream)>>>(pw, pa, epi, N, M, K);
+    cuda::check_launch("integer GEMV");
+    return;
+  }
+  launch_tile<kScaled>(pa, pw, epi, N, M, K, stream);
 }
 
 }  // namespace
 
 void int8_matmul_cuda(const int8_t* A, const int8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K, void* stream) {
   const bool vec = K % 16 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
-  launch_tile<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, Int32Out{out, M}, N, M, K, stream);
+  launch_int<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, Int32Out{out, M}, N, M, K, stream);
 }
 
 template <class T>
@@ -310,30 +337,22 @@ void int8_linear_cuda(const int8_t* A, const float* x_scale, bool x_scale_per_ro
                       T* out, int64_t N, int64_t M, int64_t K, void* stream) {
   const bool vec = K % 16 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
   const Int8Fused<T> epi{out, M, x_scale, w_scale, bias, x_scale_per_row, w_scale_per_row, relu, scale_c};
-  launch_tile<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, epi, N, M, K, stream);
+  launch_int<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, epi, N, M, K, stream);
 }
 
 void int4_matmul_cuda(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K,
                       void* stream) {
   const bool vec = K % 32 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
-  launch_tile<false>(Int4Rows{A, vec}, Int4Rows{B, vec}, Int32Out{out, M}, N, M, K, stream);
+  launch_int<false>(Int4Rows{A, vec}, Int4Rows{B, vec}, Int32Out{out, M}, N, M, K, stream);
 }
 
 template <class T>
 void q4_0_q8_1_cuda(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K, T* out,
                     int64_t ldo_m, int64_t ldo_n, void* stream) {
   if (K % 32) throw std::invalid_argument("q4_0 x q8_1: K must be a multiple of 32");
-  if (N <= 0 || M <= 0) return;
   const Q4_0Rows w{reinterpret_cast<const uint16_t*>(W)};
   const Q8_1Rows a{reinterpret_cast<const uint32_t*>(A)};
-  const FloatOut<T> epi{out, ldo_n, ldo_m};
-  if (N <= kQ4Q8GemvMaxN) {
-    const dim3 grid(cuda::grid_for(M, kGemvRows * kGemvWarps), cuda::grid_for(N, kGemvNT));
-    q4q8_gemv_kernel<T><<<grid, kGemvWarps * 32, 0, cuda::stream(stream)>>>(w, a, N, M, K, epi);
-    cuda::check_launch("q4_0 x q8_1 GEMV");
-    return;
-  }
-  launch_tile<true>(a, w, epi, N, M, K, stream);
+  launch_int<true>(a, w, FloatOut<T>{out, ldo_n, ldo_m}, N, M, K, stream);
 }
 
 #define QF_INSTANTIATE(T)                                                                                         \

@@ -6,6 +6,7 @@
 
 #include "formats/q4_0/q4_0.h"
 #include "formats/q8_1/q8_1.h"
+#include "gemm/int8_int8.h"
 
 namespace qf::gemm {
 
@@ -30,9 +31,8 @@ void linear_q4_0_cpu(const T* x, int64_t N, int64_t K, const q4_0::block_q4_0* W
 // CUDA (int_gemm_cuda.cu): the same product on device pointers, launched on `stream`, with
 // out[m * ldo_m + n * ldo_n] of T (float, half_t or bf16_t; rounded once from float32). The
 // exact int32 block sums are the CPU's; the float32 sum over blocks runs in another order.
-// N <= kQ4Q8GemvMaxN: one warp per 4 weight rows (weights streamed once per 8 activation rows);
-// larger N: 64 x 64 output tiles with the blocks staged in shared memory.
-constexpr int64_t kQ4Q8GemvMaxN = 16;
+// N <= kIntGemvMaxN (int8_int8.h): one warp per 4 weight rows (weights streamed once per 8
+// activation rows); larger N: 64 x 64 output tiles with the blocks staged in shared memory.
 template <class T>
 void q4_0_q8_1_cuda(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K, T* out,
                     int64_t ldo_m, int64_t ldo_n, void* stream);

@@ -105,47 +105,59 @@ weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, i
 #pragma unroll
     for (int n = 0; n < NT; ++n) acc[r][n] = 0.0f;
 
+  // Register double buffer: the next warp step's units are loaded before this step's
+  // products, so every warp keeps two steps of weight bytes in flight.
+  typename Fmt::Unit un[kRows];
+  auto load_step = [&](int64_t u0, typename Fmt::Unit(&dst)[kRows]) {
+    const int64_t u = u0 + lane;
+    const bool valid = u < units;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) dst[r] = f.load(rs[r], m0 + r < M ? m0 + r : M - 1, valid ? u : u0, valid);
+  };
+  if (units > 0) load_step(0, un);
   for (int64_t u0 = 0; u0 < units; u0 += 32) {
     const int64_t u = u0 + lane;
     const bool valid = u < units;
-    typename Fmt::Unit un[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) un[r] = f.load(rs[r], m0 + r < M ? m0 + r : M - 1, valid ? u : u0, valid);
-    if (!valid) continue;
-    float dot[kRows][NT], xsum[NT];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      xsum[n] = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) dot[r][n] = 0.0f;
-    }
-    const T* xu = X + n0 * K + u * Fmt::kUnit;
-#pragma unroll
-    for (int j = 0; j < Fmt::kUnit / 8; ++j) {
-      float w[kRows][8];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) f.decode8(sh, un[r], j, w[r]);
+    typename Fmt::Unit next[kRows];
+    if (u0 + 32 < units) load_step(u0 + 32, next);  // warp-uniform condition
+    if (valid) {
+      float dot[kRows][NT], xsum[NT];
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        if (n < nt) {
-          float xv[8];
-          load8(xu + n * K + 8 * j, xv);
+        xsum[n] = 0.0f;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            if (Fmt::kOffset) xsum[n] += xv[i];
+        for (int r = 0; r < kRows; ++r) dot[r][n] = 0.0f;
+      }
+      const T* xu = X + n0 * K + u * Fmt::kUnit;
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) dot[r][n] = fmaf(w[r][i], xv[i], dot[r][n]);
+      for (int j = 0; j < Fmt::kUnit / 8; ++j) {
+        float w[kRows][8];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) f.decode8(sh, un[r], j, w[r]);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          if (n < nt) {
+            float xv[8];
+            load8(xu + n * K + 8 * j, xv);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              if (Fmt::kOffset) xsum[n] += xv[i];
+#pragma unroll
+              for (int r = 0; r < kRows; ++r) dot[r][n] = fmaf(w[r][i], xv[i], dot[r][n]);
+            }
           }
         }
       }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          acc[r][n] = fmaf(dot[r][n], un[r].scale, acc[r][n]);
+          if (Fmt::kOffset) acc[r][n] = fmaf(-xsum[n], un[r].offset, acc[r][n]);
+        }
     }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        acc[r][n] = fmaf(dot[r][n], un[r].scale, acc[r][n]);
-        if (Fmt::kOffset) acc[r][n] = fmaf(-xsum[n], un[r].offset, acc[r][n]);
-      }
+    for (int r = 0; r < kRows; ++r) un[r] = next[r];
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r)

@@ -5,6 +5,7 @@
 # test:     the whole test suite; the GPU tests (tests/*/test_*_cuda.py) run here
 # bench:    benchmarks/codecs.py (median of CUDA events, rotated buffers, % of copy bandwidth)
 # gemm:     benchmarks/gemm.py (GEMV/GEMM table against cuBLAS fp16, _int_mm, bitsandbytes)
+# generate: benchmarks/generate.py (decode tokens/s of a Llama-shaped 7B, fp16 vs each format)
 # sanitize: compute-sanitizer memcheck and racecheck over the GPU tests (PATTERN below)
 # Logs go to $OUT (the device tool brings them back) or /tmp/qformats-gpu.
 set -uo pipefail
@@ -35,6 +36,8 @@ for stage in $stages; do
       python3 benchmarks/codecs.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/codecs.txt" | tail -60 ;;
     gemm)
       python3 benchmarks/gemm.py --csv "$OUT/gemm.csv" ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.txt" | tail -80 ;;
+    generate)
+      python3 benchmarks/generate.py ${GENERATE_ARGS:-} 2>&1 | tee "$OUT/generate.txt" | tail -30 ;;
     sanitize)
       pattern=${SANITIZE_K:-"cuda and (large or misaligned or stream or poison)"}
       for tool in memcheck racecheck; do

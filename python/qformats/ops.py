@@ -17,8 +17,10 @@ order. A string is a constant to dynamo, so one compiled graph serves every call
 :class:`qformats.nn.QuantizedLinear` forward goes through it, and through
 :func:`_linear_dispatch` inside the operator. Today that dequantizes ``W`` to the
 activation's dtype and calls ``torch.nn.functional.linear`` (correct for float32, float16
-and bfloat16 activations on every device the format decodes on). Faster GEMM kernels plug in
-with :func:`register_linear_kernel` without touching the modules.
+and bfloat16 activations on every device the format decodes on), except where a GEMM kernel is
+registered with :func:`register_linear_kernel`: at import, CUDA activations with at most
+``CUDA_GEMV_MAX_ROWS`` rows and nf4 / int4 / q4_0 / mixed2bit weights go through the library's
+register-decoding GEMV kernels (:func:`use_builtin_kernels`).
 
 Backward: ``qformats::linear`` has an autograd formula for ``x`` and ``bias``
 (``grad_x = grad_y @ W``, ``grad_bias = sum grad_y``); the packed weight gets no gradient.
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from ._core import QuantizedTensor, format_module
 
 __all__ = ["linear", "linear_packed", "dequantize", "dequantize_packed", "weight_meta",
-           "register_linear_kernel", "FLOAT_DTYPES"]
+           "register_linear_kernel", "use_builtin_kernels", "FLOAT_DTYPES", "CUDA_GEMV_MAX_ROWS"]
 
 #: Activation / output dtypes the operators take.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -200,8 +202,9 @@ def linear(x: torch.Tensor, qweight: QuantizedTensor,
             device (numpy buffers are wrapped for CPU ``x``).
         bias: optional tensor ``[M]``.
     Returns:
-        ``[..., M]`` in ``x.dtype``: today ``F.linear(x, dequantize(W, x.dtype), bias)``
-        exactly; registered GEMM kernels (:func:`register_linear_kernel`) may replace it.
+        ``[..., M]`` in ``x.dtype``: ``F.linear(x, dequantize(W, x.dtype), bias)`` exactly, or a
+        registered GEMM kernel's result (:func:`register_linear_kernel`; the built-in CUDA GEMV
+        sums in float32 and rounds once, within float rounding of that).
     Raises:
         TypeError / ValueError: as :func:`linear_packed`; ValueError for a weight that is not
         2-D or not a valid QuantizedTensor of its format.
@@ -250,3 +253,48 @@ def register_linear_kernel(format: str, device_type: str,
     if kernel is not None:
         _KERNELS[key] = kernel
     return old
+
+
+# -- built-in GEMM kernels ----------------------------------------------------------------------
+
+#: Activation rows up to which QuantizedLinear on CUDA uses the register-decoding GEMV kernels
+#: (``src/gemm/weight_only_cuda.cuh``); above it, dequantize to x's dtype + cuBLAS is faster
+#: (measured on an H200 with benchmarks/gemm.py: the "+cuBLAS" rows).
+CUDA_GEMV_MAX_ROWS = 16
+
+
+def _cuda_weight_only(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]):
+    """The CUDA weight-only GEMV of nf4 / int4 / q4_0 / mixed2bit for few activation rows;
+    NotImplemented (-> dequantize + F.linear) for many rows or parameters the kernels do not take."""
+    from . import _arrays as A
+
+    K = qt.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.shape[0] > CUDA_GEMV_MAX_ROWS or x2.shape[0] == 0 or K % 32:
+        return NotImplemented
+    mod = format_module(qt.format)
+    if qt.format == "int4":
+        g = qt.params["group_size"] // 32
+        if qt.params["group_size"] % 32 or g & (g - 1):
+            return NotImplemented
+    if qt.format == "mixed2bit" and not mod.gemm_cuda_supported(qt):
+        return NotImplemented
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    with A.skip_finite_check():  # F.linear does not scan activations either (and no host sync)
+        y = mod.gemm(x2, qt)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], qt.shape[0])
+
+
+def use_builtin_kernels(cuda: bool = True) -> None:
+    """Route CUDA :func:`linear` calls of nf4, int4, q4_0 and mixed2bit weights through the
+    library's GEMV kernels (on by default, at import). ``cuda=False`` restores dequantize +
+    ``F.linear`` everywhere. The CPU always takes dequantize + ``F.linear`` (bitwise the
+    reference); the CPU GEMMs are reached through the format modules' ``gemm``."""
+    for fmt in ("nf4", "int4", "q4_0", "mixed2bit"):
+        register_linear_kernel(fmt, "cuda", _cuda_weight_only if cuda else None)
+
+
+use_builtin_kernels(True)

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from conftest import requires_cuda  # noqa: E402
-from qformats import quantize_model  # noqa: E402
+from qformats import ops, quantize_model  # noqa: E402
 from qformats.nn import QuantizedLinear  # noqa: E402
 from strategies import assert_bytes_equal  # noqa: E402
 
@@ -31,12 +31,25 @@ def test_cuda_forward_and_bytes(fmt, params, dtype):
     for name, buf in q_cpu.quantized_weight.buffers.items():  # quantized on the GPU == on the CPU
         assert_bytes_equal(q_gpu.quantized_weight.buffers[name].cpu(), buf)
     moved = q_cpu.to("cuda")
-    x = torch.randn(3, 7, 256, device="cuda", dtype=dtype)
-    y = moved(x)
     w = moved.quantized_weight.dequantize(str(dtype).removeprefix("torch."))
-    assert y.is_cuda and y.dtype == dtype
-    assert torch.equal(y, F.linear(x, w, moved.bias.to(dtype)))
-    assert torch.equal(q_gpu(x), y)
+    for shape in ((3, 7, 256), (2, 256)):  # 21 rows: dequantize + cuBLAS; 2 rows: the GEMV kernels
+        x = torch.randn(*shape, device="cuda", dtype=dtype)
+        y = moved(x)
+        assert y.is_cuda and y.dtype == dtype and y.shape == (*shape[:-1], 96)
+        ref = F.linear(x, w, moved.bias.to(dtype))
+        if shape[0] > ops.CUDA_GEMV_MAX_ROWS or fmt in ("q8_1", "int8"):
+            assert torch.equal(y, ref)
+        else:
+            tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+            scale = (x.abs().float() @ w.abs().float().T).max()
+            assert (y.float() - ref.float()).abs().max() <= tol * scale
+        assert torch.equal(q_gpu(x), y)
+    try:  # with the built-in kernels off, every shape takes the reference path exactly
+        ops.use_builtin_kernels(False)
+        x = torch.randn(2, 256, device="cuda", dtype=dtype)
+        assert torch.equal(moved(x), F.linear(x, w, moved.bias.to(dtype)))
+    finally:
+        ops.use_builtin_kernels(True)
 
 
 def test_cuda_compiled_model_and_graph_replay():

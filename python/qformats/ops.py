@@ -19,7 +19,7 @@ order. A string is a constant to dynamo, so one compiled graph serves every call
 activation's dtype and calls ``torch.nn.functional.linear`` (correct for float32, float16
 and bfloat16 activations on every device the format decodes on), except where a GEMM kernel is
 registered with :func:`register_linear_kernel`: at import, CUDA activations with at most
-``CUDA_GEMV_MAX_ROWS`` rows and nf4 / int4 / q4_0 / mixed2bit weights go through the library's
+``CUDA_GEMV_MAX_ROWS`` rows and ``CUDA_GEMV_FORMATS`` weights go through the library's
 register-decoding GEMV kernels (:func:`use_builtin_kernels`).
 
 Backward: ``qformats::linear`` has an autograd formula for ``x`` and ``bias``
@@ -259,8 +259,12 @@ def register_linear_kernel(format: str, device_type: str,
 
 #: Activation rows up to which QuantizedLinear on CUDA uses the register-decoding GEMV kernels
 #: (``src/gemm/weight_only_cuda.cuh``); above it, dequantize to x's dtype + cuBLAS is faster
-#: (measured on an H200 with benchmarks/gemm.py: the "+cuBLAS" rows).
-CUDA_GEMV_MAX_ROWS = 16
+#: (H200, benchmarks/gemm.py, 4096x14336: GEMV 66 us at 4 rows, 122 us at 8; the "+cuBLAS"
+#: path about 78 us from 8 rows on).
+CUDA_GEMV_MAX_ROWS = 4
+#: Formats whose CUDA GEMV beats dequantize + cuBLAS at few rows. mixed2bit's does not yet
+#: (182 us at one row on 14336x4096 against 55 + 33 us), so its layers take the other path.
+CUDA_GEMV_FORMATS = ("nf4", "int4", "q4_0")
 
 
 def _cuda_weight_only(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]):
@@ -289,11 +293,11 @@ def _cuda_weight_only(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch
 
 
 def use_builtin_kernels(cuda: bool = True) -> None:
-    """Route CUDA :func:`linear` calls of nf4, int4, q4_0 and mixed2bit weights through the
-    library's GEMV kernels (on by default, at import). ``cuda=False`` restores dequantize +
-    ``F.linear`` everywhere. The CPU always takes dequantize + ``F.linear`` (bitwise the
+    """Route CUDA :func:`linear` calls of ``CUDA_GEMV_FORMATS`` weights with at most
+    ``CUDA_GEMV_MAX_ROWS`` activation rows through the library's GEMV kernels (on by default,
+    at import). ``cuda=False`` restores dequantize + ``F.linear`` everywhere. The CPU always takes dequantize + ``F.linear`` (bitwise the
     reference); the CPU GEMMs are reached through the format modules' ``gemm``."""
-    for fmt in ("nf4", "int4", "q4_0", "mixed2bit"):
+    for fmt in CUDA_GEMV_FORMATS:
         register_linear_kernel(fmt, "cuda", _cuda_weight_only if cuda else None)
 
 

@@ -48,8 +48,8 @@ BITS_FORMATS = {
 }
 
 #: Implemented methods; the others named here raise NotImplementedError.
-METHODS = ("rtn", "signround")
-_LATER_METHODS = ("autoround", "budget")
+METHODS = ("rtn", "signround", "budget")
+_LATER_METHODS = ("autoround",)
 _LATER_ISSUE = ("the model-level follow-up issue (trainable rounding: SignRound/AutoRound, and "
                 "budgeted per-layer bits)")
 
@@ -157,8 +157,9 @@ def resolve_spec(format: Optional[str] = None, bits: Optional[int] = None,
 
 
 def check_method(method: str) -> None:
-    """Raise NotImplementedError for the methods not implemented yet (``"autoround"``,
-    ``"budget"``), ValueError for an unknown one; nothing for ``"rtn"`` and ``"signround"``."""
+    """Raise NotImplementedError for the methods not implemented yet (``"autoround"``: use
+    ``"signround"``), ValueError for an unknown one; nothing for ``"rtn"``, ``"signround"`` and
+    ``"budget"``."""
     if method in _LATER_METHODS:
         raise NotImplementedError(f"method={method!r} is not implemented yet; it comes with "
                                   f"{_LATER_ISSUE}. Use method='rtn'.")
@@ -220,8 +221,11 @@ class QuantizationReport:
     """What :func:`quantize_model` did.
 
     Attributes:
-        method: ``"rtn"``.
+        method: ``"rtn"``, ``"signround"`` or ``"budget"``.
         layers: a :class:`LayerReport` per ``nn.Linear`` found, in module order.
+        budget: with ``method="budget"``, the outcome (:func:`qformats.budget.quantize_budget`:
+            ``holds``, ``ppl``, ``ppl_reference``, ``ppl_increase_percent``, ``kl``,
+            ``avg_bits``, per-layer ``choices``...), else None.
         warnings: messages for layers kept in float (also issued with ``warnings.warn``).
         size: :func:`model_size` of the model afterwards.
         seconds: total wall time.
@@ -232,6 +236,7 @@ class QuantizationReport:
     warnings: list = field(default_factory=list)
     size: dict = field(default_factory=dict)
     seconds: float = 0.0
+    budget: Optional[dict] = None
 
     @property
     def quantized(self) -> list:
@@ -273,6 +278,8 @@ class QuantizationReport:
         d = {"method": self.method, "layers": [asdict(l) for l in self.layers],
              "warnings": list(self.warnings), "size": dict(self.size), "seconds": self.seconds,
              "formats": self.formats, "avg_bits": self.avg_bits}
+        if self.budget is not None:
+            d["budget"] = self.budget
         return _nan_to_none(d)
 
     def summary(self) -> str:
@@ -289,6 +296,12 @@ class QuantizationReport:
         for reason, names in by_reason.items():
             lines.append(f"kept in float ({reason}): {len(names)} layer(s): "
                          + ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
+        b = self.budget
+        if b is not None:
+            lines.append(f"budget: perplexity {b['ppl']:.3f} vs {b['ppl_reference']:.3f} "
+                         f"({b['ppl_increase_percent']:+.2f}%)"
+                         + (f", KL {b['kl']:.4f}" if b.get("kl") is not None else "")
+                         + f" on the calibration windows: {'holds' if b['holds'] else 'NOT met'}")
         s = self.size
         if s:
             lines.append(f"size: {s['total_bytes'] / 1e6:.2f} MB = quantized weights "
@@ -389,8 +402,14 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
             ``**params``:
             ``calibration`` (token-id tensors, or a text with ``tokenizer``), ``iters=200``,
             ``nsamples=128``, ``seqlen=2048``, ``lr=None`` (1 / iters), ``batch_size=8``,
-            ``seed=0``; per-block losses in ``report.signround``). ``"autoround"`` and
-            ``"budget"`` raise NotImplementedError (they come with the next model-level issue).
+            ``seed=0``; per-block losses in ``report.signround``); or ``"budget"``
+            (per-layer formats chosen to meet a quality budget with the fewest bits:
+            :mod:`qformats.budget`; options in ``**params``: ``calibration`` (+ ``tokenizer``),
+            ``max_perplexity_increase`` (percent) and/or ``max_per_token_kl_divergence``,
+            ``candidates`` (default :data:`qformats.budget.DEFAULT_CANDIDATES`),
+            ``nsamples=16``, ``seqlen=512``, ``batch_size=8``; format / bits only decide which
+            layers are eligible (default bits=4); the outcome is in ``report.budget``).
+            ``"autoround"`` raises NotImplementedError (``"signround"`` is that method).
         ignore: module-name patterns to keep in float (see :func:`matches`); default
             :data:`DEFAULT_IGNORE` (``lm_head``, embeddings) plus the model's
             ``get_output_embeddings()``. A list replaces the default: ``ignore=[]`` quantizes
@@ -415,7 +434,12 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     params = dict(params)
-    sr_options = None
+    sr_options = budget_options = None
+    if method == "budget":
+        from .budget import pop_options as budget_pop
+        budget_options = budget_pop(params)
+        if format is None and bits is None:
+            bits = 4
     if method == "signround":  # trainable rounding: qformats.signround (int4 asym., plain 2-bit)
         from .signround import pop_options
         sr_options = pop_options(params)
@@ -500,7 +524,11 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     from .evaluate import progress_bar
 
     new = []
-    sr_stats = None
+    sr_stats = budget_stats = None
+    if budget_options is not None:
+        from .budget import quantize_budget
+        new, budget_stats = quantize_budget(model, plan, budget_options, progress=progress)
+        plan = []
     if sr_options is not None:
         from .signround import quantize_plan
         new, sr_stats = quantize_plan(model, plan, sr_options, progress=progress)
@@ -525,6 +553,8 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
                                        q.out_features, q.nbytes, q.avg_bits, seconds=secs)
     report.size = model_size(model)
     report.seconds = time.perf_counter() - t0
+    if budget_stats is not None:
+        report.budget = budget_stats  # the outcome: holds, ppl, avg_bits, per-layer choices
     if sr_stats is not None:
         report.signround = sr_stats  # per-block losses (see qformats.signround.quantize_plan)
     return report

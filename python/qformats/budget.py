@@ -1,0 +1,247 @@
+"""Budgeted per-layer bits: ``quantize_model(..., method="budget")``.
+
+Given a quality budget (``max_perplexity_increase`` in percent and/or
+``max_per_token_kl_divergence`` in nats per token, against the unquantized model on the
+calibration windows), choose for every layer one of several candidate formats (default: 8-bit
+int8, 4-bit int4 g128, mixed 2/4-bit at 10% 4-bit groups, plain 2-bit; see
+:data:`DEFAULT_CANDIDATES`) so that the quantized model meets the budget with the fewest stored
+bits. This is the Bitween seed's "gradual quantization", done as a measured knapsack:
+
+1. Every layer is quantized once with every candidate (RTN), and the metric of the model with
+   only that one layer quantized is measured: ``delta[layer][candidate]`` (its sensitivity).
+2. Starting from the largest candidate everywhere, layers move down one candidate at a time,
+   best ``bits saved / delta added`` first, while the sum of the deltas stays within the budget
+   (deltas are nearly additive for small perturbations: the usual first-order assumption of
+   mixed-precision search such as HAWQ). More sensitive layers thus keep more bits.
+3. The assembled model is evaluated for real. While it exceeds the budget, the move with the
+   worst ratio is undone and the model re-evaluated; the report says whether the budget holds.
+
+Metrics: the perplexity budget is ``nll <= nll0 + log(1 + p / 100)`` (mean NLL per predicted
+token over the windows); the KL budget is the mean per-token KL(reference || quantized) with the
+reference log-probabilities computed once from the float model.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+#: (format, params) candidates, any order (sorted by stored bits per layer).
+DEFAULT_CANDIDATES = (
+    ("int8", {"granularity": "row"}),
+    ("int4", {"group_size": 128, "symmetric": False}),
+    ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.1}),
+    ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.0}),
+)
+OPTIONS = ("calibration", "tokenizer", "max_perplexity_increase", "max_per_token_kl_divergence",
+           "candidates", "nsamples", "seqlen", "batch_size")
+DEFAULTS = {"calibration": None, "tokenizer": None, "max_perplexity_increase": None,
+            "max_per_token_kl_divergence": None, "candidates": DEFAULT_CANDIDATES, "nsamples": 16,
+            "seqlen": 512, "batch_size": 8}
+
+
+def pop_options(params: dict) -> dict:
+    """Remove the budget method's options from ``params`` (in place); return them with defaults.
+    Raises ValueError when no budget is given or a budget is not a non-negative number."""
+    out = dict(DEFAULTS)
+    for k in OPTIONS:
+        if k in params:
+            out[k] = params.pop(k)
+    p, kl = out["max_perplexity_increase"], out["max_per_token_kl_divergence"]
+    if p is None and kl is None:
+        raise ValueError("method='budget' needs max_perplexity_increase= (percent) and/or "
+                         "max_per_token_kl_divergence= (nats per token)")
+    for name, v in (("max_perplexity_increase", p), ("max_per_token_kl_divergence", kl)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
+                              or not math.isfinite(v)):
+            raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
+    if out["calibration"] is None:
+        raise ValueError("method='budget' needs calibration data to evaluate on: calibration= "
+                         "token-id windows, or a text with tokenizer=")
+    cands = list(out["candidates"])
+    if not cands:
+        raise ValueError("candidates: expected at least one (format, params) pair")
+    out["candidates"] = cands
+    return out
+
+
+class _Metric:
+    """The budgeted quantity of the model on the windows: mean NLL per predicted token, and/or
+    mean per-token KL(reference || model) against log-probs of the float model taken once."""
+
+    def __init__(self, model, samples, options):
+        # batches of equal-length samples ([1, L] tensors from signround.calibration_samples)
+        bs = max(1, int(options["batch_size"]))
+        self.batches = []
+        for s in samples:
+            last = self.batches[-1] if self.batches else None
+            if last is not None and last[-1].shape[1] == s.shape[1] and len(last) < bs:
+                last.append(s)
+            else:
+                self.batches.append([s])
+        self.batches = [torch.cat(b) for b in self.batches]
+        self.model = model
+        self.use_kl = options["max_per_token_kl_divergence"] is not None
+        self.use_ppl = options["max_perplexity_increase"] is not None
+        self.evaluations = 0
+        self.ref_logp = None
+        nll0, kl0, ref = self._run(keep=self.use_kl)
+        self.ref_logp = ref
+        self.nll0 = nll0
+        self.limit_nll = (nll0 + math.log1p(options["max_perplexity_increase"] / 100.0)
+                          if self.use_ppl else math.inf)
+        self.limit_kl = options["max_per_token_kl_divergence"] if self.use_kl else math.inf
+
+    @torch.inference_mode()
+    def _run(self, keep=False):
+        self.evaluations += 1
+        device = next(self.model.parameters(), torch.empty(0)).device
+        nll = kl = 0.0
+        count = 0
+        kept = []
+        for i, w in enumerate(self.batches):
+            w = w.to(device)
+            logits = self.model(w).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            nll += float(-logp.gather(-1, w[:, 1:, None]).sum())
+            count += w.shape[0] * (w.shape[1] - 1)
+            if keep:
+                kept.append(logp.cpu())
+            if self.ref_logp is not None:
+                ref = self.ref_logp[i].to(device)
+                kl += float((ref.exp() * (ref - logp)).sum())
+        return nll / count, kl / count, kept
+
+    def __call__(self) -> tuple[float, float]:
+        """(nll, kl) of the model as it is now."""
+        nll, kl, _ = self._run()
+        return nll, kl
+
+    def excess(self, nll: float, kl: float) -> float:
+        """How far (nll, kl) is over the budget, as a fraction of it (<= 0: within)."""
+        e = []
+        if self.use_ppl:
+            e.append((nll - self.limit_nll) / max(self.limit_nll - self.nll0, 1e-12))
+        if self.use_kl:
+            e.append((kl - self.limit_kl) / max(self.limit_kl, 1e-12))
+        return max(e)
+
+    def cost(self, nll: float, kl: float) -> float:
+        """A layer's delta in budget units (fractions of each budget, the larger one)."""
+        c = []
+        if self.use_ppl:
+            c.append((nll - self.nll0) / max(self.limit_nll - self.nll0, 1e-12))
+        if self.use_kl:
+            c.append(kl / max(self.limit_kl, 1e-12))
+        return max(c)
+
+
+def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool = False):
+    """The budget method over ``plan`` ([(name, nn.Linear, fmt, params)] from quantize_model).
+    Returns ([(name, QuantizedLinear, seconds)], stats dict) with the model's Linear layers left
+    as they were (quantize_model swaps the chosen ones in)."""
+    from .evaluate import progress_bar
+    from .model import _block, _set_submodule, resolve_spec
+    from .nn import QuantizedLinear
+    from .signround import calibration_samples
+
+    t0 = time.perf_counter()
+    samples = calibration_samples(options["calibration"], options["tokenizer"], int(options["nsamples"]),
+                                  int(options["seqlen"]))
+    cands = []
+    for fmt, params in options["candidates"]:
+        params = dict(params)
+        gs = params.pop("group_size", None)
+        cands.append(resolve_spec(fmt, None, gs, **params))
+    metric = _Metric(model, samples, options)
+
+    # 1. every (layer, candidate): quantize, and measure the model with only that layer quantized
+    layers = []  # (name, module, [(bits, QuantizedLinear, cost, seconds)] sorted by bits desc)
+    bar = progress_bar(total=len(plan) * len(cands), enabled=progress, desc="budget: sensitivity",
+                       unit="eval", leave=False)
+    for name, m, _, _ in plan:
+        opts = []
+        for fmt, params in cands:
+            bar.update(1)
+            if m.in_features % _block(fmt, params):
+                continue
+            t1 = time.perf_counter()
+            q = QuantizedLinear.from_linear(m, fmt, **params)
+            secs = time.perf_counter() - t1
+            _set_submodule(model, name, q)
+            cost = metric.cost(*metric())
+            _set_submodule(model, name, m)
+            opts.append((q.avg_bits, q, max(cost, 0.0), secs))
+        if not opts:
+            raise ValueError(f"layer {name}: no budget candidate fits in_features={m.in_features}")
+        opts.sort(key=lambda o: -o[0])
+        layers.append((name, m, opts))
+    bar.close()
+
+    # 2. greedy knapsack: move down one candidate at a time, best bits saved per cost first
+    choice = [0] * len(layers)
+    total = sum(opts[0][2] for _, _, opts in layers)
+    moves = []  # (layer index, previous choice, ratio)
+    while True:
+        best = None
+        for i, (_, m, opts) in enumerate(layers):
+            c = choice[i]
+            if c + 1 >= len(opts):
+                continue
+            saved = (opts[c][0] - opts[c + 1][0]) * m.weight.numel()
+            added = opts[c + 1][2] - opts[c][2]
+            if total + added > 1.0:
+                continue
+            ratio = saved / max(added, 1e-9)
+            if best is None or ratio > best[2]:
+                best = (i, added, ratio)
+        if best is None:
+            break
+        i, added, ratio = best
+        moves.append((i, choice[i], ratio))
+        choice[i] += 1
+        total += added
+
+    # 3. the assembled model, evaluated; undo the weakest moves while over budget
+    def assemble():
+        for (name, _, opts), c in zip(layers, choice):
+            _set_submodule(model, name, opts[c][1])
+
+    assemble()
+    nll, kl = metric()
+    undone = 0
+    while metric.excess(nll, kl) > 0 and moves:
+        j = min(range(len(moves)), key=lambda t: moves[t][2])
+        i, prev, _ = moves.pop(j)
+        choice[i] = prev
+        undone += 1
+        assemble()
+        nll, kl = metric()
+    for name, m, _ in layers:  # quantize_model swaps the chosen ones in
+        _set_submodule(model, name, m)
+
+    new = [(name, opts[c][1], opts[c][3]) for (name, _, opts), c in zip(layers, choice)]
+    n_w = sum(m.weight.numel() for _, m, _ in layers)
+    avg_bits = sum(opts[c][0] * m.weight.numel() for (_, m, opts), c in zip(layers, choice)) / max(n_w, 1)
+    stats = {
+        "budget": {"max_perplexity_increase": options["max_perplexity_increase"],
+                   "max_per_token_kl_divergence": options["max_per_token_kl_divergence"]},
+        "ppl_reference": math.exp(metric.nll0),
+        "ppl": math.exp(nll),
+        "ppl_increase_percent": 100.0 * (math.exp(nll - metric.nll0) - 1.0),
+        "kl": kl if metric.use_kl else None,
+        "holds": metric.excess(nll, kl) <= 0,
+        "avg_bits": avg_bits,
+        "estimated_cost": total,
+        "moves_undone": undone,
+        "evaluations": metric.evaluations,
+        "windows": [len(samples), max(int(t.shape[1]) for t in samples)],
+        "choices": {name: {"format": opts[c][1].format, "params": dict(opts[c][1].params),
+                           "bits": opts[c][0], "cost": opts[c][2]}
+                    for (name, _, opts), c in zip(layers, choice)},
+        "seconds": time.perf_counter() - t0,
+    }
+    return new, stats

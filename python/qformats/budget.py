@@ -89,7 +89,7 @@ class _Metric:
         self.evaluations = 0
         self.ref_logp = None
         nll0, kl0, ref = self._run(keep=self.use_kl)
-        self.ref_logp = ref
+        self.ref_logp = ref if self.use_kl else None
         self.nll0 = nll0
         self.limit_nll = (nll0 + math.log1p(options["max_perplexity_increase"] / 100.0)
                           if self.use_ppl else math.inf)
@@ -104,7 +104,8 @@ class _Metric:
         kept = []
         for i, w in enumerate(self.batches):
             w = w.to(device)
-            logits = self.model(w).logits[:, :-1].float()
+            out = self.model(w)
+            logits = (out.logits if hasattr(out, "logits") else out)[:, :-1].float()
             logp = torch.log_softmax(logits, dim=-1)
             nll += float(-logp.gather(-1, w[:, 1:, None]).sum())
             count += w.shape[0] * (w.shape[1] - 1)

@@ -121,18 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "(mixed2bit, 2-bit groups of 16)")
     q.add_argument("--group-size", type=_positive, metavar="G",
                    help="values per group along in_features (nf4: blocksize)")
-    q.add_argument("--method", default="rtn", choices=("rtn", "signround"),
-                   help="rtn (round to nearest) or signround (trainable rounding, block by block "
+    q.add_argument("--method", default="rtn", choices=("rtn", "signround", "budget"),
+                   help="rtn (round to nearest), signround (trainable rounding, block by block "
                         "against the float model; int4 asymmetric and 2-bit only; needs "
-                        "--calibration)")
+                        "--calibration) or budget (per-layer formats chosen to meet "
+                        "--max-perplexity-increase / --max-kl on --calibration with the fewest bits)")
     q.add_argument("--calibration", metavar="FILE",
-                   help="text file of calibration data for --method signround")
+                   help="text file of calibration data for --method signround / budget")
+    q.add_argument("--max-perplexity-increase", type=float, metavar="PCT",
+                   help="budget: largest perplexity increase on the calibration windows, percent")
+    q.add_argument("--max-kl", type=float, metavar="NATS",
+                   help="budget: largest mean per-token KL divergence from the float model")
     q.add_argument("--iters", type=_positive, default=200, metavar="N",
                    help="signround: optimization steps per block (default 200)")
     q.add_argument("--nsamples", type=_positive, default=128, metavar="N",
-                   help="signround: calibration windows (default 128)")
+                   help="signround / budget: calibration windows (default 128)")
     q.add_argument("--seqlen", type=_positive, default=2048, metavar="N",
-                   help="signround: tokens per calibration window (default 2048)")
+                   help="signround / budget: tokens per calibration window (default 2048)")
     q.add_argument("--ignore", nargs="*", metavar="PAT",
                    help="module-name patterns (fnmatch, whole name or dotted suffix) to keep in "
                         "float; replaces the default (lm_head, embeddings); --ignore with no "
@@ -276,11 +281,18 @@ def _cmd_quantize(args) -> int:
         # Check the choice before the (slower) model load.
         check_method(args.method)
         method_options = {}  # signround's own options: not format parameters
-        if args.method == "signround":
+        if args.method in ("signround", "budget"):
             if not args.calibration:
-                raise ValueError("--method signround needs --calibration FILE (a text file)")
-            method_options = dict(calibration=load_text(args.calibration)[0], iters=args.iters,
-                                  nsamples=args.nsamples, seqlen=args.seqlen)
+                raise ValueError(f"--method {args.method} needs --calibration FILE (a text file)")
+            method_options = dict(calibration=load_text(args.calibration)[0], nsamples=args.nsamples,
+                                  seqlen=args.seqlen)
+            if args.method == "signround":
+                method_options["iters"] = args.iters
+            else:
+                if args.max_perplexity_increase is None and args.max_kl is None:
+                    raise ValueError("--method budget needs --max-perplexity-increase PCT and/or --max-kl NATS")
+                method_options.update(max_perplexity_increase=args.max_perplexity_increase,
+                                      max_per_token_kl_divergence=args.max_kl)
         resolve_spec(fmt, args.bits, args.group_size, **params)
         with _Threads(args.threads):
             bar = progress_bar(total=3, enabled=not args.no_progress, desc="quantize", unit="step")

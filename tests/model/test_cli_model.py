@@ -79,6 +79,8 @@ ARGPARSE = ("not allowed", "one of the arguments", "invalid choice")
     (["quantize", "{llama}", "--bits", "4", "--method", "signround", "--out", "{tmp}/x"],
      "needs --calibration"),
     (["quantize", "{llama}", "--bits", "4", "--method", "budget", "--out", "{tmp}/x"],
+     "needs --calibration"),
+    (["quantize", "{llama}", "--bits", "4", "--method", "autoround", "--out", "{tmp}/x"],
      "invalid choice"),
     (["quantize", "{llama}", "--bits", "4", "--override", "nothing=8", "--out", "{tmp}/x"],
      "match no nn.Linear"),

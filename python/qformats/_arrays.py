@@ -161,14 +161,6 @@ def is_cuda(x: Any) -> bool:
     return is_torch(x) and x.device.type == "cuda"
 
 
-def cpu_only(name: str, *arrays: Any) -> None:
-    """NotImplementedError for a CUDA tensor passed to a function that has no CUDA kernel yet."""
-    for a in arrays:
-        if a is not None and device_of(a) != "cpu":
-            raise NotImplementedError(f"{name}: CPU only for now (no CUDA kernel yet); got a tensor on "
-                                      f"{device_of(a)}, move the operands with .cpu()")
-
-
 def check_matmul_operands(name: str, a: Any, b: Any, dtype: str, values_per_element: int,
                           max_k: int) -> tuple[int, int, int]:
     """Checks for the integer GEMMs ``A . B^T``: a [N, Ka] and b [M, Ka] of ``dtype`` (each

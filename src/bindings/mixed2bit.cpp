@@ -3,7 +3,7 @@
 // dims), then call the CPU or CUDA kernels without the GIL. The Python layer allocates all
 // outputs (n4 and n_out are known from the parameters before the call, so every buffer size is)
 // and, for CUDA calls, the kernels' scratch workspace (sized by *_workspace_bytes) as torch
-// tensors on the caller's stream. The GEMM is CPU-only for now.
+// tensors on the caller's stream. The GEMM runs on both (gemm/weight_only_formats.h).
 #include "bindings/nb_common.h"
 #include "formats/mixed2bit/mixed2bit.h"
 #include "gemm/bind_args.h"

@@ -48,7 +48,7 @@ torch's allocator, and waits for its kernels once at the end (a 16-byte copy of 
 that the "values too large" ValueError is raised by the call, as on the CPU. The CUDA
 dequantizer is asynchronous; buffers that contradict their params (map popcount != n4, outlier
 indices not increasing or out of range), which the CPU rejects with ValueError, decode to NaN
-there. :func:`gemm` is CPU-only for now.
+there (:func:`gemm` on CUDA checks the map once per weight and raises ValueError).
 """
 from __future__ import annotations
 

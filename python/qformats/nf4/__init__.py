@@ -25,7 +25,7 @@ decoder, which adds ``|A - A'| <= absmax2 * DYNAMIC_MAX_ERROR (7.05e-3) + 2**-22
 Devices: numpy arrays and CPU tensors run the CPU kernels; CUDA tensors (CUDA builds) run the
 CUDA kernels on the tensor's device, on torch's current stream, with outputs on that device and
 the same bytes as the CPU (offset included: computed on the device in torch's CPU summation
-order). :func:`gemm` is CPU-only for now.
+order). :func:`gemm` runs on both (on CUDA: ``src/gemm/weight_only_cuda.cuh``).
 """
 from __future__ import annotations
 

@@ -44,8 +44,14 @@ DEFAULTS = {"calibration": None, "tokenizer": None, "max_perplexity_increase": N
 
 
 def pop_options(params: dict) -> dict:
-    """Remove the budget method's options from ``params`` (in place); return them with defaults.
-    Raises ValueError when no budget is given or a budget is not a non-negative number."""
+    """Remove the budget method's options (:data:`OPTIONS`) from ``params`` (in place) and
+    return them with :data:`DEFAULTS` filled in.
+
+    Raises:
+        ValueError: neither budget given, a budget that is not a finite number >= 0
+            (``max_perplexity_increase`` in percent, ``max_per_token_kl_divergence`` in nats
+            per predicted token), no calibration, or an empty candidate list.
+    """
     out = dict(DEFAULTS)
     for k in OPTIONS:
         if k in params:
@@ -141,9 +147,31 @@ class _Metric:
 
 
 def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool = False):
-    """The budget method over ``plan`` ([(name, nn.Linear, fmt, params)] from quantize_model).
-    Returns ([(name, QuantizedLinear, seconds)], stats dict) with the model's Linear layers left
-    as they were (quantize_model swaps the chosen ones in)."""
+    """The budget method (module docstring) over the layers of ``plan``; called by
+    :func:`qformats.quantize_model`, which validated the plan.
+
+    Args:
+        model: a causal LM whose forward on int64 token ids ``[B, L]`` returns logits
+            ``[B, L, vocab]`` (or an object with ``.logits``), on any device.
+        plan: ``[(name, nn.Linear, fmt, params)]``: the eligible layers (fmt / params unused:
+            the candidates replace them).
+        options: :func:`pop_options`'s dict. ``calibration`` is cut by
+            :func:`qformats.signround.calibration_samples` into ``nsamples`` windows of at most
+            ``seqlen`` tokens; ``batch_size`` windows per forward.
+        progress: tqdm bar over the sensitivity evaluations.
+    Returns:
+        ``([(name, QuantizedLinear, seconds to quantize)], stats)``, the model's own Linear layers
+        left in place (quantize_model swaps the chosen ones in). ``stats``: ``holds`` (bool),
+        ``ppl_reference`` / ``ppl`` (exp of the mean NLL per predicted token on the windows),
+        ``ppl_increase_percent``, ``kl`` (nats per token, or None), ``avg_bits`` (stored bits
+        per weight over the plan's layers), ``estimated_cost`` (sum of the per-layer costs, in
+        budget units), ``moves_undone``, ``evaluations`` (forward passes over the windows),
+        ``windows`` ([count, max length]), ``choices`` ({name: format, params, bits, cost}),
+        ``seconds``.
+    Raises:
+        ValueError: a layer that no candidate's block size fits, a bad candidate spec, or
+            calibration data calibration_samples rejects.
+    """
     from .evaluate import progress_bar
     from .model import _block, _set_submodule, resolve_spec
     from .nn import QuantizedLinear

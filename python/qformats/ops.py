@@ -277,11 +277,8 @@ def _cuda_weight_only(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch
     if x2.shape[0] > CUDA_GEMV_MAX_ROWS or x2.shape[0] == 0 or K % 32:
         return NotImplemented
     mod = format_module(qt.format)
-    if qt.format == "int4":
-        g = qt.params["group_size"] // 32
-        if qt.params["group_size"] % 32 or g & (g - 1):
-            return NotImplemented
-    if qt.format == "mixed2bit" and not mod.gemm_cuda_supported(qt):
+    supported = getattr(mod, "gemm_cuda_supported", None)  # int4, mixed2bit: parameter limits
+    if supported is not None and not supported(qt):
         return NotImplemented
     if not x2.is_contiguous():
         x2 = x2.contiguous()

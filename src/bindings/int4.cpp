@@ -180,6 +180,8 @@ NB_MODULE(_native, m) {
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
         nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), nb::arg("stream") = 0,
         release_gil());
+  m.def("gemm_cuda_supports", &gemm::int4_gemm_cuda_supports, nb::arg("group_size"),
+        "Whether the CUDA weight-only GEMM takes this group_size (32 * 2^j).");
   m.def("int4_matmul", &int4_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
         nb::arg("K"), nb::arg("stream") = 0, release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");

@@ -24,6 +24,15 @@ inline unsigned grid_for(int64_t n_items, int items_per_cta) {
   return static_cast<unsigned>(g);
 }
 
+// Sum of v over the 32 lanes of a warp (butterfly: every lane gets it). All 32 lanes must call.
+// For integers the sum is exact; for floats its order is fixed by the butterfly.
+template <class V>
+__device__ __forceinline__ V warp_sum(V v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
 __host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // The CTA copies nbytes from src to dst, 16 bytes per thread per step when both ends are

@@ -19,6 +19,7 @@
 
 #include "common/cuda_utils.cuh"
 #include "common/fp16.h"
+#include "gemm/block_loads_cuda.cuh"
 #include "gemm/int4_int4.h"
 #include "gemm/int8_int8.h"
 #include "gemm/q4_0_q8_1.h"
@@ -109,16 +110,12 @@ struct Q4_0Rows {  // block_q4_0 [rows, K / 32] as halfwords (blocks are 2-byte 
       for (int i = 0; i < 8; ++i) w[i] = 0;
       return;
     }
-    const uint16_t* b = p + (row * (K / 32) + s) * 9;
-    uint16_t h[9];
-#pragma unroll
-    for (int i = 0; i < 9; ++i) h[i] = __ldg(b + i);
-    d = fp16_bits_to_fp32(h[0]);
+    uint32_t q[4];
+    d = load_q4_0_block(p + (row * (K / 32) + s) * 9, q);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // qs[j]: element j low nibble, element j + 16 high nibble
-      const uint32_t q = uint32_t(h[1 + 2 * i]) | uint32_t(h[2 + 2 * i]) << 16;
-      w[i] = __vsub4(q & 0x0F0F0F0Fu, 0x08080808u);
-      w[4 + i] = __vsub4((q >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+      w[i] = __vsub4(q[i] & 0x0F0F0F0Fu, 0x08080808u);
+      w[4 + i] = __vsub4((q[i] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
     }
   }
 };
@@ -299,13 +296,8 @@ gemv_kernel(const PW w, const PA a, const Epi epi, int64_t N, int64_t M, int64_t
   for (int r = 0; r < kGemvRows; ++r)
 #pragma unroll
     for (int n = 0; n < kGemvNT; ++n) {
-      float v = facc[r][n];
-      int32_t iv = iacc[r][n];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        if (kScaled) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-        else iv += __shfl_xor_sync(0xFFFFFFFFu, iv, o);
-      }
+      const float v = kScaled ? cuda::warp_sum(facc[r][n]) : 0.0f;
+      const int32_t iv = kScaled ? 0 : cuda::warp_sum(iacc[r][n]);
       if (lane == 0 && m0 + r < M && n < nt) epi(n0 + n, m0 + r, iv, v);
     }
 }

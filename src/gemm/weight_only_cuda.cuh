@@ -68,12 +68,6 @@ __device__ __forceinline__ void load8(const bf16_t* p, float (&v)[8]) {
   }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  return v;
-}
-
 // Fmt (a policy, passed by value as a kernel argument) provides:
 //   static constexpr int kUnit;                       values per unit, a multiple of 8
 //   struct Shared; __device__ void init(Shared&) const;  per-CTA tables (before a barrier)
@@ -163,7 +157,7 @@ weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, i
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      const float v = warp_sum(acc[r][n]);
+      const float v = cuda::warp_sum(acc[r][n]);
       if (lane == 0 && m0 + r < M && n < nt) from_f32(v, &Y[(n0 + n) * M + m0 + r]);
     }
 }

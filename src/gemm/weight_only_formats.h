@@ -54,10 +54,20 @@ void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* 
                     const uint8_t* zeros, int64_t gs, T* Y, void* stream);
 template <class T>
 void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, void* stream);
+// log2(v) for a power of two v >= 1, else -1.
+inline int log2_exact(int64_t v) {
+  if (v < 1 || (v & (v - 1))) return -1;
+  int s = 0;
+  while ((int64_t(1) << s) < v) ++s;
+  return s;
+}
+// The parameters the CUDA kernels take (the Python layers ask before choosing them).
+inline bool int4_gemm_cuda_supports(int64_t group_size) {
+  return group_size % 32 == 0 && log2_exact(group_size / 32) >= 0;
+}
 inline bool mixed2bit_gemm_cuda_supports(const mixed2bit::Dims& d) {
-  auto pow2 = [](int64_t v) { return v > 0 && (v & (v - 1)) == 0; };
-  return d.group_size % 16 == 0 && pow2(d.group_size / 16) && d.group_size <= 512 && pow2(d.scale_block) &&
-         d.n_out == 0;
+  const int us = d.group_size % 16 ? -1 : log2_exact(d.group_size / 16);
+  return us >= 0 && us <= 5 && log2_exact(d.scale_block) >= 0 && d.n_out == 0;
 }
 // n4_before [rows + 1] (device int64): 4-bit groups before each row (exclusive prefix; the last
 // entry is the total, which the caller compares with dims.n4 to reject inconsistent buffers).

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "formats/nf4/nf4.h"
+#include "gemm/block_loads_cuda.cuh"
 #include "gemm/weight_only_cuda.cuh"
 #include "gemm/weight_only_formats.h"
 
@@ -107,7 +108,7 @@ struct Int4 {
 
 // q4_0 (llama.cpp block_q4_0, 18 bytes: fp16 d, 16 bytes qs): element i in the low nibble of
 // qs[i], element i + 16 in the high nibble; w = (q - 8) * d. Blocks are only 2-byte aligned,
-// so a lane reads its block as 9 halfwords (consecutive lanes, consecutive blocks).
+// so a lane reads its block as 9 halfwords (load_q4_0_block; consecutive lanes, consecutive blocks).
 struct Q4_0 {
   static constexpr int kUnit = 32;
   static constexpr bool kOffset = false;
@@ -122,14 +123,8 @@ struct Q4_0 {
   __device__ void init(Shared&) const {}
   __device__ RowState row(int64_t) const { return {}; }
   __device__ Unit load(RowState&, int64_t m, int64_t u, bool) const {
-    const uint16_t* p = blocks + (m * nb + u) * 9;
-    uint16_t h[9];
-#pragma unroll
-    for (int i = 0; i < 9; ++i) h[i] = __ldg(p + i);
     Unit r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r.q[i] = uint32_t(h[1 + 2 * i]) | uint32_t(h[2 + 2 * i]) << 16;
-    r.scale = fp16_bits_to_fp32(h[0]);
+    r.scale = load_q4_0_block(blocks + (m * nb + u) * 9, r.q);
     r.offset = 0.0f;
     return r;
   }
@@ -154,13 +149,7 @@ struct Q4_0 {
 struct Mixed2 {
   static constexpr int kUnit = 16;
   static constexpr bool kOffset = true;
-  const uint8_t* map;
-  const uint32_t* codes2;
-  const uint32_t* codes4;
-  const uint8_t* scales2;
-  const uint8_t* scales4;
-  const uint16_t* so2;
-  const uint16_t* so4;
+  mixed2bit::ConstBuffers q;
   const int64_t* n4_before;  // [rows + 1], from mixed2bit_row_index_cuda
   int64_t G;                 // groups per row
   int ushift, bshift;
@@ -188,7 +177,7 @@ struct Mixed2 {
     const int sub = static_cast<int>(u & ((1 << ushift) - 1));
     const int64_t g = m * G + (u >> ushift);
     const bool start = valid && sub == 0;
-    const bool is4 = valid && ((__ldg(map + (g >> 3)) >> (g & 7)) & 1u);
+    const bool is4 = valid && ((__ldg(q.group_map + (g >> 3)) >> (g & 7)) & 1u);
     const uint32_t m4 = __ballot_sync(0xFFFFFFFFu, start && is4);
     const uint32_t m2 = __ballot_sync(0xFFFFFFFFu, start && !is4);
     const uint32_t before = (1u << ((threadIdx.x & 31) - sub)) - 1u;  // group starts before ours
@@ -198,26 +187,26 @@ struct Mixed2 {
     Unit r{0u, 0u, 0.0f, 0.0f};
     if (!valid) return r;
     uint32_t sc, mc;
-    const uint16_t* so;
+    const half_t* so;  // [d, dm] of the group's second-order block
     if (is4) {
-      const uint32_t* c = codes4 + ((i4 << ushift) + sub) * 2;
+      const uint32_t* c = q.codes4 + ((i4 << ushift) + sub) * 2;
       r.c0 = __ldg(c);
       r.c1 = __ldg(c + 1);
-      sc = __ldg(scales4 + 2 * i4);
-      mc = __ldg(scales4 + 2 * i4 + 1);
-      so = so4 + 2 * (i4 >> bshift);
+      sc = __ldg(q.scales4 + 2 * i4);
+      mc = __ldg(q.scales4 + 2 * i4 + 1);
+      so = q.so4 + 2 * (i4 >> bshift);
     } else {
-      const uint32_t c = __ldg(codes2 + (i2 << ushift) + sub);
+      const uint32_t c = __ldg(q.codes2 + (i2 << ushift) + sub);
       r.c0 = spread2(c);
       r.c1 = spread2(c >> 16);
-      const uint32_t s = __ldg(scales2 + i2);
+      const uint32_t s = __ldg(q.scales2 + i2);
       sc = s & 15u;
       mc = s >> 4;
-      so = so2 + 2 * (i2 >> bshift);
+      so = q.so2 + 2 * (i2 >> bshift);
     }
     // s_eff = d16 * sc, m_eff = dm16 * mc: the format's float32 products
-    r.scale = fp16_bits_to_fp32(__ldg(so)) * static_cast<float>(sc);
-    r.offset = fp16_bits_to_fp32(__ldg(so + 1)) * static_cast<float>(mc);
+    r.scale = fp16_bits_to_fp32(__ldg(&so[0].bits)) * static_cast<float>(sc);
+    r.offset = fp16_bits_to_fp32(__ldg(&so[1].bits)) * static_cast<float>(mc);
     return r;
   }
   __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
@@ -262,12 +251,6 @@ __global__ void __launch_bounds__(1024) scan_kernel(int64_t* __restrict__ out, i
   }
 }
 
-int log2_exact(int64_t v) {
-  int s = 0;
-  while ((int64_t(1) << s) < v) ++s;
-  return (int64_t(1) << s) == v ? s : -1;
-}
-
 }  // namespace
 
 template <class T>
@@ -281,9 +264,9 @@ void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* p
 template <class T>
 void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
                     const uint8_t* zeros, int64_t gs, T* Y, void* stream) {
-  const int gshift = gs % 32 ? -1 : log2_exact(gs / 32);
-  if (gshift < 0 || K % gs) throw std::invalid_argument("int4 CUDA GEMM: group_size must be 32 * 2^j dividing K");
-  cuda_wo::launch_weight_only(Int4{qweight, scales, zeros, K, gshift}, X, N, K, M, Y, stream);
+  if (!int4_gemm_cuda_supports(gs) || K % gs)
+    throw std::invalid_argument("int4 CUDA GEMM: group_size must be 32 * 2^j dividing K");
+  cuda_wo::launch_weight_only(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, stream);
 }
 
 template <class T>
@@ -307,9 +290,7 @@ void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q
   if (!mixed2bit_gemm_cuda_supports(d))
     throw std::invalid_argument("mixed2bit CUDA GEMM: needs group_size = 16 * 2^j <= 512, a power-of-two "
                                 "scale_block and no outliers");
-  const Mixed2 f{q.group_map, q.codes2, q.codes4, q.scales2, q.scales4,
-                 reinterpret_cast<const uint16_t*>(q.so2), reinterpret_cast<const uint16_t*>(q.so4), n4_before,
-                 d.groups_per_row(), log2_exact(d.group_size / 16), log2_exact(d.scale_block)};
+  const Mixed2 f{q, n4_before, d.groups_per_row(), log2_exact(d.group_size / 16), log2_exact(d.scale_block)};
   cuda_wo::launch_weight_only(f, X, N, d.K, d.rows, Y, stream);
 }
 

@@ -33,7 +33,7 @@ GROUP_MULTIPLE = 8            #: group_size must be a positive multiple of this
 MAX_MATMUL_K = 33554431       #: largest K with an exact int32 int4_matmul (64 * K < 2^31)
 
 __all__ = ["quantize", "dequantize", "expected_buffers", "pack_int4", "unpack_int4", "int4_matmul",
-           "gemm", "FORMAT", "GROUP_MULTIPLE", "MAX_MATMUL_K", "reference"]
+           "gemm", "gemm_cuda_supported", "FORMAT", "GROUP_MULTIPLE", "MAX_MATMUL_K", "reference"]
 
 
 def _check_params(group_size: Any, symmetric: Any) -> dict:
@@ -224,6 +224,12 @@ def int4_matmul(a: Any, b: Any) -> Any:
     return out
 
 
+def gemm_cuda_supported(w: QuantizedTensor) -> bool:
+    """Whether the CUDA GEMM kernel takes int4 weight ``w``: group_size = 32 * 2^j (32, 64,
+    128, ...). :func:`gemm` raises ValueError for CUDA operands otherwise."""
+    return bool(_native.gemm_cuda_supports(int(w.params["group_size"])))
+
+
 def gemm(x: Any, w: QuantizedTensor) -> Any:
     """Weight-only GEMM ``Y = X . W^T`` with float activations and int4 weights.
 
@@ -257,7 +263,7 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         raise ValueError(f"gemm: K mismatch, x is {tuple(x.shape)} and w is {w.shape}")
     A.same_device(("x", x), *w.buffers.items())
     qweight, scales, zeros, gs = _decode_args(w)
-    if A.is_cuda(x) and (gs % 32 or (gs // 32) & (gs // 32 - 1)):
+    if A.is_cuda(x) and not gemm_cuda_supported(w):
         raise ValueError(f"int4.gemm on CUDA needs group_size = 32 * 2^j, got {gs}")
     x, out = A.gemm_operands(x, N, M)
     with A.stream_for(x) as stream:

@@ -32,18 +32,25 @@ constexpr int kLdw = 9;        // words per shared row: 8 + 1 of padding (rows h
 constexpr int kThreads = 256;  // 16 x 16 threads, 4 x 4 outputs each
 
 // --- row fetches: 32 values of row `row`, step s (values 32 s .. 32 s + 31) -> 8 words ----------
+// Rows past the end (the ragged edge of a tile or GEMV warp) fetch zeros with scale 0, so they
+// add nothing and their outputs are never written.
+
+// Zero codes and scale for a row past the end; returns true so a fetch can `if (...) return`.
+__device__ __forceinline__ bool past_end(int64_t row, int64_t rows, uint32_t (&w)[8], float& d) {
+  if (row < rows) return false;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = 0;
+  d = 0.0f;
+  return true;
+}
 
 struct Int8Rows {  // int8 [rows, K]
   const int8_t* p;
   bool vec;  // K % 16 == 0 and p 16-byte aligned: two 16-byte loads per full step
   __device__ void fetch(int64_t row, int64_t s, int64_t rows, int64_t K, uint32_t (&w)[8], float& d) const {
+    if (past_end(row, rows, w, d)) return;
     d = 0.0f;
     const int64_t k0 = 32 * s;
-    if (row >= rows) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) w[i] = 0;
-      return;
-    }
     const int8_t* r = p + row * K + k0;
     if (vec && k0 + 32 <= K) {
       const uint4 a = __ldg(reinterpret_cast<const uint4*>(r)), b = __ldg(reinterpret_cast<const uint4*>(r) + 1);
@@ -74,12 +81,8 @@ struct Int4Rows {  // packed uint8 [rows, K / 2]
   const uint8_t* p;
   bool vec;  // K % 32 == 0 and p 16-byte aligned
   __device__ void fetch(int64_t row, int64_t s, int64_t rows, int64_t K, uint32_t (&w)[8], float& d) const {
+    if (past_end(row, rows, w, d)) return;
     d = 0.0f;
-    if (row >= rows) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) w[i] = 0;
-      return;
-    }
     const int64_t kb = K / 2, b0 = 16 * s;  // bytes per row, first byte of the step
     const uint8_t* r = p + row * kb + b0;
     uint32_t v[4];
@@ -104,12 +107,7 @@ struct Int4Rows {  // packed uint8 [rows, K / 2]
 struct Q4_0Rows {  // block_q4_0 [rows, K / 32] as halfwords (blocks are 2-byte aligned)
   const uint16_t* p;
   __device__ void fetch(int64_t row, int64_t s, int64_t rows, int64_t K, uint32_t (&w)[8], float& d) const {
-    if (row >= rows) {
-      d = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) w[i] = 0;
-      return;
-    }
+    if (past_end(row, rows, w, d)) return;
     uint32_t q[4];
     d = load_q4_0_block(p + (row * (K / 32) + s) * 9, q);
 #pragma unroll
@@ -123,12 +121,7 @@ struct Q4_0Rows {  // block_q4_0 [rows, K / 32] as halfwords (blocks are 2-byte 
 struct Q8_1Rows {  // block_q8_1 [rows, K / 32] as words: [d | s << 16, qs[0..31]]
   const uint32_t* p;
   __device__ void fetch(int64_t row, int64_t s, int64_t rows, int64_t K, uint32_t (&w)[8], float& d) const {
-    if (row >= rows) {
-      d = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) w[i] = 0;
-      return;
-    }
+    if (past_end(row, rows, w, d)) return;
     const uint32_t* b = p + (row * (K / 32) + s) * 9;
     d = fp16_bits_to_fp32(static_cast<uint16_t>(__ldg(b) & 0xFFFFu));
 #pragma unroll

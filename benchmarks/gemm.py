@@ -2,6 +2,7 @@
 
     python benchmarks/gemm.py [--shapes 4096x4096,14336x4096,4096x14336]
                               [--n 1,2,4,8,16,64,512,2048] [--iters 15] [--csv FILE]
+                              [--json FILE]
 
 Y = X . W^T with W [M, K] and X [N, K] (fp16 activations). Each time is the median over `iters`
 calls timed with CUDA events; the weights (and activations) rotate through copies that together
@@ -14,6 +15,10 @@ Columns: time in microseconds; TFLOP/s = 2 N M K / time; weight GB/s = stored we
 time; % copy = weight GB/s over the device-to-device copy bandwidth measured in the same run
 (bytes read + written / time); x fp16 = cuBLAS fp16 time / this time.
 
+--json FILE writes every row with its weight bytes and the shape's copy bandwidth, plus the
+run's metadata (date, GPU, versions, command line), for the documentation's plots
+(docs/_ext/qf_results.py reads benchmarks/results/gemm_h200.json in this schema).
+
 Rows (ours): nf4, int4 (g128 asymmetric), q4_0 (weight-only), q4_0xq8_1 (llama.cpp's pair:
 x quantized to q8_1 by our kernel, then dp4a; the time includes both), mixed2bit (g16, 10%
 4-bit), int8 fused (int8_linear: int8 x int8 with the scale epilogue, fp16 out; x pre-quantized),
@@ -25,6 +30,9 @@ threshold 0).
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import shlex
 import statistics
 import sys
 
@@ -70,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="1,2,4,8,16,64,512,2048")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="also write every row and the run's metadata as JSON")
     args = ap.parse_args(argv)
     if not qformats.cuda_available():
         print("no CUDA device or a CPU-only build: nothing to measure")
@@ -84,6 +94,7 @@ def main(argv=None) -> int:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  qformats {qformats.__version__}"
           f"  bitsandbytes {getattr(bnb, '__version__', 'absent')}")
     rows = []
+    json_rows, copy_by_shape = [], {}  # --json: rows with weight bytes, copy GB/s per shape
     for (m, k) in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         w16 = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g) * 0.02
@@ -95,6 +106,7 @@ def main(argv=None) -> int:
         copy_gbs = 2 * nbytes_of(w16) / copy_us / 1e3
         del dst
         print(f"\n{m}x{k}: d2d copy {copy_us:.1f} us = {copy_gbs:.0f} GB/s")
+        copy_by_shape[f"{m}x{k}"] = {"copy_us": copy_us, "copy_gbs": copy_gbs}
 
         ours = {}
         def quant_sets(fmt, fn, weight_of=lambda q: q):
@@ -162,6 +174,10 @@ def main(argv=None) -> int:
                 tflops = 2 * n * m * k / us / 1e6
                 gbs = wbytes / us / 1e3
                 rows.append((f"{m}x{k}", n, name, us, tflops, gbs, 100 * gbs / copy_gbs, fp16_us / us))
+                json_rows.append({"shape": f"{m}x{k}", "M": m, "K": k, "N": n, "kernel": name,
+                                  "time_us": us, "tflops": tflops, "weight_bytes": int(wbytes),
+                                  "weight_gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
+                                  "x_fp16": fp16_us / us, "copy_gbs": copy_gbs})
             del xs
         del ours, w8, w4s, bnb_w, bnb_l8, ws16
         torch.cuda.empty_cache()
@@ -176,6 +192,17 @@ def main(argv=None) -> int:
             f.write("shape,N,kernel,time_us,tflops,weight_gbs,pct_copy,x_fp16\n")
             for r in rows:
                 f.write(",".join(str(v) for v in r) + "\n")
+    if args.json:
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "qformats": qformats.__version__,
+                "bitsandbytes": getattr(bnb, "__version__", None),
+                "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+                "iters": args.iters, "copy": copy_by_shape,
+                "source": "benchmarks/gemm.py --json (measured in this run)"}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": json_rows}, f, indent=1)
+            f.write("\n")
     return 0
 
 

@@ -1,11 +1,12 @@
 """The ``qformats`` command line.
 
 Subcommands:
-    compare   quantize a Hugging Face model's Linear weights with each format and print a
-              table of bits/weight, size, weight error, quantize time and output quality.
-    quantize  quantize a Hugging Face model (QuantizedLinear layers) and save it to a folder.
-    eval      perplexity of a model folder (plain Hugging Face or quantized), with the size
-              and average bits of a quantized one.
+
+- ``compare``: quantize a Hugging Face model's Linear weights with each format and print a
+  table of bits/weight, size, weight error, quantize time and output quality.
+- ``quantize``: quantize a Hugging Face model (QuantizedLinear layers) and save it to a folder.
+- ``eval``: perplexity of a model folder (plain Hugging Face or quantized), with the size
+  and average bits of a quantized one.
 
 Run as ``qformats ...`` (installed script) or ``python -m qformats.cli ...``.
 """

@@ -210,7 +210,7 @@ def int4_matmul(a: Any, b: Any) -> Any:
         b: uint8 ``[M, K // 2]``, the same packing, on a's device.
     Returns:
         int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]`` over the unpacked signed
-        codes, in the library and on the device of ``a``. Exact (|a * b| <= 64 and
+        codes, in the library and on the device of ``a``. Exact (``|a * b| <= 64`` and
         K <= 33554431); on CUDA the nibbles are sign-extended in registers and multiplied with
         dp4a.
     Raises:

@@ -11,7 +11,7 @@ Buffers: ``q`` int8 codes in [-127, 127] with the input's shape, and ``scale`` f
 Error bound, per element of a unit with stored scale ``s`` (derived in ``tests/int8``):
 ``|x - q*s| <= s * (1/2 + 2^-14) + 2^-140`` before the decode's float32 rounding, i.e. half
 a step plus float32 rounding of ``m``, ``x*m`` and ``s``, plus a subnormal floor. Clamping
-costs nothing beyond that (|x * m| < 127.5 whenever m is finite). Exceptions, documented in
+costs nothing beyond that (``|x * m| < 127.5`` whenever m is finite). Exceptions, documented in
 the header: a unit with ``0 < absmax < 127 / FLT_MAX`` (~3.7e-37) has an infinite ``m`` and
 saturates every nonzero code to +-127 (error <= absmax); ``q * s`` can overflow to +-inf
 when absmax is within a rounding of FLT_MAX.
@@ -198,7 +198,7 @@ def int8_matmul(a: Any, b: Any) -> Any:
         b: int8 ``[M, K]`` on a's device.
     Returns:
         int32 ``[N, M]``, ``out[n, m] = sum_k a[n, k] * b[m, k]``, in the library and on the
-        device of ``a``. Exact: with ``K <= 131071`` no sum can leave int32 (|a * b| <= 2^14).
+        device of ``a``. Exact: with ``K <= 131071`` no sum can leave int32 (``|a * b| <= 2^14``).
         CPU: threaded, AVX-512 VNNI / AVX2 kernels where the CPU has them; CUDA: dp4a tiles on
         torch's current stream (the same integers everywhere).
     Raises:

@@ -175,7 +175,7 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
             Hessian diagonal / mean squared activation), on any device; not stored. Given,
             groups are ranked by ``sum(sensitivity * w**2)`` instead of their range.
         outlier_ratio: fraction of the 2-bit groups' elements kept as fp16 outliers (largest
-            |w| first), in [0, 1] (default 0). Needs rows * K < 2**31 when non-zero.
+            ``|w|`` first), in [0, 1] (default 0). Needs rows * K < 2**31 when non-zero.
         scale_block: groups per second-order block (fp16 [d, dm] pair), >= 1 (default 16).
     Returns:
         A :class:`~qformats.QuantizedTensor` (format ``"mixed2bit"``) whose buffers are in the

@@ -98,7 +98,7 @@ def select_4bit(scores: np.ndarray, n4: int) -> np.ndarray:
 
 def select_outliers(w: np.ndarray, is4: np.ndarray, group_size: int, n_out: int) -> np.ndarray:
     """Step 3: int64 sorted flat indices of the n_out elements of 2-bit groups with the largest
-    |w| (ties: the smaller flat index)."""
+    ``|w|`` (ties: the smaller flat index)."""
     if n_out == 0:
         return np.zeros(0, np.int64)
     in2 = np.repeat(~is4, group_size)                  # per flat element: in a 2-bit group?

@@ -82,7 +82,7 @@ _CELL_VALUES = (np.float32(-1) + (np.float32(2) * np.arange(65536, dtype=np.floa
                 / np.float32(65535)).astype(np.float32)
 #: bitsandbytes' ``build_quantize_lut``: table cell -> 8-bit code (midpoints strictly below the cell).
 DYNAMIC_LUT = np.searchsorted(_DYN_MID, _CELL_VALUES, side="left").astype(np.uint8)
-#: Largest |v - DYNAMIC_MAP[code(v)]| over v in [-1, 1] (at the cell edges; 7.03e-3 at v = -1).
+#: Largest ``|v - DYNAMIC_MAP[code(v)]|`` over v in [-1, 1] (at the cell edges; 7.03e-3 at v = -1).
 DYNAMIC_MAX_ERROR = float(max(
     np.max(np.abs(_CELL_VALUES.astype(np.float64) - DYNAMIC_MAP[DYNAMIC_LUT])) + 1.0 / 65535,
     abs(-1.0 - float(DYNAMIC_MAP[0])),

@@ -38,7 +38,7 @@ def quantize_q4_0(x: Any) -> Any:
     Raises:
         TypeError: not a numpy array / torch tensor, or not a float dtype.
         ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf, or a
-            block whose scale overflows fp16 (max |x| of a block >= 65520 * 8).
+            block whose scale overflows fp16 (``max |x|`` of a block >= 65520 * 8).
     """
     A.check_float(x, "x", multiple_of=QK)
     out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
@@ -180,7 +180,7 @@ def linear(x: Any, w: QuantizedTensor) -> Any:
     Raises:
         TypeError: x not a float array/tensor, w not a QuantizedTensor.
         ValueError: x not 2-D, w not 2-D or not q4_0, K mismatch, non-contiguous, NaN/Inf, or
-            |x| too large for q8_1's fp16 scale (both checks are skipped inside
+            ``|x|`` too large for q8_1's fp16 scale (both checks are skipped inside
             :func:`qformats.skip_finite_check`, where such x gives llama.cpp's inf scales).
     """
     blocks, N, M, K = _weight_and_x("q4_0.linear", x, w)

@@ -35,9 +35,9 @@ def quantize_q8_1(x: Any) -> Any:
     Raises:
         TypeError: not an array/tensor or not a float dtype.
         ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf, or a
-            block whose scale overflows fp16 (max |x| of a block >= 65520 * 127).
+            block whose scale overflows fp16 (``max |x|`` of a block >= 65520 * 127).
             ``s`` is stored as llama.cpp stores it and saturates to inf once
-            |d * sum(q)| >= 65520 (block sums of large activations); the decoded values
+            ``|d * sum(q)| >= 65520`` (block sums of large activations); the decoded values
             do not use it.
     """
     A.check_float(x, "x", multiple_of=QK)

@@ -7,8 +7,9 @@ mode (``python -I tools/wheel_check.py WHEEL``) from outside the source tree, so
 * the wheel holds ``qformats/py.typed`` and, next to every extension ``_native*.so``, a
   ``_native.pyi`` that parses and names every public function of the module;
 * ``qformats`` and every submodule import (those that need torch or transformers, absent here,
-  are listed and skipped); the native modules were built without CUDA (``cuda_built()`` False)
-  and ``cuda_available()`` is False;
+  are listed and skipped); the native modules were built without CUDA (``cuda_built()`` False;
+  ``--cuda-built`` expects a CUDA build instead, for checking such a wheel on a machine without
+  a GPU) and ``cuda_available()`` is False;
 * per format, on small numpy arrays: the native quantizer's bytes == the format's ``reference``
   codec, dequantize == the reference decoder, pack/unpack where offered, and the CPU GEMMs
   (integer ones exact, float ones within 1e-5 of the float64 product as tests/gemm does);
@@ -106,7 +107,7 @@ def check_wheel(path: str) -> None:
 
 # -- imports and runtime ---------------------------------------------------------------------
 
-def check_imports() -> None:
+def check_imports(cuda_built: bool) -> None:
     import qformats
 
     print(f"qformats {qformats.__version__} from {os.path.dirname(qformats.__file__)}")
@@ -134,10 +135,13 @@ def check_imports() -> None:
             print(f"  FAIL  import {info.name}: {e!r}")
     print(f"  ok    every other submodule imports; skipped, needing an optional package: {', '.join(skipped) or 'none'}")
 
-    @check("built without CUDA; cuda_available() is False")
+    @check(f"built {'with' if cuda_built else 'without'} CUDA; cuda_available() is False")
     def _():
         from qformats import _runtime
-        assert not _runtime.cuda_built(), "the extensions were compiled with CUDA: was nvcc visible?"
+        if cuda_built:
+            assert _runtime.cuda_built(), "expected a CUDA build"
+        else:
+            assert not _runtime.cuda_built(), "the extensions were compiled with CUDA: was nvcc visible?"
         assert qformats.cuda_available() is False
         assert _runtime.cuda_device_count() == 0
 
@@ -314,11 +318,14 @@ def check_io() -> None:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print(f"usage: python -I {sys.argv[0]} WHEEL", file=sys.stderr)
+    args = sys.argv[1:]
+    cuda_built = "--cuda-built" in args
+    args = [a for a in args if a != "--cuda-built"]
+    if len(args) != 1:
+        print(f"usage: python -I {sys.argv[0]} WHEEL [--cuda-built]", file=sys.stderr)
         return 2
-    check_imports()
-    check_wheel(sys.argv[1])
+    check_imports(cuda_built)
+    check_wheel(args[0])
     print("formats (numpy, CPU kernels)")
     for fn in (check_q4_0, check_q8_1, check_int8, check_int4, check_nf4, check_mixed2bit, check_io):
         fn()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Development build without installing: compiles the given formats (default: all) into
-# build/dev-<tag>/ and writes each extension next to its Python package, so that
+# build/dev-<tag>/ and writes each extension (and its _native.pyi type stub, made by the build)
+# next to its Python package, so that
 #   PYTHONPATH=python python -m pytest tests/<fmt>
 # runs against the fresh build. Separate tags let several formats build side by side.
 #   tools/dev_build.sh [fmt ...]        QFORMATS_CUDA=ON|OFF|AUTO (default OFF here)

@@ -13,9 +13,10 @@ Use::
 ``bits`` picks a format with the usual settings: 8 -> ``int8`` (one scale per output row;
 with ``group_size``: per group), 4 -> ``int4`` (asymmetric, ``group_size`` 128 by default),
 2 -> ``mixed2bit`` with ``ratio_4bit=0`` (plain 2-bit, ``group_size`` 16 by default).
-``format=`` picks any format with its own parameters. Only round to nearest (``"rtn"``) is
-implemented; trainable rounding (SignRound / AutoRound) and budgeted per-layer bits come with
-the next model-level issue.
+``format=`` picks any format with its own parameters. Methods: round to nearest (``"rtn"``;
+with ``calibration=``, mixed2bit's 4-bit groups are chosen by the activations' second moment),
+trainable rounding (``"signround"``, :mod:`qformats.signround`) and budgeted per-layer formats
+(``"budget"``, :mod:`qformats.budget`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from ._core import FORMATS, format_module
 from .nn import QuantizedLinear
 
 __all__ = ["quantize_model", "resolve_spec", "check_method", "QuantizationReport", "LayerReport", "model_size",
-           "DEFAULT_IGNORE", "BITS_FORMATS", "METHODS", "matches"]
+           "DEFAULT_IGNORE", "BITS_FORMATS", "METHODS", "matches", "CALIBRATION_OPTIONS",
+           "pop_calibration_options", "context_length"]
 
 #: Module-name patterns left in float unless ``ignore=`` says otherwise: the output projection
 #: and anything named like an embedding (``nn.Embedding`` is never touched anyway).
@@ -140,8 +142,9 @@ def resolve_spec(format: Optional[str] = None, bits: Optional[int] = None,
     base = _apply_group_size(fmt, base, group_size)
     base.update(params)
     if "sensitivity" in base:
-        raise ValueError("sensitivity is a per-layer tensor from calibration data; it comes with "
-                         "the calibrated methods, not with quantize_model's rtn")
+        raise ValueError("sensitivity is a per-layer tensor from calibration data: pass "
+                         "calibration= (token ids, or a text with tokenizer=) and quantize_model "
+                         "measures it for each mixed2bit layer")
     mod = format_module(fmt)
     try:
         inspect.signature(mod.quantize).bind(None, **base)
@@ -223,6 +226,9 @@ class QuantizationReport:
     Attributes:
         method: ``"rtn"``, ``"signround"`` or ``"budget"``.
         layers: a :class:`LayerReport` per ``nn.Linear`` found, in module order.
+        calibration: with ``method="rtn"`` and ``calibration=``, what mixed2bit's
+            sensitivities were measured on (``layers``, ``windows`` [count, max tokens],
+            ``sensitivity_power``, ``seconds``), else None.
         budget: with ``method="budget"``, the outcome (:func:`qformats.budget.quantize_budget`:
             ``holds``, ``ppl``, ``ppl_reference``, ``ppl_increase_percent``, ``kl``,
             ``avg_bits``, per-layer ``choices``...), else None.
@@ -237,6 +243,7 @@ class QuantizationReport:
     size: dict = field(default_factory=dict)
     seconds: float = 0.0
     budget: Optional[dict] = None
+    calibration: Optional[dict] = None
 
     @property
     def quantized(self) -> list:
@@ -280,6 +287,8 @@ class QuantizationReport:
              "formats": self.formats, "avg_bits": self.avg_bits}
         if self.budget is not None:
             d["budget"] = self.budget
+        if self.calibration is not None:
+            d["calibration"] = self.calibration
         return _nan_to_none(d)
 
     def summary(self) -> str:
@@ -397,18 +406,29 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
             ratio_4bit=0, group_size 16). Exactly one of format / bits.
         group_size: values per group along in_features (int4, mixed2bit; int8 -> per-group
             scales; nf4 -> blocksize; q4_0 / q8_1 are fixed at 32).
-        method: ``"rtn"`` (round to nearest) or ``"signround"`` (trainable rounding for int4
-            asymmetric and plain 2-bit mixed2bit: :mod:`qformats.signround`; its options go in
+        method: ``"rtn"`` (round to nearest; with ``calibration=`` in ``**params``, the
+            mixed2bit layers with ``ratio_4bit > 0`` choose their 4-bit groups by the mean
+            squared input per column (the diagonal of ``X^T X`` over the calibration tokens,
+            normalized, ``** sensitivity_power``) passed as mixed2bit's ``sensitivity``;
+            options ``calibration`` (token-id tensors, or a text with ``tokenizer``),
+            ``nsamples=128``, ``seqlen=2048`` (capped at the model's
+            ``max_position_embeddings``), ``batch_size=8``, ``sensitivity_power=1.0``; what
+            was measured in ``report.calibration``); or ``"signround"`` (trainable rounding
+            for int4 asymmetric and mixed2bit without outliers, 4-bit groups chosen by the
+            calibrated sensitivity first: :mod:`qformats.signround`; its options go in
             ``**params``:
             ``calibration`` (token-id tensors, or a text with ``tokenizer``), ``iters=200``,
             ``nsamples=128``, ``seqlen=2048``, ``lr=None`` (1 / iters), ``batch_size=8``,
-            ``seed=0``; per-block losses in ``report.signround``); or ``"budget"``
+            ``seed=0``, ``selection="sensitivity"`` (or ``"range"``),
+            ``sensitivity_power=1.0``; per-block losses in ``report.signround``); or ``"budget"``
             (per-layer formats chosen to meet a quality budget with the fewest bits:
             :mod:`qformats.budget`; options in ``**params``: ``calibration`` (+ ``tokenizer``),
             ``max_perplexity_increase`` (percent) and/or ``max_per_token_kl_divergence``,
             ``candidates`` (default :data:`qformats.budget.DEFAULT_CANDIDATES`),
-            ``nsamples=16``, ``seqlen=512``, ``batch_size=8``; format / bits only decide which
-            layers are eligible (default bits=4); the outcome is in ``report.budget``).
+            ``nsamples=16``, ``seqlen=512``, ``batch_size=8``, ``selection``,
+            ``sensitivity_power``, ``signround`` (options of signround candidates); format /
+            bits only decide which layers are eligible (default bits=4); the outcome is in
+            ``report.budget``).
             ``"autoround"`` raises NotImplementedError (``"signround"`` is that method).
         ignore: module-name patterns to keep in float (see :func:`matches`); default
             :data:`DEFAULT_IGNORE` (``lm_head``, embeddings) plus the model's
@@ -426,7 +446,9 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     Raises:
         ValueError: a bad format / bits / group_size / parameter (globally or in an override),
             an override pattern that matches no Linear, or no layer could be quantized although
-            some were eligible (the group size divides none of their in_features).
+            some were eligible (the group size divides none of their in_features);
+            ``calibration=`` with ``method="rtn"`` when no planned layer is mixed2bit with
+            ``ratio_4bit > 0``, or bad calibration options.
         NotImplementedError: ``method`` is one of the later methods.
         TypeError: model is not an nn.Module.
     """
@@ -434,7 +456,9 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     params = dict(params)
-    sr_options = budget_options = None
+    sr_options = budget_options = cal_options = None
+    if method == "rtn" and "calibration" in params:
+        cal_options = pop_calibration_options(params)
     if method == "budget":
         from .budget import pop_options as budget_pop
         budget_options = budget_pop(params)
@@ -443,6 +467,7 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     if method == "signround":  # trainable rounding: qformats.signround (int4 asym., plain 2-bit)
         from .signround import pop_options
         sr_options = pop_options(params)
+        sr_options["seqlen"] = context_length(model, sr_options["seqlen"])
         if sr_options["calibration"] is None:
             raise ValueError(
                 "method='signround' needs calibration data: pass calibration= token-id tensors, "
@@ -524,7 +549,10 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     from .evaluate import progress_bar
 
     new = []
-    sr_stats = budget_stats = None
+    sr_stats = budget_stats = cal_stats = None
+    sens: dict = {}
+    if cal_options is not None:
+        sens, cal_stats = _calibrated_sensitivities(model, plan, cal_options)
     if budget_options is not None:
         from .budget import quantize_budget
         new, budget_stats = quantize_budget(model, plan, budget_options, progress=progress)
@@ -536,8 +564,9 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     bar = progress_bar(plan, enabled=progress, desc=f"quantize ({method})", unit="layer", leave=False)
     for name, m, fmt, qparams in bar:
         t1 = time.perf_counter()
+        extra = {"sensitivity": sens[name]} if name in sens else {}
         try:
-            q = QuantizedLinear.from_linear(m, fmt, **qparams)
+            q = QuantizedLinear.from_linear(m, fmt, **qparams, **extra)
         except (TypeError, ValueError) as e:
             raise ValueError(f"layer {name}: {fmt} {qparams}: {e}") from e
         new.append((name, q, time.perf_counter() - t1))
@@ -555,9 +584,75 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     report.seconds = time.perf_counter() - t0
     if budget_stats is not None:
         report.budget = budget_stats  # the outcome: holds, ppl, avg_bits, per-layer choices
+    if cal_stats is not None:
+        report.calibration = cal_stats  # what the sensitivities were measured on
     if sr_stats is not None:
         report.signround = sr_stats  # per-block losses (see qformats.signround.quantize_plan)
     return report
+
+
+#: quantize_model keyword arguments of calibrated round to nearest (method="rtn" with
+#: calibration=): mixed2bit's 4-bit groups chosen by the activations' second moment.
+CALIBRATION_OPTIONS = ("calibration", "tokenizer", "nsamples", "seqlen", "batch_size",
+                       "sensitivity_power")
+CALIBRATION_DEFAULTS = {"calibration": None, "tokenizer": None, "nsamples": 128, "seqlen": 2048,
+                        "batch_size": 8, "sensitivity_power": 1.0}
+
+
+def pop_calibration_options(params: dict) -> dict:
+    """Remove the calibration options (:data:`CALIBRATION_OPTIONS`) of ``method="rtn"`` from
+    ``params`` (in place) and return them with :data:`CALIBRATION_DEFAULTS` filled in.
+
+    Raises:
+        ValueError: ``sensitivity_power`` not a finite number > 0, ``nsamples`` / ``seqlen`` /
+            ``batch_size`` not ints >= 1.
+    """
+    from .signround import check_selection
+
+    out = dict(CALIBRATION_DEFAULTS)
+    for k in CALIBRATION_OPTIONS:
+        if k in params:
+            out[k] = params.pop(k)
+    check_selection("sensitivity", out["sensitivity_power"])
+    for k in ("nsamples", "seqlen", "batch_size"):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k}: expected an int >= 1, got {v!r}")
+    return out
+
+
+def context_length(model: nn.Module, seqlen: int) -> int:
+    """``seqlen`` capped at the model's ``config.max_position_embeddings`` (when it has one)."""
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(int(seqlen), int(ctx)) if isinstance(ctx, int) and ctx > 0 else int(seqlen)
+
+
+def _calibrated_sensitivities(model: nn.Module, plan: list, options: dict) -> tuple[dict, dict]:
+    """``({layer name: float32 sensitivity [in]}, stats)`` for the planned mixed2bit layers with
+    4-bit groups: the mean squared input per column over the calibration samples (forward
+    hooks on the float model, a float64 ``[in]`` accumulator per layer), normalized and raised
+    to ``sensitivity_power`` (:func:`qformats.signround.sensitivity_from_moments`).
+
+    Raises:
+        ValueError: no planned layer is mixed2bit with ``ratio_4bit > 0`` (calibration would
+            change nothing), or calibration data that
+            :func:`qformats.signround.calibration_samples` rejects.
+    """
+    from .signround import calibration_samples, model_second_moments, sensitivity_from_moments
+
+    layers = {name: m for name, m, fmt, qp in plan
+              if fmt == "mixed2bit" and float(qp.get("ratio_4bit", 0.1)) > 0}
+    if not layers:
+        raise ValueError("calibration= with method='rtn' only chooses mixed2bit's 4-bit groups "
+                         "(format='mixed2bit' or bits=2 with ratio_4bit > 0); no planned layer is one")
+    t0 = time.perf_counter()
+    seqlen = context_length(model, options["seqlen"])
+    samples = calibration_samples(options["calibration"], options["tokenizer"], options["nsamples"], seqlen)
+    moments = model_second_moments(model, layers, samples, options["batch_size"])
+    sens = {n: sensitivity_from_moments(m, options["sensitivity_power"]) for n, m in moments.items()}
+    stats = {"layers": len(sens), "windows": [len(samples), max(int(t.shape[1]) for t in samples)],
+             "sensitivity_power": options["sensitivity_power"], "seconds": time.perf_counter() - t0}
+    return sens, stats
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

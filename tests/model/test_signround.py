@@ -139,6 +139,46 @@ def test_2bit_export_equals_trained_fake_quant(seed):
     torch.testing.assert_close(lin(x), F.linear(x, fq, bias), rtol=1.3e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("ratio,sb", [(0.1, 16), (0.25, 5), (1.0, 3)])
+def test_mixed_initial_parameters_are_calibrated_mixed2bit_rtn_bit_for_bit(ratio, sb):
+    w = _weight(24, 96)
+    w[3, :16] = -0.0
+    gs = 16
+    sens = torch.rand(96, generator=torch.Generator().manual_seed(7)) * 3
+    is4 = sr.select_4bit(w, gs, ratio, sens, sb)
+    rtn = mixed2bit.quantize(w, group_size=gs, ratio_4bit=ratio, sensitivity=sens, scale_block=sb)
+    assert int(is4.sum()) == rtn.params["n4"] > 0
+    v = torch.zeros_like(w)
+    one = torch.ones(w.shape[0], w.shape[1] // gs)
+    qt = sr.export_mixed2bit(w, v, one, one, gs, sb, is4, ratio, "sensitivity")
+    assert qt.params == rtn.params
+    for name in rtn.buffers:
+        assert torch.equal(qt.buffers[name], rtn.buffers[name]), name
+    fq = sr.fake_quant_mixed2bit(w, v, one, one, gs, sb, is4)
+    assert torch.equal(fq.view(torch.int32), rtn.dequantize("float32").view(torch.int32))
+
+
+@pytest.mark.parametrize("seed,ratio,gs,sb", [(0, 0.1, 16, 16), (1, 0.3, 32, 7), (2, 0.5, 16, 1)])
+def test_mixed_export_equals_trained_fake_quant(seed, ratio, gs, sb):
+    w = _weight(24, 96, seed=seed)
+    v, a, b = _random_params(w, gs, seed)
+    is4 = sr.select_4bit(w, gs, ratio, None, sb)
+    fq = sr.fake_quant_mixed2bit(w, v, a, b, gs, sb, is4)
+    qt = sr.export_mixed2bit(w, v, a, b, gs, sb, is4, ratio, "range", dtype="float16")
+    validate(qt)
+    assert qt.params["n4"] == int(is4.sum()) > 0 and qt.params["selection"] == "range"
+    deq = mixed2bit.dequantize(qt, dtype="float32")
+    assert torch.equal(deq.view(torch.int32), fq.view(torch.int32))  # bitwise
+    # 4-bit groups really use 4-bit codes and 8-bit second-order codes after training
+    assert int(qt.buffers["scales4"].max()) > 15
+    bias = torch.randn(w.shape[0])
+    lin = QuantizedLinear.from_quantized(qt, bias)
+    x = torch.randn(5, w.shape[1])
+    torch.testing.assert_close(lin(x), F.linear(x, fq, bias), rtol=1.3e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="ratio_4bit"):
+        sr.export_mixed2bit(w, v, a, b, gs, sb, is4, 0.0, "range")
+
+
 def test_clipping_changes_the_exported_scales():
     w = _weight()
     gs = 32
@@ -151,13 +191,14 @@ def test_clipping_changes_the_exported_scales():
     torch.testing.assert_close(s2, s1 / 2, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("fmt,gs", [("int4", 32), ("mixed2bit", 16)])
-def test_straight_through_gradients_reach_every_parameter(fmt, gs):
+@pytest.mark.parametrize("fmt,gs,ratio", [("int4", 32, 0.0), ("mixed2bit", 16, 0.0), ("mixed2bit", 16, 0.25)])
+def test_straight_through_gradients_reach_every_parameter(fmt, gs, ratio):
     w = _weight()
     lin = nn.Linear(64, 16)
     with torch.no_grad():
         lin.weight.copy_(w)
-    m = sr.SignRoundLinear(lin, gs, fmt)
+    is4 = sr.select_4bit(w, gs, ratio) if ratio else None
+    m = sr.SignRoundLinear(lin, gs, fmt, 16, is4, ratio)
     with torch.no_grad():
         m.alpha.fill_(0.9)
         m.beta.fill_(0.8)
@@ -168,7 +209,7 @@ def test_straight_through_gradients_reach_every_parameter(fmt, gs):
 
 # -- block training -----------------------------------------------------------------------------
 
-def _setup_block(net, ids, gs=32, fmt="int4"):
+def _setup_block(net, ids, gs=32, fmt="int4", ratio=0.0):
     """(fp32 block copy with SignRoundLinears, linears, inputs, targets) for block 0."""
     inputs = sr.capture_block_inputs(net, net.layers[0], [i.reshape(1, -1) for i in ids])
     fb = copy.deepcopy(net.layers[0]).float()
@@ -176,15 +217,17 @@ def _setup_block(net, ids, gs=32, fmt="int4"):
         targets = [fb(x, **kw) for x, kw in inputs]
     linears = {}
     for rel in ("up", "down"):
-        linears[rel] = sr.SignRoundLinear(getattr(fb, rel), gs, fmt)
+        lin = getattr(fb, rel)
+        is4 = sr.select_4bit(lin.weight, gs, ratio) if ratio else None
+        linears[rel] = sr.SignRoundLinear(lin, gs, fmt, 16, is4, ratio)
         setattr(fb, rel, linears[rel])
     return fb, linears, inputs, targets
 
 
-@pytest.mark.parametrize("fmt,gs", [("int4", 32), ("mixed2bit", 16)])
-def test_train_block_improves_on_rtn_keeps_ranges_and_exports_what_it_trained(fmt, gs):
+@pytest.mark.parametrize("fmt,gs,ratio", [("int4", 32, 0.0), ("mixed2bit", 16, 0.0), ("mixed2bit", 16, 0.2)])
+def test_train_block_improves_on_rtn_keeps_ranges_and_exports_what_it_trained(fmt, gs, ratio):
     net = _Net()
-    fb, linears, inputs, targets = _setup_block(net, _ids(), gs, fmt)
+    fb, linears, inputs, targets = _setup_block(net, _ids(), gs, fmt, ratio)
     assert set(inputs[0][1]) == {"gate"} and inputs[0][0].dtype == torch.float32
     st = sr.train_block(fb, linears, inputs, targets, iters=20, lr=None, batch_size=8)
     assert st["loss"] <= st["rtn_loss"] and st["best_loss"] == min(st["losses"])
@@ -259,6 +302,55 @@ def test_quantize_model_synthetic_net_matches_trained_losses(bits, gs, fmt):
     assert float(loss1) == pytest.approx(blocks[1]["loss"], rel=1e-4)
 
 
+def test_quantize_model_mixed_groups_selected_by_block_inputs():
+    # mixed2bit with 4-bit groups: chosen from the second moments of the inputs the block
+    # training feeds each layer (block 0: the embeddings), then trained; the packed layers
+    # decode to the trained fake-quant weights (the losses match, as above)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    ids = _ids()
+    rep = qformats.quantize_model(net, bits=2, ratio_4bit=0.25, method="signround", calibration=ids,
+                                  iters=10, nsamples=4, seqlen=16, batch_size=4)
+    assert rep.formats == {"mixed2bit": 4}
+    up = net.layers[0].up
+    assert up.params["selection"] == "sensitivity" and up.params["n4"] == 128  # 1/4 of 128 rows x 4 groups
+    x = torch.cat([ref.embed(i) for i in ids]).reshape(-1, 64).double()
+    sens = sr.sensitivity_from_moments(x.square().mean(0))
+    want = sr.select_4bit(ref.layers[0].up.weight, 16, 0.25, sens)
+    gm = up.group_map.to(torch.int64)
+    got = ((gm.reshape(-1, 1) >> torch.arange(8)) & 1).reshape(-1)[:want.numel()].bool()
+    assert torch.equal(got, want)
+    inputs = sr.capture_block_inputs(net, net.layers[0], [i.reshape(1, -1) for i in ids])
+    with torch.no_grad():
+        loss = sum(F.mse_loss(net.layers[0](x, **kw), ref.layers[0](x, **kw)) for x, kw in inputs) / 4
+    b0 = rep.signround["blocks"][0]
+    assert float(loss) == pytest.approx(b0["loss"], rel=1e-4) and b0["loss"] < b0["rtn_loss"]
+    # selection="range": the format's range rule
+    net2 = copy.deepcopy(ref)
+    qformats.quantize_model(net2, bits=2, ratio_4bit=0.25, method="signround", calibration=ids,
+                            iters=0, nsamples=4, seqlen=16, selection="range")
+    rng = mixed2bit.quantize(ref.layers[0].up.weight.detach(), group_size=16, ratio_4bit=0.25)
+    assert net2.layers[0].up.params["selection"] == "range"
+    assert torch.equal(net2.layers[0].up.group_map, rng.buffers["group_map"])
+    # iters=0 is calibrated RTN: the same buffers as mixed2bit.quantize with that sensitivity
+    assert not torch.equal(rng.buffers["group_map"], up.group_map)
+
+
+def test_signround_mixed_on_pydoc_llama(llama, valid_text):
+    model = copy.deepcopy(llama.model)
+    rep = qformats.quantize_model(model, bits=2, group_size=32, ratio_4bit=0.1, method="signround",
+                                  calibration=valid_text, tokenizer=llama.tokenizer,
+                                  iters=3, nsamples=2, seqlen=64, batch_size=2)
+    assert rep.formats == {"mixed2bit": 42} and len(rep.signround["blocks"]) == 6
+    assert all(b["loss"] <= b["rtn_loss"] for b in rep.signround["blocks"])
+    qls = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert all(m.params["selection"] == "sensitivity" and m.params["n4"] > 0 for m in qls)
+    assert rep.avg_bits < 3.0
+    ids = torch.randint(0, 8192, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.isfinite(model(ids).logits).all()
+
+
 def test_quantize_model_tiny_llama(make_tiny_llama):
     model = make_tiny_llama()
     rtn = copy.deepcopy(model)
@@ -280,7 +372,13 @@ def test_quantize_model_tiny_llama(make_tiny_llama):
 def test_signround_errors(make_tiny_llama):
     model = make_tiny_llama()
     with pytest.raises(NotImplementedError, match="int4 asymmetric"):
-        qformats.quantize_model(model, bits=2, ratio_4bit=0.1, method="signround",
+        qformats.quantize_model(model, bits=2, ratio_4bit=0.1, outlier_ratio=0.01, method="signround",
+                                calibration=_ids(vocab=256))
+    with pytest.raises(ValueError, match="selection"):
+        qformats.quantize_model(model, bits=2, ratio_4bit=0.1, method="signround", selection="hessian",
+                                calibration=_ids(vocab=256))
+    with pytest.raises(ValueError, match="sensitivity_power"):
+        qformats.quantize_model(model, bits=2, ratio_4bit=0.1, method="signround", sensitivity_power=-1,
                                 calibration=_ids(vocab=256))
     with pytest.raises(NotImplementedError, match="int4 asymmetric"):
         qformats.quantize_model(model, format="nf4", method="signround", calibration=_ids(vocab=256))

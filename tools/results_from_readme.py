@@ -5,7 +5,9 @@ in benchmarks/README.md and README.md, until the real result files are written b
     python tools/results_from_readme.py [--gemm] [--quality]     (default: both)
 
 Not part of the docs build: the docs read the JSON files, whatever wrote them. Each file says
-in ``meta.source`` that it was transcribed, and from where.
+in ``meta.source`` that it was transcribed, and from where; every transcribed quality row also
+has a ``source`` key (the docs mark those rows), so rows that ``benchmarks/quality.py`` merges
+into the file later are told apart from them (``--no-merge`` writes a clean file).
 
 GEMM: the "GEMV / GEMM on the GPU" table of benchmarks/README.md (measured 2026-11-21 on one
 H200). The table has no weight-byte or copy-bandwidth column, so ``weight_bytes`` is computed
@@ -172,12 +174,12 @@ def readme_rtn_rows() -> list[dict]:
         if len(cells) == 8 and cells[0] in ("q4_0", "q8_1", "int8", "int4", "nf4", "mixed2bit"):
             rows.append({"method": "rtn", "format": cells[0], "params": cells[1],
                          "bits": float(cells[2]), "ppl": float(cells[6]),
-                         "delta_pct": float(cells[7].rstrip("%"))})
+                         "delta_pct": float(cells[7].rstrip("%")), "source": "README.md, qformats compare"})
         # eval table: the --bits 2 row (mixed2bit, ratio_4bit=0, groups of 16)
         if len(cells) == 7 and cells[0] == "`--bits 2`":
             rows.append({"method": "rtn", "format": "mixed2bit", "params": "group_size=16, ratio_4bit=0",
                          "bits": float(cells[2]), "ppl": float(cells[4]),
-                         "delta_pct": float(cells[5].rstrip("%"))})
+                         "delta_pct": float(cells[5].rstrip("%")), "source": "README.md, qformats eval"})
     if len(rows) != 7:
         raise SystemExit(f"expected 7 RTN rows in README.md, found {len(rows)}")
     return rows
@@ -190,12 +192,13 @@ def write_quality() -> Path:
         if bits is None:
             bits = round(pydoc_bits(*e["bits_of"]), 3)
         rows.append({"method": e["method"], "format": e["format"], "params": e["params"],
-                     "bits": bits, "ppl": e["ppl"]})
+                     "bits": bits, "ppl": e["ppl"], "source": "earlier model-level measurement"})
     for r in rows:  # the README's own delta where it has one (from unrounded perplexities)
         r.setdefault("delta_pct", round(100 * (r["ppl"] / FP32_PPL - 1), 2))
     minilm = []
     for fmt, params, bits, cos in MINILM:
-        minilm.append({"format": fmt, "params": params, "bits": bits, "cosine": cos})
+        minilm.append({"format": fmt, "params": params, "bits": bits, "cosine": cos,
+                       "source": "qformats compare --threads 1, 2026-11-21"})
     meta = {
         "date": "2026-11-21",
         "machine": "2-core development machine (AMD EPYC Zen 5), torch 2.13.0+cpu",

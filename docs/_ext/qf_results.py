@@ -160,6 +160,8 @@ def gemm_markdown(data: dict | None, png_name: str) -> str:
 
 METHOD_STYLE = {
     "rtn": {"marker": "o", "color": "tab:blue", "label": "round to nearest (rtn)"},
+    "rtn+calibration": {"marker": "s", "color": "tab:purple",
+                        "label": "round to nearest, 4-bit groups chosen on calibration data"},
     "signround": {"marker": "^", "color": "tab:green", "label": "trainable rounding (signround)"},
     "budget": {"marker": "*", "color": "tab:red", "label": "budgeted per-layer formats", "s": 140},
 }
@@ -175,13 +177,25 @@ def pareto(rows: list[dict]) -> list[dict]:
     return front
 
 
+#: The parameters a plot label shows (short names); the tables show the whole params string.
+LABEL_PARAMS = {"group_size": "g", "blocksize": "bs", "ratio_4bit": "r", "granularity": "",
+                "symmetric": "sym="}
+
+
 def _label(r: dict) -> str:
     if r["method"] == "budget":
         return "budget"
-    p = r.get("params") or ""
-    p = (p.replace("group_size=", "g").replace(", symmetric=False", "").replace("granularity=", "")
-         .replace("blocksize=", "bs"))
-    return r["format"] + ("" if p in ("-", "") else f" {p}")
+    parts = []
+    for item in str(r.get("params") or "").split(", "):
+        k, _, v = item.partition("=")
+        if k in LABEL_PARAMS and not (k == "symmetric" and v == "False"):
+            parts.append(f"{LABEL_PARAMS[k]}{v}")
+    return " ".join([r["format"], *parts])
+
+
+def _cell(v) -> str:
+    """A value for a Markdown table cell."""
+    return str(v).replace("|", "\\|").replace("\n", " ")
 
 
 #: Points below this relative perplexity increase are drawn again in a zoomed panel.
@@ -249,11 +263,19 @@ def quality_markdown(data: dict | None, png_name: str) -> str:
     meta = data.get("meta", {})
     rows = [r for r in data["rows"]]
     front = {id(r) for r in pareto([r for r in rows if r.get("bits") is not None and r.get("ppl") is not None])}
+    windows = meta.get("windows", "?")
+    if isinstance(windows, int):
+        windows = f"{windows} evenly spaced non-overlapping 512-token windows"
+    # Rows transcribed from earlier tables carry their own "source"; the file's note about them
+    # is shown only while such rows are in it.
+    transcribed = [r for r in rows if r.get("source")] + [r for r in data.get("minilm") or [] if r.get("source")]
     out = [f"- **model**: `{meta.get('model', '?')}`; **text**: `{meta.get('text', '?')}`, "
-           f"{meta.get('windows', '?')}; float model perplexity {meta.get('fp32_ppl', '?')}",
+           f"{windows}; float model perplexity {meta.get('fp32_ppl', '?')}",
            f"- **measured**: {meta.get('date', '?')} on {meta.get('machine', '?')}",
            f"- **command**: `{meta.get('command', '?')}`",
-           f"- **file**: `benchmarks/results/quality.json`; source: {meta.get('source', '?')}", "",
+           "- **file**: `benchmarks/results/quality.json`"
+           + (f"; rows marked *transcribed*: {meta['source']}" if transcribed and meta.get("source") else ""),
+           "",
            f"```{{image}} /_generated/{png_name}\n:alt: perplexity vs stored bits per method, with "
            f"the Pareto front\n:width: 100%\n```", "",
            "| method | format | params | bits/w | ppl | Δppl | Pareto |",
@@ -261,8 +283,9 @@ def quality_markdown(data: dict | None, png_name: str) -> str:
     for r in sorted(rows, key=lambda r: (r.get("bits") is None, r.get("bits") or 0, r.get("ppl") or 0)):
         bits = "-" if r.get("bits") is None else f"{r['bits']:.3f}"
         dp = "-" if r.get("delta_pct") is None else f"{r['delta_pct']:+.2f}%"
-        out.append(f"| {r['method']} | {r['format']} | {r.get('params') or '-'} | {bits} | {r['ppl']:.3f} | "
-                   f"{dp} | {'yes' if id(r) in front else ''} |")
+        method = _cell(r["method"]) + (f" (*transcribed*: {_cell(r['source'])})" if r.get("source") else "")
+        out.append(f"| {method} | {_cell(r['format'])} | {_cell(r.get('params') or '-')} | {bits} | "
+                   f"{r['ppl']:.3f} | {dp} | {'yes' if id(r) in front else ''} |")
     out.append("")
     minilm = data.get("minilm") or []
     if minilm:
@@ -271,7 +294,8 @@ def quality_markdown(data: dict | None, png_name: str) -> str:
                 "| format | params | bits/w | cosine |", "|---|---|---:|---:|"]
         for r in minilm:
             bits = "-" if r.get("bits") is None else f"{r['bits']:.3f}"
-            out.append(f"| {r['format']} | {r.get('params') or '-'} | {bits} | {r['cosine']:.4g} |")
+            src = f" (*transcribed*: {_cell(r['source'])})" if r.get("source") else ""
+            out.append(f"| {_cell(r['format'])}{src} | {_cell(r.get('params') or '-')} | {bits} | {r['cosine']:.4g} |")
         out.append("")
     return "\n".join(out) + "\n"
 

@@ -13,8 +13,17 @@ bits. This is the Bitween seed's "gradual quantization", done as a measured knap
    best ``bits saved / delta added`` first, while the sum of the deltas stays within the budget
    (deltas are nearly additive for small perturbations: the usual first-order assumption of
    mixed-precision search such as HAWQ). More sensitive layers thus keep more bits.
+   Per layer only the Pareto front of (bits, delta) is kept: an option is dropped when
+   another one has no more bits and no larger delta.
 3. The assembled model is evaluated for real. While it exceeds the budget, the move with the
    worst ratio is undone and the model re-evaluated; the report says whether the budget holds.
+
+Candidates are ``(format, params)`` (round to nearest) or ``(format, params, "signround")``
+(trained with :mod:`qformats.signround` on the same calibration windows, one run over all
+eligible layers per candidate; options in ``signround={"iters": ..., ...}``). mixed2bit
+candidates with ``ratio_4bit > 0`` choose their 4-bit groups by the calibrated sensitivity
+(the layer's mean squared input per column over the calibration windows, ``selection=
+"sensitivity"``, the default) or by range (``selection="range"``).
 
 Metrics: the perplexity budget is ``nll <= nll0 + log(1 + p / 100)`` (mean NLL per predicted
 token over the windows); the KL budget is the mean per-token KL(reference || quantized) with the
@@ -37,10 +46,14 @@ DEFAULT_CANDIDATES = (
     ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.0}),
 )
 OPTIONS = ("calibration", "tokenizer", "max_perplexity_increase", "max_per_token_kl_divergence",
-           "candidates", "nsamples", "seqlen", "batch_size")
+           "candidates", "nsamples", "seqlen", "batch_size", "selection", "sensitivity_power",
+           "signround")
 DEFAULTS = {"calibration": None, "tokenizer": None, "max_perplexity_increase": None,
             "max_per_token_kl_divergence": None, "candidates": DEFAULT_CANDIDATES, "nsamples": 16,
-            "seqlen": 512, "batch_size": 8}
+            "seqlen": 512, "batch_size": 8, "selection": "sensitivity", "sensitivity_power": 1.0,
+            "signround": None}
+#: How a candidate is quantized: round to nearest, or trained with :mod:`qformats.signround`.
+CANDIDATE_METHODS = ("rtn", "signround")
 
 
 def pop_options(params: dict) -> dict:
@@ -50,7 +63,10 @@ def pop_options(params: dict) -> dict:
     Raises:
         ValueError: neither budget given, a budget that is not a finite number >= 0
             (``max_perplexity_increase`` in percent, ``max_per_token_kl_divergence`` in nats
-            per predicted token), no calibration, or an empty candidate list.
+            per predicted token), no calibration, an empty candidate list, a candidate that is
+            not ``(format, params)`` or ``(format, params, method)`` with method in
+            :data:`CANDIDATE_METHODS`, a bad ``selection`` / ``sensitivity_power``, or
+            unknown ``signround`` options.
     """
     out = dict(DEFAULTS)
     for k in OPTIONS:
@@ -70,7 +86,28 @@ def pop_options(params: dict) -> dict:
     cands = list(out["candidates"])
     if not cands:
         raise ValueError("candidates: expected at least one (format, params) pair")
-    out["candidates"] = cands
+    norm = []
+    for c in cands:
+        if not isinstance(c, (tuple, list)) or len(c) not in (2, 3) or not isinstance(c[1], dict):
+            raise ValueError(f"candidates: expected (format, params) or (format, params, method) "
+                             f"with params a dict, got {c!r}")
+        meth = c[2] if len(c) == 3 else "rtn"
+        if meth not in CANDIDATE_METHODS:
+            raise ValueError(f"candidates: method must be one of {CANDIDATE_METHODS}, got {meth!r} in {c!r}")
+        norm.append((c[0], dict(c[1]), meth))
+    out["candidates"] = norm
+    from .signround import check_selection
+
+    check_selection(out["selection"], out["sensitivity_power"])
+    sro = out["signround"]
+    if sro is not None and not isinstance(sro, dict):
+        raise ValueError(f"signround: expected a dict of signround options, got {sro!r}")
+    if sro:
+        from .signround import OPTIONS as SR_OPTIONS
+
+        bad = sorted(set(sro) - set(SR_OPTIONS))
+        if bad:
+            raise ValueError(f"signround: unknown option(s) {bad}; known: {sorted(SR_OPTIONS)}")
     return out
 
 
@@ -157,7 +194,12 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
             the candidates replace them).
         options: :func:`pop_options`'s dict. ``calibration`` is cut by
             :func:`qformats.signround.calibration_samples` into ``nsamples`` windows of at most
-            ``seqlen`` tokens; ``batch_size`` windows per forward.
+            ``seqlen`` tokens; ``batch_size`` windows per forward; ``selection`` /
+            ``sensitivity_power`` for calibrated mixed2bit; ``signround`` (a dict of
+            :data:`qformats.signround.OPTIONS`) for signround candidates: by default they
+            train on the budget's own calibration windows, ``nsamples`` / ``seqlen`` /
+            ``batch_size`` / ``selection`` / ``sensitivity_power`` as the budget's; the dict
+            overrides any of them, ``calibration`` (+ ``tokenizer``) included.
         progress: tqdm bar over the sensitivity evaluations.
     Returns:
         ``([(name, QuantizedLinear, seconds to quantize)], stats)``, the model's own Linear layers
@@ -166,10 +208,13 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
         ``ppl_increase_percent``, ``kl`` (nats per token, or None), ``avg_bits`` (stored bits
         per weight over the plan's layers), ``estimated_cost`` (sum of the per-layer costs, in
         budget units), ``moves_undone``, ``evaluations`` (forward passes over the windows),
-        ``windows`` ([count, max length]), ``choices`` ({name: format, params, bits, cost}),
+        ``windows`` ([count, max length]), ``choices`` ({name: format, params, bits, cost,
+        method}), ``fronts`` ({name: the layer's Pareto front, most bits first: format,
+        method, bits, cost}),
         ``seconds``.
     Raises:
-        ValueError: a layer that no candidate's block size fits, a bad candidate spec, or
+        ValueError: a layer that no candidate's block size fits, a bad candidate spec (a
+            signround candidate that is not int4 asymmetric or mixed2bit without outliers), or
             calibration data calibration_samples rejects.
     """
     from .evaluate import progress_bar
@@ -180,12 +225,50 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
     t0 = time.perf_counter()
     samples = calibration_samples(options["calibration"], options["tokenizer"], int(options["nsamples"]),
                                   int(options["seqlen"]))
-    cands = []
-    for fmt, params in options["candidates"]:
-        params = dict(params)
+    cands = []  # (fmt, params, method)
+    for c in options["candidates"]:
+        fmt, params = c[0], dict(c[1])
+        meth = c[2] if len(c) == 3 else "rtn"
         gs = params.pop("group_size", None)
-        cands.append(resolve_spec(fmt, None, gs, **params))
+        fmt, params = resolve_spec(fmt, None, gs, **params)
+        if meth == "signround":
+            ok = (fmt == "int4" and not params.get("symmetric", False)) or (
+                fmt == "mixed2bit" and float(params.get("outlier_ratio", 0.0)) == 0.0)
+            if not ok:
+                raise ValueError(f"candidates: signround trains int4 asymmetric and mixed2bit without "
+                                 f"outliers only, got {fmt} {params}")
+        cands.append((fmt, params, meth))
     metric = _Metric(model, samples, options)
+
+    # calibrated mixed2bit: the 4-bit groups of RTN candidates chosen by the mean squared input
+    # per column over the calibration windows (one forward with hooks on the float model)
+    sens: dict = {}
+    if options.get("selection", "sensitivity") == "sensitivity" and any(
+            f == "mixed2bit" and float(p.get("ratio_4bit", 0.1)) > 0 and me == "rtn" for f, p, me in cands):
+        from .signround import model_second_moments, sensitivity_from_moments
+
+        moments = model_second_moments(model, {name: m for name, m, _, _ in plan}, samples,
+                                       int(options["batch_size"]))
+        sens = {n: sensitivity_from_moments(v, options.get("sensitivity_power", 1.0))
+                for n, v in moments.items()}
+
+    # signround candidates: one training run over every layer that fits, per candidate
+    trained: dict = {}  # (candidate index, layer name) -> (QuantizedLinear, seconds)
+    for ci, (fmt, params, meth) in enumerate(cands):
+        if meth != "signround":
+            continue
+        from .signround import DEFAULTS as SR_DEFAULTS, quantize_plan
+
+        sub = [(name, m, fmt, params) for name, m, _, _ in plan if m.in_features % _block(fmt, params) == 0]
+        sro = dict(SR_DEFAULTS)
+        sro.update({"nsamples": options["nsamples"], "seqlen": options["seqlen"],
+                    "batch_size": options["batch_size"], "selection": options.get("selection", "sensitivity"),
+                    "sensitivity_power": options.get("sensitivity_power", 1.0)})
+        sro["calibration"], sro["tokenizer"] = samples, None
+        sro.update(options.get("signround") or {})  # may bring its own calibration data
+        new_layers, _ = quantize_plan(model, sub, sro, progress=progress)
+        for name, q, secs in new_layers:
+            trained[(ci, name)] = (q, secs)
 
     # 1. every (layer, candidate): quantize, and measure the model with only that layer quantized
     layers = []  # (name, module, [(bits, QuantizedLinear, cost, seconds)] sorted by bits desc)
@@ -193,20 +276,31 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
                        unit="eval", leave=False)
     for name, m, _, _ in plan:
         opts = []
-        for fmt, params in cands:
+        for ci, (fmt, params, meth) in enumerate(cands):
             bar.update(1)
             if m.in_features % _block(fmt, params):
                 continue
-            t1 = time.perf_counter()
-            q = QuantizedLinear.from_linear(m, fmt, **params)
-            secs = time.perf_counter() - t1
+            if meth == "signround":
+                q, secs = trained[(ci, name)]
+            else:
+                t1 = time.perf_counter()
+                extra = ({"sensitivity": sens[name]} if fmt == "mixed2bit" and name in sens
+                         and float(params.get("ratio_4bit", 0.1)) > 0 else {})
+                q = QuantizedLinear.from_linear(m, fmt, **params, **extra)
+                secs = time.perf_counter() - t1
             _set_submodule(model, name, q)
             cost = metric.cost(*metric())
             _set_submodule(model, name, m)
-            opts.append((q.avg_bits, q, max(cost, 0.0), secs))
+            opts.append((q.avg_bits, q, max(cost, 0.0), secs, meth))
         if not opts:
             raise ValueError(f"layer {name}: no budget candidate fits in_features={m.in_features}")
-        opts.sort(key=lambda o: -o[0])
+        # keep the Pareto front: drop an option when another has no more bits and no more cost
+        # (e.g. a trained candidate at the same bits as its RTN twin)
+        front = []
+        for o in sorted(opts, key=lambda o: (o[0], o[2])):  # fewest bits first, then cheapest
+            if not front or o[2] < front[-1][2]:
+                front.append(o)
+        opts = front[::-1]  # most bits (and least cost) first
         layers.append((name, m, opts))
     bar.close()
 
@@ -269,8 +363,10 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
         "evaluations": metric.evaluations,
         "windows": [len(samples), max(int(t.shape[1]) for t in samples)],
         "choices": {name: {"format": opts[c][1].format, "params": dict(opts[c][1].params),
-                           "bits": opts[c][0], "cost": opts[c][2]}
+                           "bits": opts[c][0], "cost": opts[c][2], "method": opts[c][4]}
                     for (name, _, opts), c in zip(layers, choice)},
+        "fronts": {name: [{"format": o[1].format, "method": o[4], "bits": o[0], "cost": o[2]} for o in opts]
+                   for name, _, opts in layers},
         "seconds": time.perf_counter() - t0,
     }
     return new, stats

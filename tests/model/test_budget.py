@@ -86,7 +86,44 @@ def test_budget_kl_and_no_move_when_budget_is_zero(llama, valid_text):
     assert b["kl"] > 0 and not b["holds"]
 
 
+def test_budget_calibrated_and_signround_candidates(llama, valid_text):
+    # calibrated RTN mixed2bit and a signround-trained twin at the same bits: each layer keeps
+    # the Pareto front of its options, so the twin with the larger cost is dropped
+    model = copy.deepcopy(llama.model)
+    cands = [("int4", {"group_size": 64}), ("mixed2bit", {"ratio_4bit": 0.1}),
+             ("mixed2bit", {"ratio_4bit": 0.1}, "signround")]
+    rep = qformats.quantize_model(model, method="budget", calibration=valid_text, tokenizer=llama.tokenizer,
+                                  max_perplexity_increase=30.0, candidates=cands, ignore=["lm_head", "layers.[345].*"],
+                                  signround={"iters": 2, "batch_size": 2}, **SMALL)
+    b = rep.budget
+    assert b["holds"] and len(b["choices"]) == 21  # blocks 0-2 (small settings)
+    methods = set()
+    for name, front in b["fronts"].items():
+        bits = [o["bits"] for o in front]
+        cost = [o["cost"] for o in front]
+        assert bits == sorted(bits, reverse=True) and len(set(bits)) == len(bits), (name, front)
+        assert all(c0 < c1 for c0, c1 in zip(cost, cost[1:])), (name, front)
+        methods.update(o["method"] for o in front if o["format"] == "mixed2bit")
+        assert b["choices"][name]["bits"] in bits
+    assert "signround" in methods  # trained layers beat their RTN twins somewhere
+    mixed = [m for n, m in model.named_modules() if isinstance(m, QuantizedLinear) and m.format == "mixed2bit"]
+    assert mixed, "a 30% budget moves some layers to mixed 2/4-bit"
+    assert all(m.params["selection"] == "sensitivity" and m.params["n4"] > 0 for m in mixed)
+    # selection="range": the RTN candidates choose by range
+    model = copy.deepcopy(llama.model)
+    rep = qformats.quantize_model(model, method="budget", calibration=valid_text, tokenizer=llama.tokenizer,
+                                  max_perplexity_increase=30.0, candidates=cands[1:2], selection="range",
+                                  ignore=["lm_head", "layers.[1-5].*"], **SMALL)
+    assert len(rep.quantized) == 7
+    assert all(m.params["selection"] == "range" for m in model.modules() if isinstance(m, QuantizedLinear))
+
+
 @pytest.mark.parametrize("kwargs,match", [
+    ({"max_perplexity_increase": 5, "candidates": [("int4", {}, "gptq")]}, "method must be one of"),
+    ({"max_perplexity_increase": 5, "candidates": [("int4",)]}, "expected \\(format, params\\)"),
+    ({"max_perplexity_increase": 5, "signround": {"iterations": 3}}, "unknown option"),
+    ({"max_perplexity_increase": 5, "selection": "hessian"}, "selection"),
+    ({"max_perplexity_increase": 5, "candidates": [("nf4", {}, "signround")]}, "signround trains"),
     ({}, "needs max_perplexity_increase"),
     ({"max_perplexity_increase": -1}, "finite number"),
     ({"max_perplexity_increase": float("nan")}, "finite number"),

@@ -257,11 +257,12 @@ def register_linear_kernel(format: str, device_type: str,
 
 # -- built-in GEMM kernels ----------------------------------------------------------------------
 
-#: Activation rows up to which QuantizedLinear on CUDA uses the register-decoding GEMV kernels
-#: (``src/gemm/weight_only_cuda.cuh``); above it, dequantize to x's dtype + cuBLAS is faster
-#: (H200, benchmarks/gemm.py, 4096x14336: GEMV 66 us at 4 rows, 122 us at 8; the "+cuBLAS"
-#: path about 78 us from 8 rows on).
-CUDA_GEMV_MAX_ROWS = 4
+#: Activation rows up to which QuantizedLinear on CUDA uses the library's weight-only kernels
+#: (one row: ``src/gemm/weight_only_cuda.cuh``; 2-16 rows of fp16/bf16: the tensor-core kernel
+#: of ``src/gemm/weight_only_mma_cuda.cuh``); above it, dequantize to x's dtype + cuBLAS is
+#: faster (H200, benchmarks/gemm.py, 14336x4096: 46-56 us at 16 rows against 76-82 us for
+#: "+cuBLAS"; at 64 rows 124-174 us against 77 us).
+CUDA_GEMV_MAX_ROWS = 16
 #: Formats whose CUDA GEMV beats dequantize + cuBLAS at few rows. mixed2bit's does not yet
 #: (182 us at one row on 14336x4096 against 55 + 33 us), so its layers take the other path.
 CUDA_GEMV_FORMATS = ("nf4", "int4", "q4_0")

@@ -72,7 +72,7 @@ __device__ __forceinline__ void load8(const bf16_t* p, float (&v)[8]) {
 //   static constexpr int kUnit;                       values per unit, a multiple of 8
 //   struct Shared; __device__ void init(Shared&) const;  per-CTA tables (before a barrier)
 //   struct RowState; __device__ RowState row(int64_t m) const;
-//   struct Unit { float scale, offset; ... };
+//   struct Unit;  __device__ float scale(const Unit&) const, offset(const Unit&) const;
 //   __device__ Unit load(RowState&, int64_t m, int64_t u, bool valid) const;  warp-uniform call
 //   __device__ void decode8(const Shared&, const Unit&, int j, float (&v)[8]) const;
 //       raw values of elements 8j..8j+7 of the unit: w = v * scale - offset
@@ -146,8 +146,8 @@ weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, i
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          acc[r][n] = fmaf(dot[r][n], un[r].scale, acc[r][n]);
-          if (Fmt::kOffset) acc[r][n] = fmaf(-xsum[n], un[r].offset, acc[r][n]);
+          acc[r][n] = fmaf(dot[r][n], f.scale(un[r]), acc[r][n]);
+          if (Fmt::kOffset) acc[r][n] = fmaf(-xsum[n], f.offset(un[r]), acc[r][n]);
         }
     }
 #pragma unroll

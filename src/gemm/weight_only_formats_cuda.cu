@@ -3,16 +3,19 @@
 // launchers (declared in gemm/weight_only_formats.h). Each policy decodes to the values of its
 // format's dequantize (nf4.h, int4.h, q4_0.h, mixed2bit.h), split as w = v * scale - offset.
 #include <stdexcept>
+#include <type_traits>
 
 #include "formats/nf4/nf4.h"
-#include "gemm/block_loads_cuda.cuh"
 #include "gemm/weight_only_cuda.cuh"
 #include "gemm/weight_only_formats.h"
+#include "gemm/weight_only_mma_cuda.cuh"
 
 namespace qf::gemm {
 namespace {
 
+using cuda_wo::hi_hi;
 using cuda_wo::kMagic;
+using cuda_wo::lo_lo;
 using cuda_wo::magic_u4;
 
 struct NoShared {};
@@ -33,6 +36,10 @@ __device__ __forceinline__ uint32_t word_of(const uint4& q, int j) {
   return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;  // j is a constant after unrolling
 }
 
+// Units hold the loaded registers only: whatever depends on them (zero points, XORs, fp16
+// scales) is computed when the unit is decoded, because an instruction that reads a register
+// with a load in flight stalls the warp, and the loads of the next steps must stay in flight.
+
 // nf4 (bitsandbytes): element 2b in the HIGH nibble of byte b; value CODE[c] * absmax, blocks of
 // blocksize >= 32 over the flattened W, so a unit of 32 never straddles two.
 struct Nf4 {
@@ -45,19 +52,23 @@ struct Nf4 {
   struct Shared {
     float code[16];  // 16 floats in 16 banks: any lookup pattern is conflict-free
   };
-  using RowState = NoRowState;
+  struct RowState {
+    const uint4* q;  // the row's codes, 16 bytes per unit
+    int64_t e0;      // index of the row's first element in the flattened W
+  };
   struct Unit {
     uint4 q;
-    float scale, offset;
+    float absmax;
   };
   __device__ void init(Shared& s) const {
     if (threadIdx.x < 16) s.code[threadIdx.x] = nf4::code_value(static_cast<int>(threadIdx.x));
   }
-  __device__ RowState row(int64_t) const { return {}; }
-  __device__ Unit load(RowState&, int64_t m, int64_t u, bool) const {
-    const int64_t e = m * K + u * kUnit;
-    return {__ldg(reinterpret_cast<const uint4*>(packed + e / 2)), __ldg(absmax + (e >> log2_bs)), 0.0f};
+  __device__ RowState row(int64_t m) const { return {reinterpret_cast<const uint4*>(packed + m * K / 2), m * K}; }
+  __device__ Unit load(RowState& r, int64_t, int64_t u, bool) const {
+    return {__ldg(r.q + u), __ldg(absmax + ((r.e0 + u * kUnit) >> log2_bs))};
   }
+  __device__ float scale(const Unit& un) const { return un.absmax; }
+  __device__ float offset(const Unit&) const { return 0.0f; }
   __device__ void decode8(const Shared& s, const Unit& un, int j, float (&v)[8]) const {
     const uint32_t w = word_of(un.q, j);
 #pragma unroll
@@ -66,6 +77,21 @@ struct Nf4 {
       v[2 * b + 1] = s.code[(w >> (8 * b)) & 15u];
     }
   }
+  // Tensor-core path: a byte (elements 2b, 2b+1 of its word) looks up both codes at once.
+  static constexpr bool kLut = true;
+  template <class Ops>
+  __device__ uint32_t lut_entry(int byte) const {
+    return Ops::pack(nf4::code_value(byte >> 4), nf4::code_value(byte & 15));
+  }
+  template <class Ops>
+  __host__ __device__ static constexpr bool odd_x16() { return false; }
+  template <class Ops>
+  __device__ void pairs(const uint32_t (*lut)[32], int lane, const Unit& un, int j, uint32_t (&p)[4]) const {
+    const uint32_t w = word_of(un.q, j), s = Ops::splat(un.absmax);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) p[b] = Ops::mul(lut[__byte_perm(w, 0, 0x4440 | b)][lane], s);
+  }
+  static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) { return x[p]; }  // elements 2p, 2p+1
 };
 
 // int4 (formats/int4): element 2b in the LOW nibble; asymmetric w = (q - zero) * scale, symmetric
@@ -80,57 +106,79 @@ struct Int4 {
   int64_t K;
   int gshift;
   using Shared = NoShared;
-  using RowState = NoRowState;
+  struct RowState {
+    const uint4* q;  // the row's codes, 16 bytes per unit
+    int64_t g0;      // index of the row's first group
+  };
   struct Unit {
     uint4 q;
-    float scale, offset, zf;
+    float scale;
+    uint32_t zero;  // the stored zero point (asymmetric)
   };
   __device__ void init(Shared&) const {}
-  __device__ RowState row(int64_t) const { return {}; }
-  __device__ Unit load(RowState&, int64_t m, int64_t u, bool) const {
-    const int64_t e = m * K + u * kUnit, g = m * (K >> (gshift + 5)) + (u >> gshift);
-    Unit r;
-    r.q = __ldg(reinterpret_cast<const uint4*>(qweight + e / 2));
-    r.scale = __ldg(scales + g);
-    r.offset = 0.0f;
-    if (zeros) {
-      r.zf = kMagic + static_cast<float>(__ldg(zeros + g));
-    } else {
-      r.q.x ^= 0x88888888u; r.q.y ^= 0x88888888u; r.q.z ^= 0x88888888u; r.q.w ^= 0x88888888u;
-      r.zf = kMagic + 8.0f;
-    }
-    return r;
+  __device__ RowState row(int64_t m) const {
+    return {reinterpret_cast<const uint4*>(qweight + m * K / 2), m * (K >> (gshift + 5))};
   }
+  __device__ Unit load(RowState& r, int64_t, int64_t u, bool) const {
+    const int64_t g = r.g0 + (u >> gshift);
+    return {__ldg(r.q + u), __ldg(scales + g), zeros ? __ldg(zeros + g) : 0u};
+  }
+  __device__ float scale(const Unit& un) const { return un.scale; }
+  __device__ float offset(const Unit&) const { return 0.0f; }
+  // Word j with the codes as unsigned nibbles, and the zero point.
+  __device__ uint32_t word(const Unit& un, int j) const { return word_of(un.q, j) ^ (zeros ? 0u : 0x88888888u); }
+  __device__ float zero(const Unit& un) const { return zeros ? static_cast<float>(un.zero) : 8.0f; }
   __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
-    nibbles_lo_first(word_of(un.q, j), un.zf, v);
+    nibbles_lo_first(word(un, j), kMagic + zero(un), v);
+  }
+  // Tensor-core path: nibbles i and i + 4 of word j (elements 8j+i, 8j+i+4) in one magic pair.
+  static constexpr bool kLut = false;
+  template <class Ops>
+  __device__ uint32_t lut_entry(int) const { return 0u; }
+  template <class Ops>
+  __host__ __device__ static constexpr bool odd_x16() { return Ops::kX16; }
+  template <class Ops>
+  __device__ void pairs(const uint32_t (*)[32], int, const Unit& un, int j, uint32_t (&p)[4]) const {
+    Ops::nibble_pairs(word(un, j), Ops::nibble_consts(zero(un), Ops::splat(un.scale)), p);
+  }
+  static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) {
+    const int j = p / 4, i = p % 4;
+    const uint32_t a = x[4 * j + i / 2], b = x[4 * j + 2 + i / 2];
+    return i & 1 ? hi_hi(a, b) : lo_lo(a, b);
   }
 };
 
 // q4_0 (llama.cpp block_q4_0, 18 bytes: fp16 d, 16 bytes qs): element i in the low nibble of
 // qs[i], element i + 16 in the high nibble; w = (q - 8) * d. Blocks are only 2-byte aligned,
-// so a lane reads its block as 9 halfwords (load_q4_0_block; consecutive lanes, consecutive blocks).
+// so a lane reads its block as 9 halfwords (consecutive lanes, consecutive blocks).
 struct Q4_0 {
   static constexpr int kUnit = 32;
   static constexpr bool kOffset = false;
   const uint16_t* blocks;
   int64_t nb;  // blocks per row (K / 32)
   using Shared = NoShared;
-  using RowState = NoRowState;
+  struct RowState {
+    const uint16_t* b;  // the row's first block
+  };
   struct Unit {
-    uint32_t q[4];
-    float scale, offset;
+    uint32_t h[9];  // the block's halfwords, zero-extended: d, then qs as 8 halfwords
   };
   __device__ void init(Shared&) const {}
-  __device__ RowState row(int64_t) const { return {}; }
-  __device__ Unit load(RowState&, int64_t m, int64_t u, bool) const {
+  __device__ RowState row(int64_t m) const { return {blocks + m * nb * 9}; }
+  __device__ Unit load(RowState& rs, int64_t, int64_t u, bool) const {
+    const uint16_t* b = rs.b + u * 9;
     Unit r;
-    r.scale = load_q4_0_block(blocks + (m * nb + u) * 9, r.q);
-    r.offset = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) r.h[i] = __ldg(b + i);
     return r;
   }
+  __device__ float scale(const Unit& un) const { return fp16_bits_to_fp32(static_cast<uint16_t>(un.h[0])); }
+  __device__ float offset(const Unit&) const { return 0.0f; }
+  // qs[4j .. 4j+3] as a little-endian word
+  static __device__ uint32_t qs_word(const Unit& un, int j) { return un.h[1 + 2 * j] | un.h[2 + 2 * j] << 16; }
   __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
     // j = 0, 1: low nibbles of qs[8j .. 8j+7]; j = 2, 3: high nibbles of qs[8(j-2) ..]
-    const uint32_t w0 = un.q[2 * (j & 1)], w1 = un.q[2 * (j & 1) + 1];
+    const uint32_t w0 = qs_word(un, 2 * (j & 1)), w1 = qs_word(un, 2 * (j & 1) + 1);
     const int sh = j >= 2 ? 4 : 0;
     const uint32_t a = (w0 >> sh) & 0x0F0F0F0Fu, b = (w1 >> sh) & 0x0F0F0F0Fu;
 #pragma unroll
@@ -138,6 +186,21 @@ struct Q4_0 {
       v[i] = magic_u4(a, i) - (kMagic + 8.0f);
       v[4 + i] = magic_u4(b, i) - (kMagic + 8.0f);
     }
+  }
+  // Tensor-core path: word j holds qs[4j .. 4j+3]; (w >> 4i) & 0x000F000F pairs the nibbles of
+  // bytes 0 and 2 (or 1 and 3): elements (4j, 4j+2), (4j+16, 4j+18), (4j+1, 4j+3), (4j+17, 4j+19).
+  static constexpr bool kLut = false;
+  template <class Ops>
+  __device__ uint32_t lut_entry(int) const { return 0u; }
+  template <class Ops>
+  __host__ __device__ static constexpr bool odd_x16() { return Ops::kX16; }
+  template <class Ops>
+  __device__ void pairs(const uint32_t (*)[32], int, const Unit& un, int j, uint32_t (&p)[4]) const {
+    Ops::nibble_pairs(qs_word(un, j), Ops::nibble_consts(8.0f, Ops::scale_fp16(un.h[0])), p);
+  }
+  static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) {
+    const int j = p / 4, i = p % 4, r = (i & 1) ? 8 + 2 * j : 2 * j;  // i = 1, 3: the high-nibble half
+    return i >= 2 ? hi_hi(x[r], x[r + 1]) : lo_lo(x[r], x[r + 1]);
   }
 };
 
@@ -209,6 +272,8 @@ struct Mixed2 {
     r.offset = fp16_bits_to_fp32(__ldg(&so[1].bits)) * static_cast<float>(mc);
     return r;
   }
+  __device__ float scale(const Unit& un) const { return un.scale; }
+  __device__ float offset(const Unit& un) const { return un.offset; }
   __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
     nibbles_lo_first(j == 0 ? un.c0 : un.c1, kMagic, v);
   }
@@ -251,6 +316,18 @@ __global__ void __launch_bounds__(1024) scan_kernel(int64_t* __restrict__ out, i
   }
 }
 
+// 16-bit activations, N >= 2, sm_80+: the tensor-core kernel (one decode serves up to 16 rows).
+// N = 1, float32 activations or an older GPU: the float32 kernel, which measured as fast or
+// faster at N = 1 on the H200 (benchmarks/README.md): both are bound by per-weight instruction
+// issue there, not by the multiply.
+template <class Fmt, class T>
+void launch(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, void* stream) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (N >= 2 && cuda_wo::mma_supported()) return cuda_wo::launch_weight_only_mma(f, X, N, K, M, Y, stream);
+  }
+  cuda_wo::launch_weight_only(f, X, N, K, M, Y, stream);
+}
+
 }  // namespace
 
 template <class T>
@@ -258,7 +335,7 @@ void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* p
                    int64_t blocksize, T* Y, void* stream) {
   const int lb = log2_exact(blocksize);
   if (K % 32 || lb < 5) throw std::invalid_argument("nf4 CUDA GEMM: K must be a multiple of 32");
-  cuda_wo::launch_weight_only(Nf4{packed, absmax, K, lb}, X, N, K, M, Y, stream);
+  launch(Nf4{packed, absmax, K, lb}, X, N, K, M, Y, stream);
 }
 
 template <class T>
@@ -266,13 +343,13 @@ void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* 
                     const uint8_t* zeros, int64_t gs, T* Y, void* stream) {
   if (!int4_gemm_cuda_supports(gs) || K % gs)
     throw std::invalid_argument("int4 CUDA GEMM: group_size must be 32 * 2^j dividing K");
-  cuda_wo::launch_weight_only(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, stream);
+  launch(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, stream);
 }
 
 template <class T>
 void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, void* stream) {
   if (K % q4_0::QK) throw std::invalid_argument("q4_0 CUDA GEMM: K must be a multiple of 32");
-  cuda_wo::launch_weight_only(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, stream);
+  launch(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, stream);
 }
 
 void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t G, int64_t* n4_before,

@@ -1,0 +1,288 @@
+// Weight-only GEMV / small-N GEMM on tensor cores for 16-bit activations (fp16 or bf16): Y [N, M]
+// = X [N, K] . W^T with W [M, K] packed in a 4-bit format (nf4, int4, q4_0) and decoded in
+// registers straight into the A fragments of mma.sync.m16n8k16 (fp32 accumulate), the way
+// Marlin and TensorRT-LLM's weight-only kernels decode: a nibble is OR-ed into the mantissa of
+// a 16-bit "magic" float (1024 + q in fp16, 128 + q in bf16), the magic and the zero point are
+// subtracted exactly (HSUB2), and the scale multiplied in (HMUL2): about 2 instructions per
+// weight instead of ~5 for the float32 kernel of weight_only_cuda.cuh, and the activation rows
+// ride along in the mma's N dimension, so N <= 16 costs one decode.
+//
+// Numerics: each weight is rounded to the activations' 16-bit type before the product (as
+// dequantize(q, dtype) followed by F.linear would round it; a weight beyond that type's range
+// becomes inf there too); products and sums are float32; one rounding of Y at the end.
+//
+// Work split: a CTA owns 16 weight rows and up to 16 activation rows (grid.y covers more);
+// its warps split K into chunks of 128 values (chunk c goes to warp c mod warps) and add their
+// partial sums in shared memory at the end, in a fixed order (deterministic). In a chunk, lane
+// (g, t) = (lane / 4, lane % 4) loads the 32-value unit t of rows g and g + 8 (one 16-byte load
+// each: whole sectors per quad) and activation row g (+ 8) at the same 32 positions. mma's k
+// order inside a chunk need not be the memory order, only the same for A and B: mma step s of
+// lane (g, t) takes pairs 2s, 2s + 1 of its unit, each a half2 of two elements that the format
+// decodes together (Fmt::pairs), and the activations of the same two elements (Fmt::xpair,
+// one byte permute). Needs sm_80 (the host launcher checks; the mma is compiled empty below).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "common/cuda_utils.cuh"
+#include "common/fp16.h"
+
+namespace qf::gemm::cuda_wo {
+
+constexpr int kMmaRows = 16;      // weight rows per CTA: mma's M
+constexpr int kMmaMaxWarps = 8;   // warps per CTA splitting K
+
+// 16-bit pair arithmetic on raw 32-bit registers, one specialization per activation type.
+template <class H>
+struct PairOps;
+
+// (a & mask) | c in one LOP3 (the compiler splits it in two when a comes from an XOR).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(c));
+  return r;
+}
+
+// The per-unit constants of nibble_pairs: magic + zero (and magic + 16 zero), the scale pair.
+struct NibbleConsts {
+  uint32_t zf, zf16, s;
+};
+
+template <>
+struct PairOps<half_t> {
+  static constexpr uint32_t kMagic = 0x64006400u;  // 1024.0 in both halves: q in the low mantissa bits
+  static constexpr float kMagicF = 1024.0f;
+  // fp16 has 10 mantissa bits, so a nibble at bits 4..7 decodes too, as 1024 + 16 q: pairs 1 and
+  // 3 come out as 16 (q - z) s (exact up to the one rounding) and the kernel divides their sums
+  // by 16 in float32. Saves a shift per pair.
+  static constexpr bool kX16 = true;
+  static __device__ __forceinline__ NibbleConsts nibble_consts(float zero, uint32_t scale2) {
+    return {splat(kMagicF + zero), splat(kMagicF + 16.0f * zero), scale2};
+  }
+  // p[i] = (nibble i of each half of w - zero) * scale (nibble i at bits 4i and 16 + 4i), odd i
+  // times 16.
+  static __device__ __forceinline__ void nibble_pairs(uint32_t w, const NibbleConsts& k, uint32_t (&p)[4]) {
+    const uint32_t w8 = w >> 8;
+    p[0] = mul(sub(and_or(w, 0x000F000Fu, kMagic), k.zf), k.s);
+    p[1] = mul(sub(and_or(w, 0x00F000F0u, kMagic), k.zf16), k.s);
+    p[2] = mul(sub(and_or(w8, 0x000F000Fu, kMagic), k.zf), k.s);
+    p[3] = mul(sub(and_or(w8, 0x00F000F0u, kMagic), k.zf16), k.s);
+  }
+  static __device__ __forceinline__ __half2 h(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
+  static __device__ __forceinline__ uint32_t u(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return u(__hsub2(h(a), h(b))); }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return u(__hmul2(h(a), h(b))); }
+  static __device__ __forceinline__ uint32_t splat(float f) { return u(__float2half2_rn(f)); }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return u(__floats2half2_rn(lo, hi)); }
+  // an fp16 scale (its bits in the low half) in both halves: no conversion
+  static __device__ __forceinline__ uint32_t scale_fp16(uint32_t bits) { return __byte_perm(bits, 0, 0x1010); }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+  }
+};
+
+template <>
+struct PairOps<bf16_t> {
+  static constexpr uint32_t kMagic = 0x43004300u;  // 128.0: bf16 has 7 mantissa bits, q < 16 fits
+  static constexpr float kMagicF = 128.0f;
+  static constexpr bool kX16 = false;  // 7 mantissa bits: no room for 16 q
+  static __device__ __forceinline__ NibbleConsts nibble_consts(float zero, uint32_t scale2) {
+    return {splat(kMagicF + zero), 0u, scale2};
+  }
+  static __device__ __forceinline__ void nibble_pairs(uint32_t w, const NibbleConsts& k, uint32_t (&p)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = mul(sub(and_or(w >> (4 * i), 0x000F000Fu, kMagic), k.zf), k.s);
+  }
+  static __device__ __forceinline__ __nv_bfloat162 h(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+  static __device__ __forceinline__ uint32_t u(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return u(__hsub2(h(a), h(b))); }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return u(__hmul2(h(a), h(b))); }
+  static __device__ __forceinline__ uint32_t splat(float f) { return u(__float2bfloat162_rn(f)); }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return u(__floats2bfloat162_rn(lo, hi)); }
+  static __device__ __forceinline__ uint32_t scale_fp16(uint32_t bits) {
+    return splat(fp16_bits_to_fp32(static_cast<uint16_t>(bits)));
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+  }
+};
+
+// (x_a.lo, x_b.lo) and (x_a.hi, x_b.hi) of two registers holding 16-bit pairs.
+__device__ __forceinline__ uint32_t lo_lo(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x5410); }
+__device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x7632); }
+
+// Fmt provides, besides what weight_only_cuda.cuh asks for (row, Unit, load):
+//   static constexpr bool kLut;  (whether it decodes through a 256-entry pair table)
+//   template <class Ops> __device__ uint32_t lut_entry(int byte) const;
+//   template <class Ops> __device__ void pairs(const uint32_t (*lut)[32], int lane, const Unit&, int j,
+//                                              uint32_t (&p)[4]) const;
+//       pairs 4j .. 4j+3 of the unit (scale applied), each two elements as a 16-bit pair
+//   template <class Ops> __host__ __device__ static constexpr bool odd_x16();  whether pairs 4j+1, 4j+3 come times 16
+//   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p);
+//       the activations of pair p's two elements from x = the unit's 32 activations as 16 pairs
+// Units hold raw loaded registers: work on them waits for the load, so it belongs in pairs().
+template <class Fmt, class H, int NTILES>
+__global__ void __launch_bounds__(kMmaMaxWarps * 32)
+weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y) {
+  using Ops = PairOps<H>;
+  // nf4's pair table, one copy per bank: lane l reads column l, so lookups never conflict.
+  __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
+  __shared__ float red[kMmaMaxWarps][NTILES * 8][kMmaRows];
+  if constexpr (Fmt::kLut) {
+    for (int e = threadIdx.x; e < 256 * 8; e += blockDim.x) {  // 4 copies per 16-byte store
+      const uint32_t v = f.template lut_entry<Ops>(e >> 3);
+      reinterpret_cast<uint4*>(lut[e >> 3])[e & 7] = make_uint4(v, v, v, v);
+    }
+    __syncthreads();
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t m0 = int64_t(blockIdx.x) * kMmaRows;
+  const int64_t rowA = m0 + g < M ? m0 + g : M - 1, rowB = m0 + g + 8 < M ? m0 + g + 8 : M - 1;
+  const int64_t n0 = int64_t(blockIdx.y) * NTILES * 8;
+  const int64_t units = K / 32, chunks = (units + 3) / 4;
+  typename Fmt::RowState rsA = f.row(rowA), rsB = f.row(rowB);
+
+  // c: the products; c16: those of the pairs that Fmt decodes times 16 (odd_x16), scaled at the end
+  constexpr bool kX16 = Fmt::template odd_x16<Ops>();
+  float c[NTILES][4], c16[NTILES][4];
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[nt][i] = c16[nt][i] = 0.0f;
+
+  // Weights run kStages chunks ahead (a register ring: DRAM latency needs ~1.5 KB in flight per
+  // warp at 24 warps per SM), activations one chunk ahead (they come from L1/L2).
+  constexpr int kStages = NTILES == 1 ? 4 : 2;
+  struct W {
+    typename Fmt::Unit a, b;
+  };
+  auto load_w = [&](int64_t ch, W& w) {
+    // Lanes past the end of K read the row's first unit and multiply it by zero activations:
+    // no extra work on the loaded registers (see the Fmt note), and a non-finite weight there
+    // is in this row's sum anyway.
+    const int64_t u = ch * 4 + t;
+    w.a = f.load(rsA, rowA, u < units ? u : 0, true);
+    w.b = f.load(rsB, rowB, u < units ? u : 0, true);
+  };
+  auto load_x = [&](int64_t ch, uint32_t (&x)[NTILES][16]) {
+    const int64_t u = ch * 4 + t;
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt) {
+      const int64_t n = n0 + nt * 8 + g;
+      if (u < units && n < N) {
+        const uint4* xp = reinterpret_cast<const uint4*>(X + n * K + u * 32);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint4 v = __ldg(xp + i);
+          x[nt][4 * i] = v.x; x[nt][4 * i + 1] = v.y; x[nt][4 * i + 2] = v.z; x[nt][4 * i + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[nt][i] = 0u;
+      }
+    }
+  };
+  auto multiply = [&](const W& w, const uint32_t (&x)[NTILES][16]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t pa[4], pb[4];
+      f.template pairs<Ops>(lut, lane, w.a, j, pa);
+      f.template pairs<Ops>(lut, lane, w.b, j, pb);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // A fragment: rows g / g + 8 x k pairs (2t, 2t+1) / (2t+8, 2t+9) = our pairs h / h+2
+        // (so that the odd pairs, which may be decoded times 16, share one mma)
+        const uint32_t a[4] = {pa[h], pb[h], pa[h + 2], pb[h + 2]};
+#pragma unroll
+        for (int nt = 0; nt < NTILES; ++nt)
+          Ops::mma(kX16 && h == 1 ? c16[nt] : c[nt], a, Fmt::xpair(x[nt], 4 * j + h), Fmt::xpair(x[nt], 4 * j + h + 2));
+      }
+    }
+  };
+
+  // This warp's chunks are warp, warp + nwarps, ...; stage i of the ring holds the chunk
+  // i (mod kStages) of that list. Conditions are warp-uniform.
+  const int64_t mine = chunks > warp ? (chunks - warp + nwarps - 1) / nwarps : 0;
+  W ring[kStages];
+  uint32_t xa[NTILES][16], xb[NTILES][16];
+#pragma unroll
+  for (int i = 0; i < kStages; ++i)
+    if (i < mine) load_w(warp + int64_t(i) * nwarps, ring[i]);
+  if (mine > 0) load_x(warp, xa);
+  for (int64_t k0 = 0; k0 < mine; k0 += kStages) {
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) {
+      const int64_t k = k0 + i;
+      if (k < mine) {
+        uint32_t (&xc)[NTILES][16] = (i & 1) ? xb : xa;
+        uint32_t (&xn)[NTILES][16] = (i & 1) ? xa : xb;
+        if (k + 1 < mine) load_x(warp + (k + 1) * nwarps, xn);
+        const W w = ring[i];
+        if (k + kStages < mine) load_w(warp + (k + kStages) * nwarps, ring[i]);
+        multiply(w, xc);
+      }
+    }
+  }
+
+  // C fragment: c0, c1 = row g, activation rows 2t, 2t+1; c2, c3 = row g + 8.
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt) {
+    if (kX16)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[nt][i] = fmaf(c16[nt][i], 0.0625f, c[nt][i]);  // exact scaling
+    red[warp][nt * 8 + 2 * t][g] = c[nt][0];
+    red[warp][nt * 8 + 2 * t + 1][g] = c[nt][1];
+    red[warp][nt * 8 + 2 * t][g + 8] = c[nt][2];
+    red[warp][nt * 8 + 2 * t + 1][g + 8] = c[nt][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NTILES * 8 * kMmaRows; i += blockDim.x) {
+    const int n = i / kMmaRows, r = i % kMmaRows;
+    float v = 0.0f;
+    for (int w = 0; w < nwarps; ++w) v += red[w][n][r];
+    if (n0 + n < N && m0 + r < M) from_f32(v, &Y[(n0 + n) * M + m0 + r]);
+  }
+}
+
+// Whether the current device runs weight_only_mma_kernel (sm_80 and newer).
+inline bool mma_supported() {
+  int dev = 0, major = 0;
+  cuda::check(cudaGetDevice(&dev), "weight-only GEMM: device");
+  cuda::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "weight-only GEMM: device");
+  return major >= 8;
+}
+
+// Launches the tensor-core kernel on `stream`. X and Y 16-byte aligned, K a multiple of 32.
+template <class Fmt, class H>
+void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, void* stream) {
+  if (N <= 0 || M <= 0) return;
+  const int ntiles = N > 8 ? 2 : 1;
+  const dim3 grid(cuda::grid_for(M, kMmaRows), cuda::grid_for(N, ntiles * 8));
+  if (grid.y > 65535) throw std::invalid_argument("weight-only GEMM: too many activation rows for one launch");
+  // Enough warps in flight to cover DRAM latency: about 4096 over the device (32 per SM on a
+  // 132-SM H200), more K-splitting when there are few 16-row CTAs; never more warps than chunks.
+  const int64_t chunks = (K / 32 + 3) / 4;
+  int warps = 1;
+  while (warps < kMmaMaxWarps && int64_t(grid.x) * grid.y * warps < 4096 && warps * 2 <= chunks) warps *= 2;
+  cudaStream_t s = cuda::stream(stream);
+  if (ntiles == 2) weight_only_mma_kernel<Fmt, H, 2><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+  else weight_only_mma_kernel<Fmt, H, 1><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+  cuda::check_launch("weight-only GEMM (tensor cores)");
+}
+
+}  // namespace qf::gemm::cuda_wo

@@ -79,6 +79,7 @@ struct Nf4 {
   }
   // Tensor-core path: a byte (elements 2b, 2b+1 of its word) looks up both codes at once.
   static constexpr bool kLut = true;
+  static constexpr int kMmaMinRows = 2;
   template <class Ops>
   __device__ uint32_t lut_entry(int byte) const {
     return Ops::pack(nf4::code_value(byte >> 4), nf4::code_value(byte & 15));
@@ -92,6 +93,8 @@ struct Nf4 {
     for (int b = 0; b < 4; ++b) p[b] = Ops::mul(lut[__byte_perm(w, 0, 0x4440 | b)][lane], s);
   }
   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) { return x[p]; }  // elements 2p, 2p+1
+  static constexpr bool kPairLoad = false;
+  using Pair = Unit;
 };
 
 // int4 (formats/int4): element 2b in the LOW nibble; asymmetric w = (q - zero) * scale, symmetric
@@ -133,6 +136,7 @@ struct Int4 {
   }
   // Tensor-core path: nibbles i and i + 4 of word j (elements 8j+i, 8j+i+4) in one magic pair.
   static constexpr bool kLut = false;
+  static constexpr int kMmaMinRows = 1;
   template <class Ops>
   __device__ uint32_t lut_entry(int) const { return 0u; }
   template <class Ops>
@@ -146,6 +150,8 @@ struct Int4 {
     const uint32_t a = x[4 * j + i / 2], b = x[4 * j + 2 + i / 2];
     return i & 1 ? hi_hi(a, b) : lo_lo(a, b);
   }
+  static constexpr bool kPairLoad = false;
+  using Pair = Unit;
 };
 
 // q4_0 (llama.cpp block_q4_0, 18 bytes: fp16 d, 16 bytes qs): element i in the low nibble of
@@ -190,6 +196,7 @@ struct Q4_0 {
   // Tensor-core path: word j holds qs[4j .. 4j+3]; (w >> 4i) & 0x000F000F pairs the nibbles of
   // bytes 0 and 2 (or 1 and 3): elements (4j, 4j+2), (4j+16, 4j+18), (4j+1, 4j+3), (4j+17, 4j+19).
   static constexpr bool kLut = false;
+  static constexpr int kMmaMinRows = 1;
   template <class Ops>
   __device__ uint32_t lut_entry(int) const { return 0u; }
   template <class Ops>
@@ -201,6 +208,27 @@ struct Q4_0 {
   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) {
     const int j = p / 4, i = p % 4, r = (i & 1) ? 8 + 2 * j : 2 * j;  // i = 1, 3: the high-nibble half
     return i >= 2 ? hi_hi(x[r], x[r + 1]) : lo_lo(x[r], x[r + 1]);
+  }
+  // Two consecutive blocks (36 bytes) start 4-byte aligned when the row's first block does and
+  // u is even: with an even number of blocks per row and a 4-byte aligned W, every row's does.
+  // Then a lane reads its two units as 9 words instead of 18 halfwords.
+  static constexpr bool kPairLoad = true;
+  bool pair_load_ok() const { return nb % 2 == 0 && (reinterpret_cast<uintptr_t>(blocks) & 3u) == 0; }
+  struct Pair {
+    uint32_t w[9];  // block u: d = low half of w[0], qs = bytes 2..17; block u+1: d = high half of w[4], qs = w[5..8]
+  };
+  __device__ Pair load_pair(RowState& rs, int64_t u) const {
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(rs.b + u * 9);
+    Pair r;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) r.w[i] = __ldg(p + i);
+    return r;
+  }
+  template <class Ops>
+  __device__ void pairs_in_pair(const Pair& pr, int i, int j, uint32_t (&p)[4]) const {
+    const uint32_t w = i == 0 ? __byte_perm(pr.w[j], pr.w[j + 1], 0x5432) : pr.w[5 + j];
+    const uint32_t d = i == 0 ? pr.w[0] : pr.w[4] >> 16;
+    Ops::nibble_pairs(w, Ops::nibble_consts(8.0f, Ops::scale_fp16(d & 0xFFFFu)), p);
   }
 };
 
@@ -316,14 +344,15 @@ __global__ void __launch_bounds__(1024) scan_kernel(int64_t* __restrict__ out, i
   }
 }
 
-// 16-bit activations, N >= 2, sm_80+: the tensor-core kernel (one decode serves up to 16 rows).
-// N = 1, float32 activations or an older GPU: the float32 kernel, which measured as fast or
-// faster at N = 1 on the H200 (benchmarks/README.md): both are bound by per-weight instruction
-// issue there, not by the multiply.
+// 16-bit activations on sm_80+: the tensor-core kernel (one decode serves up to 16 rows), from
+// N = Fmt::kMmaMinRows. Otherwise (float32 activations, an older GPU, nf4 at N = 1) the float32
+// kernel; for nf4 at one row it measured faster on the H200 (the tensor-core kernel builds its
+// pair table in every CTA).
 template <class Fmt, class T>
 void launch(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, void* stream) {
   if constexpr (!std::is_same_v<T, float>) {
-    if (N >= 2 && cuda_wo::mma_supported()) return cuda_wo::launch_weight_only_mma(f, X, N, K, M, Y, stream);
+    if (N >= Fmt::kMmaMinRows && cuda_wo::mma_supported())
+      return cuda_wo::launch_weight_only_mma(f, X, N, K, M, Y, stream);
   }
   cuda_wo::launch_weight_only(f, X, N, K, M, Y, stream);
 }

@@ -12,14 +12,13 @@
 // becomes inf there too); products and sums are float32; one rounding of Y at the end.
 //
 // Work split: a CTA owns 16 weight rows and up to 16 activation rows (grid.y covers more);
-// its warps split K into chunks of 128 values (chunk c goes to warp c mod warps) and add their
-// partial sums in shared memory at the end, in a fixed order (deterministic). In a chunk, lane
-// (g, t) = (lane / 4, lane % 4) loads the 32-value unit t of rows g and g + 8 (one 16-byte load
-// each: whole sectors per quad) and activation row g (+ 8) at the same 32 positions. mma's k
-// order inside a chunk need not be the memory order, only the same for A and B: mma step s of
-// lane (g, t) takes pairs 2s, 2s + 1 of its unit, each a half2 of two elements that the format
-// decodes together (Fmt::pairs), and the activations of the same two elements (Fmt::xpair,
-// one byte permute). Needs sm_80 (the host launcher checks; the mma is compiled empty below).
+// its warps split K into steps of 4 U units of 32 values (step s goes to warp s mod warps) and
+// add their partial sums in shared memory at the end, in a fixed order (deterministic). In a
+// step, lane (g, t) = (lane / 4, lane % 4) loads U units of rows g and g + 8 (16-byte loads:
+// whole sectors per quad) and activation row g (+ 8) at the same positions. mma's k order need
+// not be the memory order, only the same for A and B: an mma of lane (g, t) takes two pairs of
+// its unit, each a half2 of two elements that the format decodes together (Fmt::pairs), and
+// the activations of the same two elements (Fmt::xpair, one byte permute). Needs sm_80 (the host launcher checks; the mma is compiled empty below).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,6 +26,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 
 #include "common/cuda_utils.cuh"
 #include "common/fp16.h"
@@ -134,8 +134,11 @@ __device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byt
 //   template <class Ops> __host__ __device__ static constexpr bool odd_x16();  whether pairs 4j+1, 4j+3 come times 16
 //   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p);
 //       the activations of pair p's two elements from x = the unit's 32 activations as 16 pairs
+//   static constexpr bool kPairLoad; type Pair; if kPairLoad: bool pair_load_ok() const (host),
+//       Pair load_pair(RowState&, int64_t u) (units u, u + 1, u even) and
+//       pairs_in_pair<Ops>(const Pair&, int i, int j, uint32_t (&p)[4]) (pairs of unit u + i)
 // Units hold raw loaded registers: work on them waits for the load, so it belongs in pairs().
-template <class Fmt, class H, int NTILES>
+template <class Fmt, class H, int NTILES, bool PAIR>
 __global__ void __launch_bounds__(kMmaMaxWarps * 32)
 weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y) {
   using Ops = PairOps<H>;
@@ -154,7 +157,7 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   const int64_t m0 = int64_t(blockIdx.x) * kMmaRows;
   const int64_t rowA = m0 + g < M ? m0 + g : M - 1, rowB = m0 + g + 8 < M ? m0 + g + 8 : M - 1;
   const int64_t n0 = int64_t(blockIdx.y) * NTILES * 8;
-  const int64_t units = K / 32, chunks = (units + 3) / 4;
+  const int64_t units = K / 32;
   typename Fmt::RowState rsA = f.row(rowA), rsB = f.row(rowB);
 
   // c: the products; c16: those of the pairs that Fmt decodes times 16 (odd_x16), scaled at the end
@@ -165,78 +168,97 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
 #pragma unroll
     for (int i = 0; i < 4; ++i) c[nt][i] = c16[nt][i] = 0.0f;
 
-  // Weights run kStages chunks ahead (a register ring: DRAM latency needs ~1.5 KB in flight per
-  // warp at 24 warps per SM), activations one chunk ahead (they come from L1/L2).
-  constexpr int kStages = NTILES == 1 ? 4 : 2;
-  struct W {
-    typename Fmt::Unit a, b;
+  // A warp step takes kStepUnits consecutive 32-value units of rows g and g + 8: U per lane,
+  // lane t the units t*U .. t*U+U-1 (a quad reads 64 U contiguous bytes per row). The weights of
+  // the next step are loaded before this step is multiplied (two register stages, ping-pong,
+  // no copies); activations are loaded when their step is multiplied (they sit in L1: every
+  // warp of the SM reads the same X).
+  constexpr int U = NTILES == 1 ? 2 : 1;  // two units per lane measured slower at 16 rows (177 registers)
+  constexpr int kStepUnits = 4 * U;
+  const int64_t steps = (units + kStepUnits - 1) / kStepUnits;
+  const int64_t mine = steps > warp ? (steps - warp + nwarps - 1) / nwarps : 0;  // this warp's steps
+  // PAIR: the format reads a lane's two units in one go (Fmt::Pair, q4_0's 36 bytes as 9 words)
+  static_assert(!PAIR || U == 2, "pair loads take two units per lane");
+  using Loaded = std::conditional_t<PAIR, typename Fmt::Pair, typename Fmt::Unit>;
+  constexpr int kLoads = PAIR ? 1 : U;
+  struct Stage {
+    Loaded a[kLoads], b[kLoads];
   };
-  auto load_w = [&](int64_t ch, W& w) {
+  const H* xrow[NTILES];
+  bool xok[NTILES];
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt) {
+    const int64_t n = n0 + nt * 8 + g;
+    xok[nt] = n < N;
+    xrow[nt] = X + (xok[nt] ? n : 0) * K;
+  }
+  auto unit_of = [&](int64_t k, int i) { return (warp + k * nwarps) * kStepUnits + t * U + i; };
+  auto load = [&](int64_t k, Stage& st) {
     // Lanes past the end of K read the row's first unit and multiply it by zero activations:
     // no extra work on the loaded registers (see the Fmt note), and a non-finite weight there
     // is in this row's sum anyway.
-    const int64_t u = ch * 4 + t;
-    w.a = f.load(rsA, rowA, u < units ? u : 0, true);
-    w.b = f.load(rsB, rowB, u < units ? u : 0, true);
-  };
-  auto load_x = [&](int64_t ch, uint32_t (&x)[NTILES][16]) {
-    const int64_t u = ch * 4 + t;
 #pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt) {
-      const int64_t n = n0 + nt * 8 + g;
-      if (u < units && n < N) {
-        const uint4* xp = reinterpret_cast<const uint4*>(X + n * K + u * 32);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint4 v = __ldg(xp + i);
-          x[nt][4 * i] = v.x; x[nt][4 * i + 1] = v.y; x[nt][4 * i + 2] = v.z; x[nt][4 * i + 3] = v.w;
-        }
+    for (int i = 0; i < kLoads; ++i) {
+      const int64_t u = unit_of(k, i), uc = u < units ? u : 0;
+      if constexpr (PAIR) {
+        st.a[i] = f.load_pair(rsA, uc);
+        st.b[i] = f.load_pair(rsB, uc);
       } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) x[nt][i] = 0u;
+        st.a[i] = f.load(rsA, rowA, uc, true);
+        st.b[i] = f.load(rsB, rowB, uc, true);
       }
     }
   };
-  auto multiply = [&](const W& w, const uint32_t (&x)[NTILES][16]) {
+  auto multiply = [&](int64_t k, const Stage& st) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t pa[4], pb[4];
-      f.template pairs<Ops>(lut, lane, w.a, j, pa);
-      f.template pairs<Ops>(lut, lane, w.b, j, pb);
+    for (int i = 0; i < U; ++i) {
+      const int64_t u = unit_of(k, i);
+      uint32_t x[NTILES][16];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // A fragment: rows g / g + 8 x k pairs (2t, 2t+1) / (2t+8, 2t+9) = our pairs h / h+2
-        // (so that the odd pairs, which may be decoded times 16, share one mma)
-        const uint32_t a[4] = {pa[h], pb[h], pa[h + 2], pb[h + 2]};
+      for (int nt = 0; nt < NTILES; ++nt) {
+        if (xok[nt] && u < units) {
+          const uint4* xp = reinterpret_cast<const uint4*>(xrow[nt] + u * 32);
 #pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
-          Ops::mma(kX16 && h == 1 ? c16[nt] : c[nt], a, Fmt::xpair(x[nt], 4 * j + h), Fmt::xpair(x[nt], 4 * j + h + 2));
+          for (int q = 0; q < 4; ++q) {
+            const uint4 v = __ldg(xp + q);
+            x[nt][4 * q] = v.x; x[nt][4 * q + 1] = v.y; x[nt][4 * q + 2] = v.z; x[nt][4 * q + 3] = v.w;
+          }
+        } else {
+#pragma unroll
+          for (int q = 0; q < 16; ++q) x[nt][q] = 0u;  // zero activations: lanes past N or K add 0
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t pa[4], pb[4];
+        if constexpr (PAIR) {
+          f.template pairs_in_pair<Ops>(st.a[0], i, j, pa);
+          f.template pairs_in_pair<Ops>(st.b[0], i, j, pb);
+        } else {
+          f.template pairs<Ops>(lut, lane, st.a[i], j, pa);
+          f.template pairs<Ops>(lut, lane, st.b[i], j, pb);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // A fragment: rows g / g + 8 x k pairs (2t, 2t+1) / (2t+8, 2t+9) = our pairs h / h+2
+          // (so that the odd pairs, which may be decoded times 16, share one mma)
+          const uint32_t a[4] = {pa[h], pb[h], pa[h + 2], pb[h + 2]};
+#pragma unroll
+          for (int nt = 0; nt < NTILES; ++nt)
+            Ops::mma(kX16 && h == 1 ? c16[nt] : c[nt], a, Fmt::xpair(x[nt], 4 * j + h),
+                     Fmt::xpair(x[nt], 4 * j + h + 2));
+        }
       }
     }
   };
 
-  // This warp's chunks are warp, warp + nwarps, ...; stage i of the ring holds the chunk
-  // i (mod kStages) of that list. Conditions are warp-uniform.
-  const int64_t mine = chunks > warp ? (chunks - warp + nwarps - 1) / nwarps : 0;
-  W ring[kStages];
-  uint32_t xa[NTILES][16], xb[NTILES][16];
-#pragma unroll
-  for (int i = 0; i < kStages; ++i)
-    if (i < mine) load_w(warp + int64_t(i) * nwarps, ring[i]);
-  if (mine > 0) load_x(warp, xa);
-  for (int64_t k0 = 0; k0 < mine; k0 += kStages) {
-#pragma unroll
-    for (int i = 0; i < kStages; ++i) {
-      const int64_t k = k0 + i;
-      if (k < mine) {
-        uint32_t (&xc)[NTILES][16] = (i & 1) ? xb : xa;
-        uint32_t (&xn)[NTILES][16] = (i & 1) ? xa : xb;
-        if (k + 1 < mine) load_x(warp + (k + 1) * nwarps, xn);
-        const W w = ring[i];
-        if (k + kStages < mine) load_w(warp + (k + kStages) * nwarps, ring[i]);
-        multiply(w, xc);
-      }
-    }
+  Stage s0, s1;
+  if (mine > 0) load(0, s0);
+  for (int64_t k = 0; k < mine; k += 2) {  // warp-uniform conditions
+    if (k + 1 < mine) load(k + 1, s1);
+    multiply(k, s0);
+    if (k + 2 < mine) load(k + 2, s0);
+    if (k + 1 < mine) multiply(k + 1, s1);
   }
 
   // C fragment: c0, c1 = row g, activation rows 2t, 2t+1; c2, c3 = row g + 8.
@@ -274,14 +296,26 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   const int ntiles = N > 8 ? 2 : 1;
   const dim3 grid(cuda::grid_for(M, kMmaRows), cuda::grid_for(N, ntiles * 8));
   if (grid.y > 65535) throw std::invalid_argument("weight-only GEMM: too many activation rows for one launch");
-  // Enough warps in flight to cover DRAM latency: about 4096 over the device (32 per SM on a
-  // 132-SM H200), more K-splitting when there are few 16-row CTAs; never more warps than chunks.
-  const int64_t chunks = (K / 32 + 3) / 4;
+  // About 2048 warps over the device (a wave of ~16 per SM at ~110 registers on a 132-SM
+  // H200): more K-splitting when there are few 16-row CTAs, never more warps than steps.
+  // (Measured on the H200: 1024 is slower, 4096 no faster.)
+  const int64_t steps = (K / 32 + 7) / 8;  // warp steps (8 units)
   int warps = 1;
-  while (warps < kMmaMaxWarps && int64_t(grid.x) * grid.y * warps < 4096 && warps * 2 <= chunks) warps *= 2;
+  while (warps < kMmaMaxWarps && int64_t(grid.x) * grid.y * warps < 2048 && warps * 2 <= steps) warps *= 2;
   cudaStream_t s = cuda::stream(stream);
-  if (ntiles == 2) weight_only_mma_kernel<Fmt, H, 2><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
-  else weight_only_mma_kernel<Fmt, H, 1><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+  bool launched = false;
+  if constexpr (Fmt::kPairLoad) {
+    if (f.pair_load_ok()) {  // (two units per lane: the N <= 8 kernel only)
+      if (ntiles == 1) {
+        weight_only_mma_kernel<Fmt, H, 1, true><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+        launched = true;
+      }
+    }
+  }
+  if (!launched) {
+    if (ntiles == 2) weight_only_mma_kernel<Fmt, H, 2, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+    else weight_only_mma_kernel<Fmt, H, 1, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+  }
   cuda::check_launch("weight-only GEMM (tensor cores)");
 }
 

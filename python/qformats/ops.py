@@ -20,7 +20,7 @@ activation's dtype and calls ``torch.nn.functional.linear`` (correct for float32
 and bfloat16 activations on every device the format decodes on), except where a GEMM kernel is
 registered with :func:`register_linear_kernel`: at import, CUDA activations with at most
 ``CUDA_GEMV_MAX_ROWS`` rows and ``CUDA_GEMV_FORMATS`` weights go through the library's
-register-decoding GEMV kernels (:func:`use_builtin_kernels`).
+weight-only kernels, which decode the weight in registers (:func:`use_builtin_kernels`).
 
 Backward: ``qformats::linear`` has an autograd formula for ``x`` and ``bias``
 (``grad_x = grad_y @ W``, ``grad_bias = sum grad_y``); the packed weight gets no gradient.

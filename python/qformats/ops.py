@@ -263,9 +263,11 @@ def register_linear_kernel(format: str, device_type: str,
 #: faster (H200, benchmarks/gemm.py, 14336x4096: 46-56 us at 16 rows against 76-82 us for
 #: "+cuBLAS"; at 64 rows 124-174 us against 77 us).
 CUDA_GEMV_MAX_ROWS = 16
-#: Formats whose CUDA GEMV beats dequantize + cuBLAS at few rows. mixed2bit's does not yet
-#: (182 us at one row on 14336x4096 against 55 + 33 us), so its layers take the other path.
-CUDA_GEMV_FORMATS = ("nf4", "int4", "q4_0")
+#: Formats whose CUDA kernels beat dequantize + cuBLAS at few rows, with the most activation
+#: rows each takes (at most ``CUDA_GEMV_MAX_ROWS``). mixed2bit's kernel only at one row
+#: (14336x4096: 60 us against 55 + 33 us; 88 us at two rows).
+CUDA_GEMV_FORMATS = {"nf4": CUDA_GEMV_MAX_ROWS, "int4": CUDA_GEMV_MAX_ROWS, "q4_0": CUDA_GEMV_MAX_ROWS,
+                     "mixed2bit": 1}
 
 
 def _cuda_weight_only(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]):
@@ -275,7 +277,8 @@ def _cuda_weight_only(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch
 
     K = qt.shape[-1]
     x2 = x.reshape(-1, K)
-    if x2.shape[0] > CUDA_GEMV_MAX_ROWS or x2.shape[0] == 0 or K % 32:
+    rows = min(CUDA_GEMV_MAX_ROWS, CUDA_GEMV_FORMATS.get(qt.format, 0))
+    if x2.shape[0] > rows or x2.shape[0] == 0 or K % 32:
         return NotImplemented
     mod = format_module(qt.format)
     supported = getattr(mod, "gemm_cuda_supported", None)  # int4, mixed2bit: parameter limits
@@ -291,8 +294,8 @@ def _cuda_weight_only(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch
 
 
 def use_builtin_kernels(cuda: bool = True) -> None:
-    """Route CUDA :func:`linear` calls of ``CUDA_GEMV_FORMATS`` weights with at most
-    ``CUDA_GEMV_MAX_ROWS`` activation rows through the library's GEMV kernels (on by default,
+    """Route CUDA :func:`linear` calls of ``CUDA_GEMV_FORMATS`` weights with at most that
+    format's number of activation rows through the library's kernels (on by default,
     at import). ``cuda=False`` restores dequantize + ``F.linear`` everywhere. The CPU always takes dequantize + ``F.linear`` (bitwise the
     reference); the CPU GEMMs are reached through the format modules' ``gemm``."""
     for fmt in CUDA_GEMV_FORMATS:

@@ -247,15 +247,23 @@ struct Mixed2 {
   using Shared = NoShared;
   struct RowState {
     int64_t n4, n2;  // 4-bit / 2-bit groups before the current warp step
+    uint32_t map;    // the group_map byte of this lane's group at the next load (read a step early)
   };
+  // The loaded registers only (see the note at Nf4): codes, scale codes and second-order scales.
   struct Unit {
-    uint32_t c0, c1;  // the unit's 16 codes as nibbles (2-bit codes spread to 4 bits)
-    float scale, offset;
+    uint32_t c0, c1;  // 4-bit: the unit's two codes4 words; 2-bit: c0 = its codes2 word
+    uint32_t s0, s1;  // 4-bit: the scale and min codes (scales4); 2-bit: s0 = the packed scales2 byte
+    uint32_t d, dm;   // fp16 bits of the second-order block's scale and min scale
+    bool is4;
   };
   __device__ void init(Shared&) const {}
+  __device__ uint32_t map_byte(int64_t m, int64_t u) const {
+    const int64_t g = m * G + (u >> ushift);
+    return u < (G << ushift) ? __ldg(q.group_map + (g >> 3)) : 0u;
+  }
   __device__ RowState row(int64_t m) const {
     const int64_t n4 = __ldg(n4_before + m);
-    return {n4, m * G - n4};
+    return {n4, m * G - n4, map_byte(m, threadIdx.x & 31)};
   }
   // 8 2-bit fields in the low 16 bits -> 8 nibbles (field i to bits 4i..4i+3).
   static __device__ __forceinline__ uint32_t spread2(uint32_t x) {
@@ -268,42 +276,45 @@ struct Mixed2 {
     const int sub = static_cast<int>(u & ((1 << ushift) - 1));
     const int64_t g = m * G + (u >> ushift);
     const bool start = valid && sub == 0;
-    const bool is4 = valid && ((__ldg(q.group_map + (g >> 3)) >> (g & 7)) & 1u);
+    const bool is4 = valid && ((rs.map >> (g & 7)) & 1u);
+    // The map byte for this lane's unit of the next step (lanes past the end got u0 = u & ~31).
+    rs.map = map_byte(m, (u & ~int64_t(31)) + (threadIdx.x & 31) + 32);
     const uint32_t m4 = __ballot_sync(0xFFFFFFFFu, start && is4);
     const uint32_t m2 = __ballot_sync(0xFFFFFFFFu, start && !is4);
     const uint32_t before = (1u << ((threadIdx.x & 31) - sub)) - 1u;  // group starts before ours
     const int64_t i4 = rs.n4 + __popc(m4 & before), i2 = rs.n2 + __popc(m2 & before);
     rs.n4 += __popc(m4);
     rs.n2 += __popc(m2);
-    Unit r{0u, 0u, 0.0f, 0.0f};
+    Unit r{0u, 0u, 0u, 0u, 0u, 0u, false};  // decodes to 0 with scale and offset 0
     if (!valid) return r;
-    uint32_t sc, mc;
+    r.is4 = is4;
     const half_t* so;  // [d, dm] of the group's second-order block
     if (is4) {
       const uint32_t* c = q.codes4 + ((i4 << ushift) + sub) * 2;
       r.c0 = __ldg(c);
       r.c1 = __ldg(c + 1);
-      sc = __ldg(q.scales4 + 2 * i4);
-      mc = __ldg(q.scales4 + 2 * i4 + 1);
+      r.s0 = __ldg(q.scales4 + 2 * i4);
+      r.s1 = __ldg(q.scales4 + 2 * i4 + 1);
       so = q.so4 + 2 * (i4 >> bshift);
     } else {
-      const uint32_t c = __ldg(q.codes2 + (i2 << ushift) + sub);
-      r.c0 = spread2(c);
-      r.c1 = spread2(c >> 16);
-      const uint32_t s = __ldg(q.scales2 + i2);
-      sc = s & 15u;
-      mc = s >> 4;
+      r.c0 = __ldg(q.codes2 + (i2 << ushift) + sub);
+      r.s0 = __ldg(q.scales2 + i2);
       so = q.so2 + 2 * (i2 >> bshift);
     }
-    // s_eff = d16 * sc, m_eff = dm16 * mc: the format's float32 products
-    r.scale = fp16_bits_to_fp32(__ldg(&so[0].bits)) * static_cast<float>(sc);
-    r.offset = fp16_bits_to_fp32(__ldg(&so[1].bits)) * static_cast<float>(mc);
+    r.d = __ldg(&so[0].bits);
+    r.dm = __ldg(&so[1].bits);
     return r;
   }
-  __device__ float scale(const Unit& un) const { return un.scale; }
-  __device__ float offset(const Unit& un) const { return un.offset; }
+  // s_eff = d16 * sc, m_eff = dm16 * mc: the format's float32 products
+  __device__ float scale(const Unit& un) const {
+    return fp16_bits_to_fp32(static_cast<uint16_t>(un.d)) * static_cast<float>(un.is4 ? un.s0 : un.s0 & 15u);
+  }
+  __device__ float offset(const Unit& un) const {
+    return fp16_bits_to_fp32(static_cast<uint16_t>(un.dm)) * static_cast<float>(un.is4 ? un.s1 : un.s0 >> 4);
+  }
   __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
-    nibbles_lo_first(j == 0 ? un.c0 : un.c1, kMagic, v);
+    const uint32_t w = un.is4 ? (j == 0 ? un.c0 : un.c1) : spread2(j == 0 ? un.c0 : un.c0 >> 16);
+    nibbles_lo_first(w, kMagic, v);
   }
 };
 

@@ -1,7 +1,9 @@
 // Integer-dot-product GEMMs on the GPU: int8 x int8 -> int32 (and its fused epilogue), int4 x
 // int4 -> int32, and llama.cpp's q4_0 x q8_1 (declared in gemm/int8_int8.h, int4_int4.h,
-// q4_0_q8_1.h). All of them reduce to dp4a on int8 codes:
-// * tile kernel (any N): a CTA computes a 64 x 64 tile of the output, K in steps of 32 values.
+// q4_0_q8_1.h). All of them reduce to products of int8 codes:
+// * tensor-core tile kernel (N > kIntGemvMaxN, sm_80+): mma_tile_kernel below, 128 x 128 tiles,
+//   the same row fetches, mma.m16n8k32 s8 instead of dp4a.
+// * tile kernel (older GPUs): a CTA computes a 64 x 64 tile of the output, K in steps of 32 values.
 //   Each step, 64 threads fetch one row of A each and 64 threads one row of B (a "row fetch" of
 //   the operand's policy turns 32 values of its format into 8 words of 4 signed bytes: int8
 //   as is, int4 nibbles sign-extended, q4_0 nibbles minus 8, q8_1 codes), store them to shared
@@ -230,9 +232,153 @@ tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, int64
     }
 }
 
+// --- tensor-core tiles (sm_80+): the same row fetches, int8 mma instead of dp4a --------------
+// A CTA computes a 128 (activation rows n) x 128 (weight rows m) tile, K in stages of kMmaSteps
+// 32-value steps: 256 threads fetch one row of A or B each (all steps of the stage, into
+// registers, issued before the previous stage is multiplied), store it to shared memory, and
+// 8 warps (2 along n x 4 along m) each multiply a 64 x 32 block with mma.m16n8k32 (s8 x s8 ->
+// s32). A 32-value step is exactly one k32 mma, so for the block formats each step's int32 sum
+// is scaled by (d_w * d_a) and added in float32, in the same order as the dp4a kernels.
+constexpr int kMmaTile = 128, kMmaSteps = 2;
+constexpr int kMmaLdw = 8 * kMmaSteps + 4;  // words per shared row; +4: the 8 rows of a fragment
+                                           // load start in 8 different 4-bank groups
+__device__ __forceinline__ void mma_s8(int32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <class PA, class PB, class Epi, bool kScaled>
+__global__ void __launch_bounds__(kThreads, 2)  // two CTAs per SM: one's barrier, the other's mma
+mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, int64_t K) {
+  __shared__ uint32_t as[kMmaTile][kMmaLdw], bs[kMmaTile][kMmaLdw];
+  __shared__ float ad[kMmaSteps][kMmaTile], bd[kMmaSteps][kMmaTile];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int wn = (warp >> 2) * 64, wm = (warp & 3) * 32;  // this warp's block in the tile
+  const int64_t n0 = int64_t(blockIdx.y) * kMmaTile, m0 = int64_t(blockIdx.x) * kMmaTile;
+  int32_t iacc[4][4][4];  // [n tile of 16][m tile of 8][fragment]
+  float facc[4][4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        iacc[i][j][e] = 0;
+        facc[i][j][e] = 0.0f;
+      }
+  const int64_t steps = (K + 31) / 32, stages = (steps + kMmaSteps - 1) / kMmaSteps;
+  uint32_t reg[kMmaSteps][8];
+  float rd[kMmaSteps];
+  const bool is_a = tid < kMmaTile;
+  const int r = tid % kMmaTile;
+  auto fetch = [&](int64_t st) {
+#pragma unroll
+    for (int q = 0; q < kMmaSteps; ++q) {
+      const int64_t s = st * kMmaSteps + q;
+      if (s >= steps) {  // past the end of K: zeros
+#pragma unroll
+        for (int i = 0; i < 8; ++i) reg[q][i] = 0;
+        rd[q] = 0.0f;
+      } else if (is_a) {
+        pa.fetch(n0 + r, s, N, K, reg[q], rd[q]);
+      } else {
+        pb.fetch(m0 + r, s, M, K, reg[q], rd[q]);
+      }
+    }
+  };
+  if (stages > 0) fetch(0);
+  for (int64_t st = 0; st < stages; ++st) {
+    {
+      uint32_t(*dst)[kMmaLdw] = is_a ? as : bs;
+#pragma unroll
+      for (int q = 0; q < kMmaSteps; ++q) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dst[r][8 * q + i] = reg[q][i];
+        (is_a ? ad : bd)[q][r] = rd[q];
+      }
+    }
+    __syncthreads();
+    if (st + 1 < stages) fetch(st + 1);  // in flight while the mma run
+#pragma unroll
+    for (int q = 0; q < kMmaSteps; ++q) {
+      uint32_t af[4][4], bf[4][2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // A fragment: rows g / g+8, words t / 4+t of step q
+        const int row = wn + 16 * i + g;
+        af[i][0] = as[row][8 * q + t];
+        af[i][1] = as[row + 8][8 * q + t];
+        af[i][2] = as[row][8 * q + 4 + t];
+        af[i][3] = as[row + 8][8 * q + 4 + t];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // B fragment: weight row g of the m tile, words t / 4+t
+        const int row = wm + 8 * j + g;
+        bf[j][0] = bs[row][8 * q + t];
+        bf[j][1] = bs[row][8 * q + 4 + t];
+      }
+      // C fragment: (n row g, m cols 2t, 2t+1), (n row g + 8, same cols): their scales, read once
+      float da[4][2], dw[4][2];
+      if (kScaled) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          da[i][0] = ad[q][wn + 16 * i + g];
+          da[i][1] = ad[q][wn + 16 * i + g + 8];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          dw[j][0] = bd[q][wm + 8 * j + 2 * t];
+          dw[j][1] = bd[q][wm + 8 * j + 2 * t + 1];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (kScaled) {
+            int32_t c[4] = {0, 0, 0, 0};
+            mma_s8(c, af[i], bf[j][0], bf[j][1]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              facc[i][j][e] += (dw[j][e & 1] * da[i][e >> 1]) * static_cast<float>(c[e]);
+          } else {
+            mma_s8(iacc[i][j], af[i], bf[j][0], bf[j][1]);
+          }
+        }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t n = n0 + wn + 16 * i + g + (e >= 2 ? 8 : 0), m = m0 + wm + 8 * j + 2 * t + (e & 1);
+        if (n < N && m < M) epi(n, m, iacc[i][j][e], facc[i][j][e]);
+      }
+}
+
+inline bool int_mma_supported() {
+  int dev = 0, major = 0;
+  cuda::check(cudaGetDevice(&dev), "integer GEMM: device");
+  cuda::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "integer GEMM: device");
+  return major >= 8;
+}
+
 template <bool kScaled, class PA, class PB, class Epi>
 void launch_tile(const PA& pa, const PB& pb, const Epi& epi, int64_t N, int64_t M, int64_t K, void* stream) {
   if (N <= 0 || M <= 0) return;
+  if (int_mma_supported()) {
+    const dim3 grid(cuda::grid_for(M, kMmaTile), cuda::grid_for(N, kMmaTile));
+    if (grid.y > 65535) throw std::invalid_argument("integer GEMM: too many activation rows for one launch");
+    mma_tile_kernel<PA, PB, Epi, kScaled><<<grid, kThreads, 0, cuda::stream(stream)>>>(pa, pb, epi, N, M, K);
+    cuda::check_launch("integer GEMM (tensor cores)");
+    return;
+  }
   const dim3 grid(cuda::grid_for(M, kTile), cuda::grid_for(N, kTile));
   if (grid.y > 65535) throw std::invalid_argument("integer GEMM: too many activation rows for one launch");
   tile_kernel<PA, PB, Epi, kScaled><<<grid, kThreads, 0, cuda::stream(stream)>>>(pa, pb, epi, N, M, K);

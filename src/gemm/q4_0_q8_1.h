@@ -11,9 +11,11 @@
 namespace qf::gemm {
 
 // W: [M, K/32] q4_0 blocks; A: [N, K/32] q8_1 blocks; out: float32 [M, N] row-major (W . A^T).
-// Per block: d_w * d_a * sum_j (q_w[j] - 8) * q_a[j] (the integer sum exact; llama.cpp's CPU
+// Per block: d_w * d_a * sum_j (q_w[j] - 8) * q_a[j] (integer sums exact; llama.cpp's CPU
 // kernel folds the -8 the same way, while its CUDA kernel uses q8_1's rounded s field instead),
-// summed over blocks in float32 in an order fixed by the instruction set (not by threads).
+// summed over blocks in float32 in an order fixed by the instruction set (not by threads). The
+// AVX-512 kernel scales the 8 lane sums of a block (4 codes each) separately, so its float32
+// error is relative to sum |w a|, not to the block's (possibly cancelling) total.
 void gemm_q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, float* out,
                         int64_t M, int64_t N, int64_t K);
 

@@ -1,6 +1,6 @@
 """The quality table of the model-level methods on the pydoc Llama (and RTN on all-MiniLM-L6-v2).
 
-    python benchmarks/quality.py                              # everything (about an hour on 2 cores)
+    python benchmarks/quality.py                              # everything (about 75 minutes on 2 cores)
     python benchmarks/quality.py --only rtn,calibrated        # some parts, merged into the JSON
     python benchmarks/quality.py --only signround --points mixed2bit:gs=16:r=0.1 --iters 50
 
@@ -182,10 +182,10 @@ def part_signround(ctx, points, emit):
         model = copy.deepcopy(ctx.lm.model)
         rep = qformats.quantize_model(model, format=fmt, **p, method="signround", calibration=ctx.calib_text,
                                       tokenizer=ctx.lm.tokenizer, iters=a.iters, nsamples=a.nsamples,
-                                      seqlen=a.seqlen, batch_size=8)
+                                      seqlen=a.seqlen, batch_size=8, selection=a.selection)
         t_train = time.perf_counter() - t0
         ppl = ctx.ppl(model)
-        params = (pstr(p) + (", selection=sensitivity" if p.get("ratio_4bit", 0) > 0 else "")
+        params = (pstr(p) + (f", selection={a.selection}" if p.get("ratio_4bit", 0) > 0 else "")
                   + f", iters={a.iters}, calibration=pydoc_data.topics {a.nsamples}x{a.seqlen}")
         emit(ctx.row("signround", fmt, params, rep.avg_bits, ppl))
         log(f"signround {pstr(p)}: train {t_train:.0f} s, total {time.perf_counter() - t0:.0f} s")
@@ -249,10 +249,12 @@ def save_json(path: Path, data: dict) -> None:
 
 def markdown(data: dict) -> str:
     m = data["meta"]
-    lines = [f"model {m.get('model')}, {m.get('windows')} windows of 512 tokens of {m.get('text')}, "
+    lines = [f"model {m.get('model')}; text {m.get('text')}: {m.get('windows')}; "
              f"fp32 perplexity {m.get('fp32_ppl')}", "",
              "| method | format | params | bits/w | ppl | Δ% |", "|---|---|---|---:|---:|---:|"]
-    for r in data["rows"]:
+    order = {"rtn": 0, "rtn+calibration": 1, "signround": 2, "budget": 3}
+    rows = sorted(data["rows"], key=lambda r: (order.get(r["method"], 9), r["format"], -r["bits"]))
+    for r in rows:
         lines.append(f"| {r['method']} | {r['format']} | {r['params']} | {r['bits']:.3f} | {r['ppl']:.3f} | "
                      f"{r['delta_pct']:+.2f}% |")
     if data.get("minilm"):
@@ -273,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100, help="signround steps per block")
     ap.add_argument("--nsamples", type=int, default=32, help="calibration windows (signround, calibrated)")
     ap.add_argument("--seqlen", type=int, default=512, help="tokens per calibration window")
+    ap.add_argument("--selection", default="sensitivity", choices=("sensitivity", "range"),
+                    help="signround: how mixed2bit's 4-bit groups are chosen")
     ap.add_argument("--budget-pct", type=float, default=5.0)
     ap.add_argument("--budget-windows", type=int, default=8)
     ap.add_argument("--budget-candidates", default=DEFAULT_BUDGET)
@@ -317,6 +321,9 @@ def main(argv=None) -> int:
                       "fp32_ppl": round(fp32, 4)})
 
     def emit(row):
+        # re-read the file first, so that rows another run wrote meanwhile are kept
+        if out.is_file():
+            data["rows"] = load_json(out).get("rows", data["rows"])
         key = (row["method"], row["format"], row["params"])
         data["rows"] = [r for r in data["rows"] if (r["method"], r["format"], r["params"]) != key] + [row]
         save_json(out, data)

@@ -257,6 +257,7 @@ class QuantizationReport:
 
     @property
     def ignored(self) -> list:
+        """The LayerReports of the layers an ignore pattern kept in float."""
         return [l for l in self.layers if l.status == "ignored"]
 
     @property

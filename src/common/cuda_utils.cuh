@@ -18,6 +18,15 @@ inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
 inline cudaStream_t stream(void* s) { return static_cast<cudaStream_t>(s); }
 
+// Whether the current device has sm_80's warp-level mma shapes (m16n8k16 f16/bf16, m16n8k32 s8)
+// that the tensor-core GEMM kernels use; older GPUs take their CUDA-core kernels.
+inline bool has_sm80_mma() {
+  int dev = 0, major = 0;
+  check(cudaGetDevice(&dev), "CUDA device");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "CUDA device");
+  return major >= 8;
+}
+
 inline unsigned grid_for(int64_t n_items, int items_per_cta) {
   const int64_t g = (n_items + items_per_cta - 1) / items_per_cta;
   if (g > 0x7FFFFFFF) throw std::invalid_argument("input too large for one launch");

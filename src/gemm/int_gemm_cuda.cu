@@ -362,17 +362,10 @@ mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, i
       }
 }
 
-inline bool int_mma_supported() {
-  int dev = 0, major = 0;
-  cuda::check(cudaGetDevice(&dev), "integer GEMM: device");
-  cuda::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "integer GEMM: device");
-  return major >= 8;
-}
-
 template <bool kScaled, class PA, class PB, class Epi>
 void launch_tile(const PA& pa, const PB& pb, const Epi& epi, int64_t N, int64_t M, int64_t K, void* stream) {
   if (N <= 0 || M <= 0) return;
-  if (int_mma_supported()) {
+  if (cuda::has_sm80_mma()) {
     const dim3 grid(cuda::grid_for(M, kMmaTile), cuda::grid_for(N, kMmaTile));
     if (grid.y > 65535) throw std::invalid_argument("integer GEMM: too many activation rows for one launch");
     mma_tile_kernel<PA, PB, Epi, kScaled><<<grid, kThreads, 0, cuda::stream(stream)>>>(pa, pb, epi, N, M, K);

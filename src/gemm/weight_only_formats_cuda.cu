@@ -94,7 +94,6 @@ struct Nf4 {
   }
   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) { return x[p]; }  // elements 2p, 2p+1
   static constexpr bool kPairLoad = false;
-  using Pair = Unit;
 };
 
 // int4 (formats/int4): element 2b in the LOW nibble; asymmetric w = (q - zero) * scale, symmetric
@@ -138,8 +137,6 @@ struct Int4 {
   static constexpr bool kLut = false;
   static constexpr int kMmaMinRows = 1;
   template <class Ops>
-  __device__ uint32_t lut_entry(int) const { return 0u; }
-  template <class Ops>
   __host__ __device__ static constexpr bool odd_x16() { return Ops::kX16; }
   template <class Ops>
   __device__ void pairs(const uint32_t (*)[32], int, const Unit& un, int j, uint32_t (&p)[4]) const {
@@ -151,7 +148,6 @@ struct Int4 {
     return i & 1 ? hi_hi(a, b) : lo_lo(a, b);
   }
   static constexpr bool kPairLoad = false;
-  using Pair = Unit;
 };
 
 // q4_0 (llama.cpp block_q4_0, 18 bytes: fp16 d, 16 bytes qs): element i in the low nibble of
@@ -197,8 +193,6 @@ struct Q4_0 {
   // bytes 0 and 2 (or 1 and 3): elements (4j, 4j+2), (4j+16, 4j+18), (4j+1, 4j+3), (4j+17, 4j+19).
   static constexpr bool kLut = false;
   static constexpr int kMmaMinRows = 1;
-  template <class Ops>
-  __device__ uint32_t lut_entry(int) const { return 0u; }
   template <class Ops>
   __host__ __device__ static constexpr bool odd_x16() { return Ops::kX16; }
   template <class Ops>
@@ -362,7 +356,7 @@ __global__ void __launch_bounds__(1024) scan_kernel(int64_t* __restrict__ out, i
 template <class Fmt, class T>
 void launch(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, void* stream) {
   if constexpr (!std::is_same_v<T, float>) {
-    if (N >= Fmt::kMmaMinRows && cuda_wo::mma_supported())
+    if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma())
       return cuda_wo::launch_weight_only_mma(f, X, N, K, M, Y, stream);
   }
   cuda_wo::launch_weight_only(f, X, N, K, M, Y, stream);

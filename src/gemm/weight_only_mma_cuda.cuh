@@ -26,7 +26,6 @@
 
 #include <cstdint>
 #include <stdexcept>
-#include <type_traits>
 
 #include "common/cuda_utils.cuh"
 #include "common/fp16.h"
@@ -126,7 +125,7 @@ __device__ __forceinline__ uint32_t lo_lo(uint32_t a, uint32_t b) { return __byt
 __device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x7632); }
 
 // Fmt provides, besides what weight_only_cuda.cuh asks for (row, Unit, load):
-//   static constexpr bool kLut;  (whether it decodes through a 256-entry pair table)
+//   static constexpr bool kLut;  (whether it decodes through a 256-entry pair table; if so:)
 //   template <class Ops> __device__ uint32_t lut_entry(int byte) const;
 //   template <class Ops> __device__ void pairs(const uint32_t (*lut)[32], int lane, const Unit&, int j,
 //                                              uint32_t (&p)[4]) const;
@@ -134,10 +133,20 @@ __device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byt
 //   template <class Ops> __host__ __device__ static constexpr bool odd_x16();  whether pairs 4j+1, 4j+3 come times 16
 //   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p);
 //       the activations of pair p's two elements from x = the unit's 32 activations as 16 pairs
-//   static constexpr bool kPairLoad; type Pair; if kPairLoad: bool pair_load_ok() const (host),
+//   static constexpr bool kPairLoad; if kPairLoad: struct Pair, bool pair_load_ok() const (host),
 //       Pair load_pair(RowState&, int64_t u) (units u, u + 1, u even) and
 //       pairs_in_pair<Ops>(const Pair&, int i, int j, uint32_t (&p)[4]) (pairs of unit u + i)
 // Units hold raw loaded registers: work on them waits for the load, so it belongs in pairs().
+// What a lane loads per row and step: the format's Unit, or its Pair of units (PAIR).
+template <class Fmt, bool PAIR>
+struct LoadedUnit {
+  using type = typename Fmt::Unit;
+};
+template <class Fmt>
+struct LoadedUnit<Fmt, true> {
+  using type = typename Fmt::Pair;
+};
+
 template <class Fmt, class H, int NTILES, bool PAIR>
 __global__ void __launch_bounds__(kMmaMaxWarps * 32)
 weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y) {
@@ -179,7 +188,7 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   const int64_t mine = steps > warp ? (steps - warp + nwarps - 1) / nwarps : 0;  // this warp's steps
   // PAIR: the format reads a lane's two units in one go (Fmt::Pair, q4_0's 36 bytes as 9 words)
   static_assert(!PAIR || U == 2, "pair loads take two units per lane");
-  using Loaded = std::conditional_t<PAIR, typename Fmt::Pair, typename Fmt::Unit>;
+  using Loaded = typename LoadedUnit<Fmt, PAIR>::type;
   constexpr int kLoads = PAIR ? 1 : U;
   struct Stage {
     Loaded a[kLoads], b[kLoads];
@@ -279,14 +288,6 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     for (int w = 0; w < nwarps; ++w) v += red[w][n][r];
     if (n0 + n < N && m0 + r < M) from_f32(v, &Y[(n0 + n) * M + m0 + r]);
   }
-}
-
-// Whether the current device runs weight_only_mma_kernel (sm_80 and newer).
-inline bool mma_supported() {
-  int dev = 0, major = 0;
-  cuda::check(cudaGetDevice(&dev), "weight-only GEMM: device");
-  cuda::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "weight-only GEMM: device");
-  return major >= 8;
 }
 
 // Launches the tensor-core kernel on `stream`. X and Y 16-byte aligned, K a multiple of 32.

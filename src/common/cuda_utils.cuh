@@ -42,6 +42,18 @@ __device__ __forceinline__ V warp_sum(V v) {
   return v;
 }
 
+// Inclusive prefix sum of v over the 32 lanes of a warp (Hillis-Steele with shuffles; exact for
+// integers). All 32 lanes must call.
+template <class V>
+__device__ __forceinline__ V warp_inclusive_sum(V v) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const V n = __shfl_up_sync(0xFFFFFFFFu, v, o);
+    if (static_cast<int>(threadIdx.x & 31u) >= o) v += n;
+  }
+  return v;
+}
+
 __host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // The CTA copies nbytes from src to dst, 16 bytes per thread per step when both ends are
@@ -63,14 +75,18 @@ __device__ inline void cta_copy(uint8_t* __restrict__ dst, const uint8_t* __rest
 // N consecutive elements of T from global memory into registers: 16-byte loads when the
 // source is aligned (the caller passes `vec` from a host-side check of the base pointer;
 // every record then starts 16-byte aligned too), element loads otherwise. N * sizeof(T) must
-// be a multiple of 16 for the vector path.
-template <class T, int N>
+// be a multiple of 16 for the vector path. kStreaming: evict-first loads (__ldcs) for data a
+// kernel reads once and should not keep in L2.
+template <bool kStreaming = false, class T, int N>
 __device__ inline void load_run(const T* __restrict__ src, T (&dst)[N], bool vec) {
   static_assert((N * sizeof(T)) % 16 == 0, "vector path needs whole 16-byte words");
   if (vec) {
     uint4 w[N * sizeof(T) / 16];
 #pragma unroll
-    for (int i = 0; i < int(N * sizeof(T) / 16); ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+    for (int i = 0; i < int(N * sizeof(T) / 16); ++i) {
+      const uint4* p = reinterpret_cast<const uint4*>(src) + i;
+      w[i] = kStreaming ? __ldcs(p) : __ldg(p);
+    }
     memcpy(dst, w, sizeof(w));  // register-to-register: compiles to nothing
   } else {
 #pragma unroll

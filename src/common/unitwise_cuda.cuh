@@ -404,6 +404,23 @@ __device__ inline float absmax_raw(const Raw8<T> (&r)[N], bool& nan) {
   }
 }
 
+// absmax_raw where no value is NaN; otherwise the format's own rule folded over every value from
+// +0 (step(amax, v), the header's absmax_step: what it makes of a NaN is the format's business,
+// a NaN input being outside the checked API).
+template <class T, int N, class Step>
+__device__ __forceinline__ float absmax_or_fold(const Raw8<T> (&r)[N], Step step) {
+  bool nan;
+  float a = absmax_raw(r, nan);
+  if (nan) {
+    a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a = step(a, raw_value(r[i], j));
+  }
+  return a;
+}
+
 // A stream-ordered device workspace for the segment path (partial reductions): allocated
 // with cudaMallocAsync on the launch stream and freed with cudaFreeAsync after the kernels
 // queued before the destructor runs, also when a launch check throws in between.

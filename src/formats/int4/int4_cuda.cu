@@ -258,15 +258,7 @@ quantize_fused_kernel(const T* __restrict__ x, int n_chunks, int log_s, int64_t 
   if constexpr (kAsym) {
     uw::range_raw(r, a, b);  // the thread's lo, hi: min_step / max_step's result from +0
   } else {
-    bool nan;
-    a = uw::absmax_raw(r, nan);
-    if (nan) {  // absmax_step's own NaN behaviour (a NaN input is outside the checked API)
-      a = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kCpt; ++i)
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) a = absmax_step(a, uw::raw_value(r[i], j));
-    }
+    a = uw::absmax_or_fold(r, [](float m, float v) { return absmax_step(m, v); });
   }
   {  // every thread of the CTA gets here
     __shared__ float red_a[uw::kWarps];

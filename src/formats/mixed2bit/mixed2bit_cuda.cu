@@ -111,12 +111,7 @@ struct DivB {
 template <class V>
 __device__ V cta_exclusive_sum(V v, V* total) {
   __shared__ V warp_sums[kWarps];
-  V incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const V n = __shfl_up_sync(kFull, incl, o);
-    if (lane_id() >= o) incl += n;
-  }
+  const V incl = cu::warp_inclusive_sum(v);
   if (lane_id() == 31) warp_sums[warp_id()] = incl;
   __syncthreads();
   V before = 0, all = 0;
@@ -278,21 +273,6 @@ struct RangeKeys {
   }
 };
 
-// GS consecutive values of T into registers: streaming 16-byte loads when `vec` (w 16-byte
-// aligned; GS * sizeof(T) is a multiple of 16, so every group is too), element loads otherwise.
-template <int GS, class T>
-__device__ __forceinline__ void load_values(const T* __restrict__ src, T (&v)[GS], bool vec) {
-  static_assert((GS * sizeof(T)) % 16 == 0, "whole 16-byte words");
-  if (vec) {
-    uint4 u[GS * sizeof(T) / 16];
-#pragma unroll
-    for (int i = 0; i < int(GS * sizeof(T) / 16); ++i) u[i] = __ldcs(reinterpret_cast<const uint4*>(src) + i);
-    memcpy(v, u, sizeof(u));
-  } else {
-#pragma unroll
-    for (int i = 0; i < GS; ++i) v[i] = src[i];
-  }
-}
 
 // group_min_max without outliers for 16 values in registers: the CPU's loop keeps the first
 // value when it is NaN (then every comparison fails) and otherwise ignores NaNs, and -0 is read
@@ -374,7 +354,7 @@ stats_kernel(const T* __restrict__ w, const float* __restrict__ sens, int64_t ng
       if constexpr (GS > 0) {
         static_assert(GS == 16, "the registers path is for 16-value groups");
         T v[GS];
-        load_values(w + g * GS, v, vec);
+        cu::load_run<true>(w + g * GS, v, vec);
         minmax16(v, &mn, &mx);
         if constexpr (SENS) s = sens_score16(v, srow, svec);
       } else {
@@ -469,12 +449,7 @@ tile_count_kernel(Keys keys, int64_t ng, int64_t n_tiles, int64_t n4, uint32_t* 
     ull v = 0;
 #pragma unroll
     for (int i = 0; i < kWarps; ++i) v += threadIdx.x < kTilesPerCta ? part[threadIdx.x][i] : 0ull;
-    ull incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const ull n = __shfl_up_sync(kFull, incl, o);
-      if (lane_id() >= o) incl += n;
-    }
+    const ull incl = cu::warp_inclusive_sum(v);
     if (threadIdx.x < kTilesPerCta && t0 + threadIdx.x < n_tiles) local[t0 + threadIdx.x] = incl - v;
     if (threadIdx.x == 31) cta_sum[blockIdx.x] = incl;
   }
@@ -760,7 +735,7 @@ encode_kernel(const T* __restrict__ w, const RM<T>* __restrict__ rm, const uint3
   if (g >= ng) return;
   const int n = GS > 0 ? GS : gs;
   T v[GS > 0 ? GS : 16];
-  if constexpr (GS > 0) load_values(w + g * GS, v, vec);
+  if constexpr (GS > 0) cu::load_run<true>(w + g * GS, v, vec);
   const int64_t j = slot[g];
   const bool four = (out.group_map[g >> 3] >> (g & 7)) & 1u;
   float mn, mx, range, m;
@@ -969,12 +944,7 @@ map_count_kernel(const uint8_t* __restrict__ map, int64_t ng, int64_t n_tiles, i
   const int64_t t0 = int64_t(blockIdx.x) * kTilesPerCta;
   if (threadIdx.x < 32) {
     const uint32_t v = threadIdx.x < kTilesPerCta ? tc[threadIdx.x] : 0u;
-    uint32_t incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t nb = __shfl_up_sync(kFull, incl, o);
-      if (lane_id() >= o) incl += nb;
-    }
+    const uint32_t incl = cu::warp_inclusive_sum(v);
     if (threadIdx.x < kTilesPerCta && t0 + threadIdx.x < n_tiles) local[t0 + threadIdx.x] = incl - v;
     if (threadIdx.x == 31) cta_sum[blockIdx.x] = incl;
   }

@@ -2,7 +2,7 @@
 
     python benchmarks/gemm.py [--shapes 4096x4096,14336x4096,4096x14336]
                               [--n 1,2,4,8,16,64,512,2048] [--iters 15] [--csv FILE]
-                              [--json FILE]
+                              [--json FILE] [--kernels "q4_0xq8_1,int8 fused,..."]
 
 Y = X . W^T with W [M, K] and X [N, K] (fp16 activations). Each time is the median over `iters`
 calls timed with CUDA events; the weights (and activations) rotate through copies that together
@@ -14,6 +14,8 @@ NaN/Inf scan) are switched off with qformats.skip_finite_check(), as a model's f
 Columns: time in microseconds; TFLOP/s = 2 N M K / time; weight GB/s = stored weight bytes /
 time; % copy = weight GB/s over the device-to-device copy bandwidth measured in the same run
 (bytes read + written / time); x fp16 = cuBLAS fp16 time / this time.
+
+--kernels times only the named rows (the fp16 cuBLAS row, the ratios' base, always runs).
 
 --json FILE writes every row with its weight bytes and the shape's copy bandwidth, plus the
 run's metadata (date, GPU, versions, command line), for the documentation's plots
@@ -82,7 +84,12 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--json", default=None, metavar="FILE",
                     help="also write every row and the run's metadata as JSON")
+    ap.add_argument("--kernels", default=None, help="comma-separated row names to time (default: all)")
     args = ap.parse_args(argv)
+    picked = None if args.kernels is None else {v.strip() for v in args.kernels.split(",")}
+
+    def want(name: str) -> bool:
+        return picked is None or name in picked
     if not qformats.cuda_available():
         print("no CUDA device or a CPU-only build: nothing to measure")
         return 1
@@ -146,30 +153,33 @@ def main(argv=None) -> int:
                 for fmt, mod in (("nf4", nf4), ("int4", int4), ("q4_0", q4_0), ("mixed2bit", mixed2bit)):
                     qs = ours[fmt]
                     sets = [(q, xs[i % 4]) for i, q in enumerate(qs)]
-                    if n <= DIRECT_MAX_N:
+                    if n <= DIRECT_MAX_N and want(fmt):
                         res[fmt] = (time_us(lambda q, x: mod.gemm(x, q), sets, args.iters), qs[0].nbytes)
-                    if n >= 16:
+                    if n >= 16 and want(f"{fmt}+cuBLAS"):
                         res[f"{fmt}+cuBLAS"] = (time_us(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,
                                                         args.iters), qs[0].nbytes)
                 qs = ours["q4_0"]
-                res["q4_0xq8_1"] = (time_us(lambda q, x: q4_0.linear(x, q), [(q, xs[i % 4]) for i, q in enumerate(qs)],
-                                            args.iters), qs[0].nbytes)
+                if want("q4_0xq8_1"):
+                    res["q4_0xq8_1"] = (time_us(lambda q, x: q4_0.linear(x, q),
+                                                [(q, xs[i % 4]) for i, q in enumerate(qs)], args.iters), qs[0].nbytes)
                 xq = [int8.quantize(x, "row") for x in xs]
                 sets = [(w, xq[i % 4]) for i, w in enumerate(w8)]
-                res["int8 fused"] = (time_us(lambda w, x: int8.int8_linear(
-                    x.buffers["q"], x.buffers["scale"], w.buffers["q"], w.buffers["scale"],
-                    out_dtype="float16"), sets, args.iters), m * k + 4 * m)
+                if want("int8 fused"):
+                    res["int8 fused"] = (time_us(lambda w, x: int8.int8_linear(
+                        x.buffers["q"], x.buffers["scale"], w.buffers["q"], w.buffers["scale"],
+                        out_dtype="float16"), sets, args.iters), m * k + 4 * m)
                 x4 = [int4.quantize(x, group_size=k, symmetric=True).buffers["qweight"] for x in xs]
                 sets = [(w.buffers["qweight"], x4[i % 4]) for i, w in enumerate(w4s)]
-                res["int4xint4"] = (time_us(lambda w, x: int4.int4_matmul(x, w), sets, args.iters), m * k // 2)
-            if n > 16:
+                if want("int4xint4"):
+                    res["int4xint4"] = (time_us(lambda w, x: int4.int4_matmul(x, w), sets, args.iters), m * k // 2)
+            if n > 16 and want("torch._int_mm"):
                 sets = [(w.buffers["q"], xq[i % 4].buffers["q"]) for i, w in enumerate(w8)]
                 res["torch._int_mm"] = (time_us(lambda w, x: torch._int_mm(x, w.t()), sets, args.iters), m * k)
-            if bnb_w:
+            if bnb_w and want("bnb-nf4"):
                 sets = [(wq, st, xs[i % 4]) for i, (wq, st) in enumerate(bnb_w)]
                 res["bnb-nf4"] = (time_us(lambda wq, st, x: bnb.matmul_4bit(x, wq.t(), quant_state=st), sets,
                                           args.iters), nbytes_of(bnb_w[0][0]) + 4 * (m * k // 64))
-            if bnb_l8:
+            if bnb_l8 and want("bnb-int8"):
                 sets = [(lin, xs[i % 4]) for i, lin in enumerate(bnb_l8)]
                 res["bnb-int8"] = (time_us(lambda lin, x: lin(x), sets, args.iters), m * k + 4 * m)
             for name, (us, wbytes) in res.items():

@@ -48,10 +48,23 @@ void dequantize(const Array& blocks, const Array& out, uintptr_t stream) {
   });
 }
 
+// Bytes of CUDA workspace gemm_q4_0_q8_1 can use for these dims (0: none needed; CPU-only
+// builds: 0).
+int64_t gemm_q4_0_q8_1_workspace_bytes(int64_t M, int64_t N, int64_t K) {
+  if (M < 0 || N < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, N, K");
+#if defined(QFORMATS_WITH_CUDA)
+  return gemm::q4_0_q8_1_cuda_workspace_bytes(M, N, K);
+#else
+  return 0;
+#endif
+}
+
 // out: [M, N] (W . A^T, the seed's layout) or, with out_nm, [N, M] (a linear layer's output).
 // CPU: float32. CUDA: float32, float16 or bfloat16 (the float32 sum rounded once).
+// workspace (CUDA, optional): uint8 of at least gemm_q4_0_q8_1_workspace_bytes(M, N, K) on the
+// call's device; with it, N > 16 runs on the pipelined int8 tensor-core kernel.
 void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M, int64_t N, int64_t K, bool out_nm,
-                    uintptr_t stream) {
+                    const Array& workspace, uintptr_t stream) {
   if (M < 0 || N < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, N, K");
   const Device dev = device_of(w, stream, "weight_q");
   require<uint8_t>(w, "weight_q", dev);
@@ -63,8 +76,15 @@ void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M,
   const auto* pw = cptr<q4_0::block_q4_0>(w);
   const auto* pa = cptr<q8_1::block_q8_1>(a);
   if (dev.cuda) {
+    void* ws = nullptr;
+    if (workspace.is_valid()) {
+      require<uint8_t>(workspace, "workspace", dev);
+      if (numel(workspace) < gemm_q4_0_q8_1_workspace_bytes(M, N, K))
+        throw std::invalid_argument("workspace: smaller than gemm_q4_0_q8_1_workspace_bytes(M, N, K)");
+      ws = workspace.data();
+    }
     dispatch_float_out(out, "out", dev, [&](auto* py) {
-      QF_ON_CUDA(gemm::q4_0_q8_1_cuda(pw, pa, M, N, K, py, ldo_m, ldo_n, dev.stream));
+      QF_ON_CUDA(gemm::q4_0_q8_1_cuda(pw, pa, M, N, K, py, ldo_m, ldo_n, ws, dev.stream));
     });
     return;
   }
@@ -125,7 +145,9 @@ NB_MODULE(_native, m) {
         release_gil());
   m.def("gemm_q4_0_q8_1", &gemm_q4_0_q8_1, nb::arg("weight_q"), nb::arg("activation_q"),
         nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"), nb::arg("out_nm") = false,
-        nb::arg("stream") = 0, release_gil());
+        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, release_gil());
+  m.def("gemm_q4_0_q8_1_workspace_bytes", &gemm_q4_0_q8_1_workspace_bytes, nb::arg("M"), nb::arg("N"),
+        nb::arg("K"));
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"),
         release_gil());
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"),

@@ -23,6 +23,7 @@
 #include "common/fp16.h"
 #include "gemm/block_loads_cuda.cuh"
 #include "gemm/int4_int4.h"
+#include "gemm/int8_mma_cuda.cuh"
 #include "gemm/int8_int8.h"
 #include "gemm/q4_0_q8_1.h"
 
@@ -70,13 +71,22 @@ struct Int8Rows {  // int8 [rows, K]
   }
 };
 
+// Low nibbles n of v's 4 bytes -> 4 signed bytes, without __vsub4 (which sm_80/90 emulate in
+// several instructions): n + 0x78 stays below 0x100, so the add carries into no neighbour, and
+// 0x78 + n is 0x78 | n for n < 8 and 0x80 | (n - 8) for n >= 8. XOR kMinus8 then gives n - 8
+// (q4_0's offset codes), XOR kTwos gives n read as a two's-complement nibble (int4).
+constexpr uint32_t kMinus8 = 0x80808080u, kTwos = 0x78787878u;
+template <uint32_t kXor>
+__device__ __forceinline__ uint32_t nibbles_to_s8(uint32_t v) {
+  return ((v & 0x0F0F0F0Fu) + 0x78787878u) ^ kXor;
+}
+
 // Two's-complement nibbles (element 2j low, 2j+1 high) -> signed bytes: the low nibbles of 4
-// bytes and the high nibbles, each sign-extended by (n ^ 8) - 8 per byte (__vsub4: no borrow
-// between bytes). The dot product pairs A's and B's values in the same order, so the
-// interleaving does not matter.
+// bytes and the high nibbles. The dot product pairs A's and B's values in the same order, so
+// the interleaving does not matter.
 __device__ __forceinline__ void split_s4(uint32_t v, uint32_t& lo, uint32_t& hi) {
-  lo = __vsub4((v & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u);
-  hi = __vsub4(((v >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u);
+  lo = nibbles_to_s8<kTwos>(v);
+  hi = nibbles_to_s8<kTwos>(v >> 4);
 }
 
 struct Int4Rows {  // packed uint8 [rows, K / 2]
@@ -114,8 +124,8 @@ struct Q4_0Rows {  // block_q4_0 [rows, K / 32] as halfwords (blocks are 2-byte 
     d = load_q4_0_block(p + (row * (K / 32) + s) * 9, q);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // qs[j]: element j low nibble, element j + 16 high nibble
-      w[i] = __vsub4(q[i] & 0x0F0F0F0Fu, 0x08080808u);
-      w[4 + i] = __vsub4((q[i] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+      w[i] = nibbles_to_s8<kMinus8>(q[i]);
+      w[4 + i] = nibbles_to_s8<kMinus8>(q[i] >> 4);
     }
   }
 };
@@ -234,28 +244,31 @@ tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, int64
 
 // --- tensor-core tiles (sm_80+): the same row fetches, int8 mma instead of dp4a --------------
 // A CTA computes a 128 (activation rows n) x 128 (weight rows m) tile, K in stages of kMmaSteps
-// 32-value steps: 256 threads fetch one row of A or B each (all steps of the stage, into
-// registers, issued before the previous stage is multiplied), store it to shared memory, and
-// 8 warps (2 along n x 4 along m) each multiply a 64 x 32 block with mma.m16n8k32 (s8 x s8 ->
-// s32). A 32-value step is exactly one k32 mma, so for the block formats each step's int32 sum
-// is scaled by (d_w * d_a) and added in float32, in the same order as the dp4a kernels.
+// 32-value steps. 256 threads fetch one row of A or B each (all steps of the stage, into
+// registers) and store it to one of two shared buffers with 16-byte stores; 8 warps (2 along n x
+// 4 along m) each multiply a 64 x 32 block with mma.m16n8k32 (s8 x s8 -> s32), fragments read
+// by ldmatrix. Stage st+1 is fetched before stage st is multiplied and stored after it, into the
+// other buffer, so each stage costs one barrier and the loads have the whole mma phase to land.
+// A 32-value step is exactly one k32 mma, so for the block formats each step's int32 sum is
+// scaled by d_w, then d_a, into a float32 accumulator (see i8mma::kMagicBits).
 constexpr int kMmaTile = 128, kMmaSteps = 2;
-constexpr int kMmaLdw = 8 * kMmaSteps + 4;  // words per shared row; +4: the 8 rows of a fragment
-                                           // load start in 8 different 4-bank groups
-__device__ __forceinline__ void mma_s8(int32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
+// Words per shared row: 8 per step + 4. 80 bytes keeps rows 16-byte aligned (16-byte stores,
+// ldmatrix rows) and puts the 8 rows of an ldmatrix matrix (80 r mod 128) in 8 distinct
+// 16-byte bank groups: no bank conflicts.
+constexpr int kMmaLdw = 8 * kMmaSteps + 4;
+
+// The int8 mma, ldmatrix and the biased-float block sums (kMagicBits) are the pipelined kernel's.
+using i8mma::kMagic;
+using i8mma::kMagicBits;
+using i8mma::ldmatrix_x4;
+using i8mma::mma_s8;
 
 template <class PA, class PB, class Epi, bool kScaled>
 __global__ void __launch_bounds__(kThreads, 2)  // two CTAs per SM: one's barrier, the other's mma
 mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, int64_t K) {
-  __shared__ uint32_t as[kMmaTile][kMmaLdw], bs[kMmaTile][kMmaLdw];
-  __shared__ float ad[kMmaSteps][kMmaTile], bd[kMmaSteps][kMmaTile];
+  __shared__ __align__(16) uint32_t as[2][kMmaTile][kMmaLdw];
+  __shared__ __align__(16) uint32_t bs[2][kMmaTile][kMmaLdw];
+  __shared__ float ad[2][kMmaSteps][kMmaTile], bd[2][kMmaSteps][kMmaTile];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int wn = (warp >> 2) * 64, wm = (warp & 3) * 32;  // this warp's block in the tile
   const int64_t n0 = int64_t(blockIdx.y) * kMmaTile, m0 = int64_t(blockIdx.x) * kMmaTile;
@@ -290,65 +303,81 @@ mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, i
       }
     }
   };
-  if (stages > 0) fetch(0);
-  for (int64_t st = 0; st < stages; ++st) {
-    {
-      uint32_t(*dst)[kMmaLdw] = is_a ? as : bs;
+  auto store = [&](int buf) {
+    uint32_t* dst = (is_a ? as : bs)[buf][r];
 #pragma unroll
-      for (int q = 0; q < kMmaSteps; ++q) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dst[r][8 * q + i] = reg[q][i];
-        (is_a ? ad : bd)[q][r] = rd[q];
-      }
+    for (int q = 0; q < kMmaSteps; ++q) {
+      reinterpret_cast<uint4*>(dst + 8 * q)[0] = make_uint4(reg[q][0], reg[q][1], reg[q][2], reg[q][3]);
+      reinterpret_cast<uint4*>(dst + 8 * q)[1] = make_uint4(reg[q][4], reg[q][5], reg[q][6], reg[q][7]);
+      if (kScaled) (is_a ? ad : bd)[buf][q][r] = rd[q];
     }
-    __syncthreads();
+  };
+  // ldmatrix row addresses of this lane. A (m16 x k32 per n tile i): matrices (rows 0-7, k 0-15),
+  // (rows 8-15, k 0-15), (rows 0-7, k 16-31), (rows 8-15, k 16-31) = fragment registers a0..a3.
+  // B (two n8 tiles j, j+1 per load): (tile j, k 0-15), (tile j, k 16-31), then tile j+1 = b0, b1
+  // of tile j, b0, b1 of tile j+1.
+  const int a_row = wn + (lane & 15), a_word = (lane >> 4) * 4;
+  const int b_row = wm + (lane & 7) + ((lane >> 4) << 3), b_word = ((lane >> 3) & 1) * 4;
+  const int32_t c_magic[4] = {kMagicBits, kMagicBits, kMagicBits, kMagicBits};
+  if (stages > 0) {
+    fetch(0);
+    store(0);
+  }
+  __syncthreads();
+  for (int64_t st = 0; st < stages; ++st) {
+    const int buf = static_cast<int>(st & 1);
     if (st + 1 < stages) fetch(st + 1);  // in flight while the mma run
 #pragma unroll
     for (int q = 0; q < kMmaSteps; ++q) {
-      uint32_t af[4][4], bf[4][2];
+      uint32_t bf[4][2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // A fragment: rows g / g+8, words t / 4+t of step q
-        const int row = wn + 16 * i + g;
-        af[i][0] = as[row][8 * q + t];
-        af[i][1] = as[row + 8][8 * q + t];
-        af[i][2] = as[row][8 * q + 4 + t];
-        af[i][3] = as[row + 8][8 * q + 4 + t];
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t b4[4];
+        ldmatrix_x4(b4, &bs[buf][b_row + 8 * j][8 * q + b_word]);
+        bf[j][0] = b4[0];
+        bf[j][1] = b4[1];
+        bf[j + 1][0] = b4[2];
+        bf[j + 1][1] = b4[3];
       }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // B fragment: weight row g of the m tile, words t / 4+t
-        const int row = wm + 8 * j + g;
-        bf[j][0] = bs[row][8 * q + t];
-        bf[j][1] = bs[row][8 * q + 4 + t];
-      }
-      // C fragment: (n row g, m cols 2t, 2t+1), (n row g + 8, same cols): their scales, read once
-      float da[4][2], dw[4][2];
       if (kScaled) {
+        // C fragment: (n row g, m cols 2t, 2t+1), (n row g + 8, same cols): their scales, read
+        // once per step; A fragments one n tile at a time (registers: 2 CTAs per SM)
+        float dw[4][2], ndw[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            dw[j][h] = bd[buf][q][wm + 8 * j + 2 * t + h];
+            ndw[j][h] = -kMagic * dw[j][h];
+          }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          da[i][0] = ad[q][wn + 16 * i + g];
-          da[i][1] = ad[q][wn + 16 * i + g + 8];
-        }
+          uint32_t af[4];
+          ldmatrix_x4(af, &as[buf][a_row + 16 * i][8 * q + a_word]);
+          const float da[2] = {ad[buf][q][wn + 16 * i + g], ad[buf][q][wn + 16 * i + g + 8]};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          dw[j][0] = bd[q][wm + 8 * j + 2 * t];
-          dw[j][1] = bd[q][wm + 8 * j + 2 * t + 1];
-        }
-      }
+          for (int j = 0; j < 4; ++j) {
+            int32_t c[4];
+            mma_s8(c, af, bf[j][0], bf[j][1], c_magic);
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (kScaled) {
-            int32_t c[4] = {0, 0, 0, 0};
-            mma_s8(c, af[i], bf[j][0], bf[j][1]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              facc[i][j][e] += (dw[j][e & 1] * da[i][e >> 1]) * static_cast<float>(c[e]);
-          } else {
-            mma_s8(iacc[i][j], af[i], bf[j][0], bf[j][1]);
+            for (int e = 0; e < 4; ++e) {
+              const float dc = fmaf(__int_as_float(c[e]), dw[j][e & 1], ndw[j][e & 1]);  // d_w * sum
+              facc[i][j][e] = fmaf(dc, da[e >> 1], facc[i][j][e]);
+            }
           }
         }
+      } else {
+        uint32_t af[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ldmatrix_x4(af[i], &as[buf][a_row + 16 * i][8 * q + a_word]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_s8(iacc[i][j], af[i], bf[j][0], bf[j][1], iacc[i][j]);
+      }
     }
+    // The other buffer was last read in stage st - 1, before the barrier that ended it.
+    if (st + 1 < stages) store(buf ^ 1);
     __syncthreads();
   }
 #pragma unroll
@@ -415,10 +444,10 @@ gemv_kernel(const PW w, const PA a, const Epi epi, int64_t N, int64_t M, int64_t
         a.fetch(n0 + n, s, N, K, aq, da);
 #pragma unroll
         for (int r = 0; r < kGemvRows; ++r) {
-          int sumi = kScaled ? 0 : iacc[r][n];
+          int sumi = kScaled ? kMagicBits : iacc[r][n];  // kScaled: the block sum as a biased float
 #pragma unroll
           for (int i = 0; i < 8; ++i) sumi = __dp4a(static_cast<int>(wq[r][i]), static_cast<int>(aq[i]), sumi);
-          if (kScaled) facc[r][n] += (dw[r] * da) * static_cast<float>(sumi);
+          if (kScaled) facc[r][n] += (dw[r] * da) * (__int_as_float(sumi) - kMagic);
           else iacc[r][n] = sumi;
         }
       }
@@ -435,7 +464,7 @@ gemv_kernel(const PW w, const PA a, const Epi epi, int64_t N, int64_t M, int64_t
 }
 
 // out = A . W^T for A [N, K] (policy PA) and W [M, K] (policy PW): the GEMV kernel for few
-// activation rows, 64 x 64 tiles otherwise.
+// activation rows, tiles otherwise.
 template <bool kScaled, class PA, class PW, class Epi>
 void launch_int(const PA& pa, const PW& pw, const Epi& epi, int64_t N, int64_t M, int64_t K, void* stream) {
   if (N <= 0 || M <= 0) return;
@@ -448,20 +477,56 @@ void launch_int(const PA& pa, const PW& pw, const Epi& epi, int64_t N, int64_t M
   launch_tile<kScaled>(pa, pw, epi, N, M, K, stream);
 }
 
+// int8 x int8 above the GEMV's rows on sm_80+: the pipelined kernel (int8_mma_cuda.cuh) when its
+// copies can be 16-byte aligned chunks, the register-fetch tiles otherwise.
+template <class Epi>
+void launch_int8(const int8_t* A, const int8_t* B, const Epi& epi, int64_t N, int64_t M, int64_t K, void* stream) {
+  const bool vec = K % 16 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
+  if (N > kIntGemvMaxN && M > 0 && vec && cuda::has_sm80_mma()) {
+    i8mma::launch<false>(A, B, nullptr, nullptr, epi, N, M, K, cuda::stream(stream));
+    return;
+  }
+  launch_int<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, epi, N, M, K, stream);
+}
+
+// Blocks -> int8 codes [rows, K] and float scales [rows, K / 32] (the row fetch's words and d),
+// so that the pipelined kernel can copy whole 16-byte chunks of codes.
+template <class P>
+__global__ void unpack_blocks_kernel(const P p, int64_t rows, int64_t K, int8_t* __restrict__ codes,
+                                     float* __restrict__ d) {
+  const int64_t nb = rows * (K / 32);
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < nb; b += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t w[8];
+    float s;
+    p.fetch(b / (K / 32), b % (K / 32), rows, K, w, s);
+    uint4* dst = reinterpret_cast<uint4*>(codes + 32 * b);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    d[b] = s;
+  }
+}
+
+template <class P>
+void unpack_blocks(const P& p, int64_t rows, int64_t K, int8_t* codes, float* d, void* stream) {
+  const int64_t nb = rows * (K / 32);
+  if (nb == 0) return;
+  const unsigned grid = static_cast<unsigned>(nb / 256 + 1 < 8192 ? nb / 256 + 1 : 8192);
+  unpack_blocks_kernel<<<grid, 256, 0, cuda::stream(stream)>>>(p, rows, K, codes, d);
+  cuda::check_launch("q4_0 x q8_1: unpacking blocks");
+}
+
 }  // namespace
 
 void int8_matmul_cuda(const int8_t* A, const int8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K, void* stream) {
-  const bool vec = K % 16 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
-  launch_int<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, Int32Out{out, M}, N, M, K, stream);
+  launch_int8(A, B, Int32Out{out, M}, N, M, K, stream);
 }
 
 template <class T>
 void int8_linear_cuda(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B,
                       const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c,
                       T* out, int64_t N, int64_t M, int64_t K, void* stream) {
-  const bool vec = K % 16 == 0 && cuda::aligned16(A) && cuda::aligned16(B);
   const Int8Fused<T> epi{out, M, x_scale, w_scale, bias, x_scale_per_row, w_scale_per_row, relu, scale_c};
-  launch_int<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, epi, N, M, K, stream);
+  launch_int8(A, B, epi, N, M, K, stream);
 }
 
 void int4_matmul_cuda(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K,
@@ -470,20 +535,37 @@ void int4_matmul_cuda(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t 
   launch_int<false>(Int4Rows{A, vec}, Int4Rows{B, vec}, Int32Out{out, M}, N, M, K, stream);
 }
 
+int64_t q4_0_q8_1_cuda_workspace_bytes(int64_t M, int64_t N, int64_t K) {
+  if (N <= kIntGemvMaxN || M <= 0 || K <= 0) return 0;
+  return (M + N) * K + (M + N) * (K / 32) * int64_t(sizeof(float));
+}
+
 template <class T>
 void q4_0_q8_1_cuda(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K, T* out,
-                    int64_t ldo_m, int64_t ldo_n, void* stream) {
+                    int64_t ldo_m, int64_t ldo_n, void* workspace, void* stream) {
   if (K % 32) throw std::invalid_argument("q4_0 x q8_1: K must be a multiple of 32");
   const Q4_0Rows w{reinterpret_cast<const uint16_t*>(W)};
   const Q8_1Rows a{reinterpret_cast<const uint32_t*>(A)};
-  launch_int<true>(a, w, FloatOut<T>{out, ldo_n, ldo_m}, N, M, K, stream);
+  const FloatOut<T> epi{out, ldo_n, ldo_m};
+  if (workspace && N > kIntGemvMaxN && M > 0 && K > 0 && cuda::aligned16(workspace) && cuda::has_sm80_mma()) {
+    // workspace: W's codes [M, K], A's codes [N, K], W's scales [M, K/32], A's scales [N, K/32]
+    int8_t* wc = static_cast<int8_t*>(workspace);
+    int8_t* ac = wc + M * K;
+    float* wd = reinterpret_cast<float*>(ac + N * K);
+    float* ad = wd + M * (K / 32);
+    unpack_blocks(w, M, K, wc, wd, stream);
+    unpack_blocks(a, N, K, ac, ad, stream);
+    i8mma::launch<true>(ac, wc, ad, wd, epi, N, M, K, cuda::stream(stream));
+    return;
+  }
+  launch_int<true>(a, w, epi, N, M, K, stream);
 }
 
 #define QF_INSTANTIATE(T)                                                                                         \
   template void int8_linear_cuda<T>(const int8_t*, const float*, bool, const int8_t*, const float*, bool,         \
                                     const float*, bool, float, T*, int64_t, int64_t, int64_t, void*);             \
   template void q4_0_q8_1_cuda<T>(const q4_0::block_q4_0*, const q8_1::block_q8_1*, int64_t, int64_t, int64_t, T*, \
-                                  int64_t, int64_t, void*);
+                                  int64_t, int64_t, void*, void*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

@@ -32,11 +32,16 @@ void linear_q4_0_cpu(const T* x, int64_t N, int64_t K, const q4_0::block_q4_0* W
 
 // CUDA (int_gemm_cuda.cu): the same product on device pointers, launched on `stream`, with
 // out[m * ldo_m + n * ldo_n] of T (float, half_t or bf16_t; rounded once from float32). The
-// exact int32 block sums are the CPU's; the float32 sum over blocks runs in another order.
+// exact int32 block sums are the CPU's; the float32 sum over blocks runs in another order (and
+// on the tensor cores each block's sum is scaled by d_w, then by d_a: two roundings).
 // N <= kIntGemvMaxN (int8_int8.h): one warp per 4 weight rows (weights streamed once per 8
-// activation rows); larger N: 64 x 64 output tiles with the blocks staged in shared memory.
+// activation rows). Larger N on sm_80+ with a 16-byte aligned `workspace` of
+// q4_0_q8_1_cuda_workspace_bytes(M, N, K): both operands unpacked there to int8 codes and float
+// scales, then the pipelined int8 tensor-core kernel (int8_mma_cuda.cuh); without one (or on
+// older GPUs), tiles that fetch the blocks through registers.
+int64_t q4_0_q8_1_cuda_workspace_bytes(int64_t M, int64_t N, int64_t K);
 template <class T>
 void q4_0_q8_1_cuda(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K, T* out,
-                    int64_t ldo_m, int64_t ldo_n, void* stream);
+                    int64_t ldo_m, int64_t ldo_n, void* workspace, void* stream);
 
 }  // namespace qf::gemm

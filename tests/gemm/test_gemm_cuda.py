@@ -133,7 +133,8 @@ def test_mixed2bit_outliers_fall_back_and_bad_map_raises():
 
 # --- integer GEMMs: equal to the CPU ------------------------------------------------------------
 
-@pytest.mark.parametrize("n,m,k", [(1, 1, 1), (3, 37, 33), (17, 64, 100), (65, 130, 256), (130, 67, 4096 + 16)])
+@pytest.mark.parametrize("n,m,k", [(1, 1, 1), (3, 37, 33), (17, 64, 100), (65, 130, 256), (130, 67, 4096 + 16),
+                                   (300, 260, 1040)])
 def test_int8_matmul_cuda_equals_cpu(n, m, k):
     g = torch.Generator().manual_seed(n * 1000 + k)
     a = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
@@ -192,6 +193,34 @@ def test_q4_0_q8_1_cuda(n):
     assert np.isfinite(g).all()
     assert np.linalg.norm(g - want) <= 1e-5 * np.linalg.norm(scale)
     assert np.linalg.norm(g - w64 @ a64.T) <= 1e-5 * np.linalg.norm(scale)
+
+
+@pytest.mark.parametrize("n,m,k", [(200, 300, 32 * 40), (129, 131, 32 * 67), (17, 1, 32)])
+def test_q4_0_q8_1_cuda_tiles_with_and_without_workspace(n, m, k):
+    """Above 16 rows: the tensor-core path (operands unpacked into the workspace, several CTAs
+    along M and N, a partial last K stage) and the register-fetch tiles (no workspace) both
+    within 1e-5 of the CPU; poisoned outputs are all written."""
+    rng = np.random.default_rng(k + n)
+    wq = q4_0.quantize_q4_0(rng.standard_normal((m, k)).astype(np.float32))
+    aq = q8_1.quantize_q8_1(rng.standard_normal((n, k)).astype(np.float32))
+    want = q4_0.gemm_q4_0_q8_1(wq, aq, m, n, k)
+    w64 = np.asarray(q4_0.dequantize_q4_0(wq, k), np.float64)
+    a64 = np.asarray(q8_1.dequantize_q8_1(aq, k), np.float64)
+    scale = np.linalg.norm(np.abs(w64) @ np.abs(a64).T)
+    nbytes = q4_0._native.gemm_q4_0_q8_1_workspace_bytes(m, n, k)
+    assert nbytes == (m + n) * (k + k // 8)
+    stream = torch.cuda.current_stream().cuda_stream
+    for ws in (torch.empty(nbytes, dtype=torch.uint8, device="cuda"), None):
+        out = torch.full((m, n), float("nan"), device="cuda")
+        q4_0._native.gemm_q4_0_q8_1(torch.from_numpy(wq).cuda(), torch.from_numpy(aq).cuda(), out, m, n, k,
+                                    workspace=ws, stream=stream)
+        g = out.cpu().double().numpy()
+        assert np.isfinite(g).all()
+        assert np.linalg.norm(g - want) <= 1e-5 * scale
+    with pytest.raises(ValueError, match="workspace"):
+        q4_0._native.gemm_q4_0_q8_1(torch.from_numpy(wq).cuda(), torch.from_numpy(aq).cuda(), out, m, n, k,
+                                    workspace=torch.empty(nbytes - 1, dtype=torch.uint8, device="cuda"),
+                                    stream=stream)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -116,8 +116,10 @@ def gemm_q4_0_q8_1(weight_q: Any, activation_q: Any, M: int, N: int, K: int) -> 
         offset folded in integers, as llama.cpp's CPU kernel; q8_1's rounded ``s`` field is not
         used), float32 accumulation across blocks. The order of that float32 sum depends on
         the CPU's instruction set (AVX-512 VNNI, AVX2 or plain C++), never on the thread count.
-        On CUDA the block sums are the same integers (dp4a: llama.cpp's mmvq for N <= 16, 64 x 64
-        shared-memory tiles above) and the float32 sum runs in another order.
+        On CUDA the block sums are the same integers (dp4a: llama.cpp's mmvq for N <= 16; above,
+        int8 tensor cores on sm_80+, on both operands unpacked to int8 codes in a workspace of
+        ``(M + N) * (K + K // 8)`` bytes, each block sum scaled by ``d_w`` then ``d_a``) and the
+        float32 sum runs in another order.
     Raises:
         TypeError: not arrays/tensors, not uint8, M/N/K not ints.
         ValueError: K not a multiple of 32, shapes that do not match M, N, K, non-contiguous,
@@ -133,8 +135,18 @@ def gemm_q4_0_q8_1(weight_q: Any, activation_q: Any, M: int, N: int, K: int) -> 
     A.check_array(activation_q, "activation_q", "uint8", (N, K // QK, 36))
     out = A.empty(weight_q, (M, N), "float32")
     with A.stream_for(weight_q) as stream:
-        _native.gemm_q4_0_q8_1(weight_q, activation_q, out, M, N, K, False, stream)
+        _native.gemm_q4_0_q8_1(weight_q, activation_q, out, M, N, K, False,
+                               workspace=_workspace(weight_q, M, N, K), stream=stream)
     return out
+
+
+def _workspace(like: Any, M: int, N: int, K: int) -> Any:
+    """CUDA scratch for :func:`gemm_q4_0_q8_1`'s tensor-core path (unpacked operands), allocated
+    by the caller's library on ``like``'s device and stream; None where none is needed."""
+    if not A.is_cuda(like):
+        return None
+    nbytes = _native.gemm_q4_0_q8_1_workspace_bytes(M, N, K)
+    return A.empty(like, (nbytes,), "uint8") if nbytes else None
 
 
 def _weight_and_x(name: str, x: Any, w: QuantizedTensor) -> tuple:
@@ -174,7 +186,7 @@ def linear(x: Any, w: QuantizedTensor) -> Any:
         ``[N, M]`` in the library and on the device of ``x``: float32 on the CPU, bitwise equal
         to ``gemm_q4_0_q8_1(w.buffers["blocks"], quantize_q8_1(x), M, N, K).T``; on CUDA in
         x's dtype, x quantized by the q8_1 CUDA kernel (the same bytes) and multiplied by the
-        dp4a kernels of :func:`gemm_q4_0_q8_1` (float32 sum rounded once). Its error against
+        kernels of :func:`gemm_q4_0_q8_1` (float32 sum rounded once). Its error against
         ``x . dequantize(w)^T`` is the q8_1 rounding of x (at most half a step, ``max|x| / 254``
         per block); against the dequantized operands it is float32 summation only.
     Raises:
@@ -198,7 +210,7 @@ def linear(x: Any, w: QuantizedTensor) -> Any:
         out = A.empty(x, (N, M), A.dtype_name(x))
         with A.stream_for(x) as stream:
             q8_native.quantize(x, xq, stream)
-            _native.gemm_q4_0_q8_1(blocks, xq, out, M, N, K, True, stream)
+            _native.gemm_q4_0_q8_1(blocks, xq, out, M, N, K, True, workspace=_workspace(x, M, N, K), stream=stream)
         return out
     out = A.empty(x, (N, M), "float32")
     _native.linear(x, blocks, out, M, N, K)

@@ -1,0 +1,256 @@
+// Pipelined int8 tensor-core GEMM (sm_80+), used by int_gemm_cuda.cu above kIntGemvMaxN rows:
+//   out[n, m] = epi(sum_k A[n, k] B[m, k])  for int8 A [N, K], B [M, K], row-major, K % 16 == 0,
+// both 16-byte aligned. kScaled: a float32 scale per 32-value block of every row (sa [N, K/32],
+// sb [M, K/32], so K % 32 == 0); each block's exact int32 sum is multiplied by sb, then by sa,
+// and added in float32 (llama.cpp's q4_0 x q8_1 arithmetic, after int_gemm_cuda.cu has
+// unpacked the blocks to codes and scales).
+//
+// A CTA computes a 128 (n) x 128 (m) tile (kScaled: 64 x 128), K in stages of 64 bytes. Every
+// thread copies up to four 16-byte chunks per stage with cp.async straight into shared memory
+// (no registers, no conversion; consecutive lanes take consecutive chunks of one row, so a warp
+// reads 8 rows x 64 contiguous bytes). kStages stages are in flight: one barrier per stage, and
+// the copies of stage s + 3 overlap the mma of stage s. 8 warps (2 along n x 4 along m) each
+// multiply a 64 (kScaled: 32) x 32 block with mma.m16n8k32 (s8 x s8 -> s32), fragments read by
+// ldmatrix. Rows and K chunks past the end are zero-filled by the copy (src-size 0), so they
+// add nothing.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "common/cuda_utils.cuh"
+
+namespace qf::gemm::i8mma {
+
+// CTA tile: activation rows (n) x weight rows (m). kScaled: 64 rows of n, so that its float
+// accumulators and scales fit 128 registers (two CTAs per SM) without spilling; at 128 x 128
+// it needed ~250 registers, one CTA per SM, and measured the same on the H200.
+template <bool kScaled>
+constexpr int kBN = kScaled ? 64 : 128;
+constexpr int kBM = 128;
+constexpr int kBK = 64;              // K bytes per stage: two k32 mma steps
+constexpr int kStages = 4;
+constexpr int kThreads = 256;
+// Shared row stride: 64 bytes + 16. Rows stay 16-byte aligned (cp.async, ldmatrix) and the 8 rows
+// of an ldmatrix matrix (80 r mod 128) fall in 8 distinct 16-byte bank groups: no conflicts.
+constexpr int kRowBytes = kBK + 16;
+constexpr int kBlocksPerStage = kBK / 32;  // kScaled: scale blocks per row per stage
+
+template <bool kScaled>
+constexpr int smem_bytes() {
+  constexpr int rows = kBN<kScaled> + kBM;
+  return kStages * rows * kRowBytes + (kScaled ? kStages * rows * kBlocksPerStage * 4 : 0);
+}
+
+// An int32 sum c with |c| < 2^22 added to the bits of the float 1.5 * 2^23 gives the bits of the
+// float 1.5 * 2^23 + c, exactly. Starting each block's mma at kMagicBits (its C operand) converts
+// the block sum to float for free, instead of an I2F, which sm_80/90 issue at a quarter of the
+// FMA rate; then d * c = fma(f, d, -kMagic * d), rounded once (kMagic * d is exact for d from
+// fp16: 11 significant bits). The caller bounds |c| (q4_0 x q8_1: 32 * 8 * 127).
+constexpr int32_t kMagicBits = 0x4B400000;
+constexpr float kMagic = 12582912.0f;
+
+#if __CUDA_ARCH__ >= 800
+#define QF_SM80_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define QF_SM80_ASM(...) \
+  do {                   \
+  } while (0)
+#endif
+
+// d = a * b + c (m16n8k32, s8 x s8 -> s32); d and c may be the same registers.
+__device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                       const int32_t (&c)[4]) {
+  QF_SM80_ASM("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+              "{%10,%11,%12,%13};\n"
+              : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]), "r"(c[2]),
+                "r"(c[3]));
+}
+
+// Four 8 x 16-byte matrices from shared memory: lanes 8i .. 8i+7 give the row addresses of matrix
+// i; each lane receives word (lane % 4) of row (lane / 4) of each, which for int8 is the
+// mma.m16n8k32 fragment layout.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  QF_SM80_ASM("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+              : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+              : "r"(a));
+}
+
+// Asynchronous global -> shared copies of kBytes (16: .cg, L2 only; 4: .ca); !valid copies
+// nothing and zero-fills the destination (src must still be a valid address).
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const int n = valid ? kBytes : 0;
+  if constexpr (kBytes == 16)
+    QF_SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+  else
+    QF_SM80_ASM("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(kBytes), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { QF_SM80_ASM("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  QF_SM80_ASM("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+template <class Epi, bool kScaled>
+__global__ void __launch_bounds__(kThreads, 2)  // two CTAs per SM
+kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* __restrict__ sa,
+       const float* __restrict__ sb, const Epi epi, int64_t N, int64_t M, int64_t K) {
+  constexpr int BN = kBN<kScaled>, TI = BN / 32;  // TI: n tiles of 16 per warp
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* a_s = smem;                              // [kStages][BN][kRowBytes]
+  uint8_t* b_s = smem + kStages * BN * kRowBytes;  // [kStages][kBM][kRowBytes]
+  float* sa_s = reinterpret_cast<float*>(b_s + kStages * kBM * kRowBytes);  // [kStages][BN][2]
+  float* sb_s = sa_s + kStages * BN * kBlocksPerStage;                     // [kStages][kBM][2]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int wn = (warp >> 2) * (BN / 2), wm = (warp & 3) * 32;  // this warp's block in the tile
+  const int64_t n0 = int64_t(blockIdx.y) * BN, m0 = int64_t(blockIdx.x) * kBM;
+  const int64_t ktiles = (K + kBK - 1) / kBK, kb = K / 32;
+
+  auto load = [&](int64_t kt, int slot) {
+    const int64_t k0 = kt * kBK;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // rows x 4 chunks per operand: 2 chunks of B per thread, BN/64 of A
+      const int id = tid + kThreads * i, r = id >> 2, c = id & 3;
+      const int64_t k = k0 + 16 * c;
+      if (r < BN) {
+        const bool oka = n0 + r < N && k < K;
+        cp_async<16>(a_s + (slot * BN + r) * kRowBytes + 16 * c, oka ? A + (n0 + r) * K + k : A, oka);
+      }
+      const bool okb = m0 + r < M && k < K;
+      cp_async<16>(b_s + (slot * kBM + r) * kRowBytes + 16 * c, okb ? B + (m0 + r) * K + k : B, okb);
+    }
+    if (kScaled) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {  // (BN + 128) rows x 2 blocks: up to 2 words per thread
+        const int id = tid + kThreads * i, r = id >> 1, q = id & 1;
+        const bool op = r >= BN;  // B's rows after A's
+        const int rr = op ? r - BN : r;
+        if (rr >= (op ? kBM : BN)) continue;
+        const int64_t row = (op ? m0 : n0) + rr, blk = kBlocksPerStage * kt + q;
+        const bool ok = row < (op ? M : N) && blk < kb;
+        const float* src = op ? sb : sa;
+        cp_async<4>((op ? sb_s + slot * kBM * kBlocksPerStage : sa_s + slot * BN * kBlocksPerStage) +
+                        rr * kBlocksPerStage + q,
+                    ok ? src + row * kb + blk : src, ok);
+      }
+    }
+  };
+
+  int32_t iacc[TI][4][4];  // [n tile of 16][m tile of 8][fragment]
+  float facc[TI][4][4];
+#pragma unroll
+  for (int i = 0; i < TI; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        iacc[i][j][e] = 0;
+        facc[i][j][e] = 0.0f;
+      }
+  // ldmatrix rows of this lane. A (m16 x k32 per n tile i): matrices (rows 0-7, k 0-15), (rows
+  // 8-15, k 0-15), (rows 0-7, k 16-31), (rows 8-15, k 16-31) = fragment registers a0..a3. B (two
+  // n8 tiles per load): (tile j, k 0-15), (tile j, k 16-31), then tile j+1 = b0, b1 of each.
+  const int a_row = wn + (lane & 15), a_off = (lane >> 4) * 16;
+  const int b_row = wm + (lane & 7) + ((lane >> 4) << 3), b_off = ((lane >> 3) & 1) * 16;
+  const int32_t c_magic[4] = {kMagicBits, kMagicBits, kMagicBits, kMagicBits};
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) load(s, s);
+    cp_async_commit();  // empty groups keep the count that cp_async_wait relies on
+  }
+  for (int64_t kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of stage kt have landed
+    __syncthreads();               // everyone's have, and everyone is done with stage kt - 1
+    if (kt + kStages - 1 < ktiles) load(kt + kStages - 1, static_cast<int>((kt + kStages - 1) % kStages));
+    cp_async_commit();
+    const int slot = static_cast<int>(kt % kStages);
+    const uint8_t* as = a_s + slot * BN * kRowBytes;
+    const uint8_t* bs = b_s + slot * kBM * kRowBytes;
+#pragma unroll
+    for (int q = 0; q < kBK / 32; ++q) {
+      uint32_t bf[4][2];
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t b4[4];
+        ldmatrix_x4(b4, bs + (b_row + 8 * j) * kRowBytes + 32 * q + b_off);
+        bf[j][0] = b4[0];
+        bf[j][1] = b4[1];
+        bf[j + 1][0] = b4[2];
+        bf[j + 1][1] = b4[3];
+      }
+      if (kScaled) {
+        // C fragment (n row g, m cols 2t, 2t+1), (n row g + 8, same cols): their block scales
+        const float* sas = sa_s + slot * BN * kBlocksPerStage;
+        const float* sbs = sb_s + slot * kBM * kBlocksPerStage;
+        float dw[4][2], ndw[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            dw[j][h] = sbs[(wm + 8 * j + 2 * t + h) * kBlocksPerStage + q];
+            ndw[j][h] = -kMagic * dw[j][h];
+          }
+#pragma unroll
+        for (int i = 0; i < TI; ++i) {
+          uint32_t af[4];
+          ldmatrix_x4(af, as + (a_row + 16 * i) * kRowBytes + 32 * q + a_off);
+          const float da[2] = {sas[(wn + 16 * i + g) * kBlocksPerStage + q],
+                               sas[(wn + 16 * i + g + 8) * kBlocksPerStage + q]};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            int32_t c[4];
+            mma_s8(c, af, bf[j][0], bf[j][1], c_magic);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float dc = fmaf(__int_as_float(c[e]), dw[j][e & 1], ndw[j][e & 1]);  // d_w * block sum
+              facc[i][j][e] = fmaf(dc, da[e >> 1], facc[i][j][e]);
+            }
+          }
+        }
+      } else {
+        uint32_t af[TI][4];
+#pragma unroll
+        for (int i = 0; i < TI; ++i) ldmatrix_x4(af[i], as + (a_row + 16 * i) * kRowBytes + 32 * q + a_off);
+#pragma unroll
+        for (int i = 0; i < TI; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_s8(iacc[i][j], af[i], bf[j][0], bf[j][1], iacc[i][j]);
+      }
+    }
+  }
+  cp_async_wait<0>();  // no copy outlives the CTA (the trailing groups are empty, but be exact)
+#pragma unroll
+  for (int i = 0; i < TI; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t n = n0 + wn + 16 * i + g + (e >= 2 ? 8 : 0), m = m0 + wm + 8 * j + 2 * t + (e & 1);
+        if (n < N && m < M) epi(n, m, iacc[i][j][e], facc[i][j][e]);
+      }
+}
+
+#undef QF_SM80_ASM
+
+// Host launcher: the caller has checked has_sm80_mma(), N, M > 0, K % 16 == 0 (kScaled: K % 32
+// == 0) and 16-byte aligned A and B.
+template <bool kScaled, class Epi>
+void launch(const int8_t* A, const int8_t* B, const float* sa, const float* sb, const Epi& epi, int64_t N, int64_t M,
+            int64_t K, cudaStream_t stream) {
+  constexpr int smem = smem_bytes<kScaled>();
+  const dim3 grid(cuda::grid_for(M, kBM), cuda::grid_for(N, kBN<kScaled>));
+  if (grid.y > 65535) throw std::invalid_argument("integer GEMM: too many activation rows for one launch");
+  // Above 48 KB of dynamic shared memory a kernel must opt in (per device, so every launch).
+  cuda::check(cudaFuncSetAttribute(kernel<Epi, kScaled>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+              "integer GEMM (pipelined tensor cores)");
+  kernel<Epi, kScaled><<<grid, kThreads, smem, stream>>>(A, B, sa, sb, epi, N, M, K);
+  cuda::check_launch("integer GEMM (pipelined tensor cores)");
+}
+
+}  // namespace qf::gemm::i8mma

@@ -79,6 +79,50 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
               : "r"(a));
 }
 
+// The warp's B fragments of one k32 step for its four n8 tiles (two ldmatrix.x4): `row` points at
+// this lane's ldmatrix row of tile 0 (see b_row below), `stride` is the shared row stride.
+__device__ __forceinline__ void ldmatrix_b4(uint32_t (&bf)[4][2], const uint8_t* row, int stride) {
+#pragma unroll
+  for (int j = 0; j < 4; j += 2) {
+    uint32_t b4[4];
+    ldmatrix_x4(b4, row + 8 * j * stride);
+    bf[j][0] = b4[0];
+    bf[j][1] = b4[1];
+    bf[j + 1][0] = b4[2];
+    bf[j + 1][1] = b4[3];
+  }
+}
+
+// Accumulators of a warp's TI x 4 grid of m16n8 fragments: zeroed, and handed to the epilogue
+// (n_base, m_base: the warp block's first row and column; fragment element e is row g (+8 for
+// e >= 2), column 2t + (e & 1)).
+template <int TI>
+__device__ __forceinline__ void zero_acc(int32_t (&iacc)[TI][4][4], float (&facc)[TI][4][4]) {
+#pragma unroll
+  for (int i = 0; i < TI; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        iacc[i][j][e] = 0;
+        facc[i][j][e] = 0.0f;
+      }
+}
+template <int TI, class Epi>
+__device__ __forceinline__ void store_acc(const Epi& epi, const int32_t (&iacc)[TI][4][4],
+                                          const float (&facc)[TI][4][4], int64_t n_base, int64_t m_base, int g,
+                                          int t, int64_t N, int64_t M) {
+#pragma unroll
+  for (int i = 0; i < TI; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t n = n_base + 16 * i + g + (e >= 2 ? 8 : 0), m = m_base + 8 * j + 2 * t + (e & 1);
+        if (n < N && m < M) epi(n, m, iacc[i][j][e], facc[i][j][e]);
+      }
+}
+
 // Asynchronous global -> shared copies of kBytes (16: .cg, L2 only; 4: .ca); !valid copies
 // nothing and zero-fills the destination (src must still be a valid address).
 template <int kBytes>
@@ -143,15 +187,7 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
 
   int32_t iacc[TI][4][4];  // [n tile of 16][m tile of 8][fragment]
   float facc[TI][4][4];
-#pragma unroll
-  for (int i = 0; i < TI; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        iacc[i][j][e] = 0;
-        facc[i][j][e] = 0.0f;
-      }
+  zero_acc(iacc, facc);
   // ldmatrix rows of this lane. A (m16 x k32 per n tile i): matrices (rows 0-7, k 0-15), (rows
   // 8-15, k 0-15), (rows 0-7, k 16-31), (rows 8-15, k 16-31) = fragment registers a0..a3. B (two
   // n8 tiles per load): (tile j, k 0-15), (tile j, k 16-31), then tile j+1 = b0, b1 of each.
@@ -175,15 +211,7 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
 #pragma unroll
     for (int q = 0; q < kBK / 32; ++q) {
       uint32_t bf[4][2];
-#pragma unroll
-      for (int j = 0; j < 4; j += 2) {
-        uint32_t b4[4];
-        ldmatrix_x4(b4, bs + (b_row + 8 * j) * kRowBytes + 32 * q + b_off);
-        bf[j][0] = b4[0];
-        bf[j][1] = b4[1];
-        bf[j + 1][0] = b4[2];
-        bf[j + 1][1] = b4[3];
-      }
+      ldmatrix_b4(bf, bs + b_row * kRowBytes + 32 * q + b_off, kRowBytes);
       if (kScaled) {
         // C fragment (n row g, m cols 2t, 2t+1), (n row g + 8, same cols): their block scales
         const float* sas = sa_s + slot * BN * kBlocksPerStage;
@@ -225,15 +253,7 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
     }
   }
   cp_async_wait<0>();  // no copy outlives the CTA (the trailing groups are empty, but be exact)
-#pragma unroll
-  for (int i = 0; i < TI; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t n = n0 + wn + 16 * i + g + (e >= 2 ? 8 : 0), m = m0 + wm + 8 * j + 2 * t + (e & 1);
-        if (n < N && m < M) epi(n, m, iacc[i][j][e], facc[i][j][e]);
-      }
+  store_acc(epi, iacc, facc, n0 + wn, m0 + wm, g, t, N, M);
 }
 
 #undef QF_SM80_ASM

@@ -274,15 +274,7 @@ mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, i
   const int64_t n0 = int64_t(blockIdx.y) * kMmaTile, m0 = int64_t(blockIdx.x) * kMmaTile;
   int32_t iacc[4][4][4];  // [n tile of 16][m tile of 8][fragment]
   float facc[4][4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        iacc[i][j][e] = 0;
-        facc[i][j][e] = 0.0f;
-      }
+  i8mma::zero_acc(iacc, facc);
   const int64_t steps = (K + 31) / 32, stages = (steps + kMmaSteps - 1) / kMmaSteps;
   uint32_t reg[kMmaSteps][8];
   float rd[kMmaSteps];
@@ -330,15 +322,7 @@ mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, i
 #pragma unroll
     for (int q = 0; q < kMmaSteps; ++q) {
       uint32_t bf[4][2];
-#pragma unroll
-      for (int j = 0; j < 4; j += 2) {
-        uint32_t b4[4];
-        ldmatrix_x4(b4, &bs[buf][b_row + 8 * j][8 * q + b_word]);
-        bf[j][0] = b4[0];
-        bf[j][1] = b4[1];
-        bf[j + 1][0] = b4[2];
-        bf[j + 1][1] = b4[3];
-      }
+      i8mma::ldmatrix_b4(bf, reinterpret_cast<const uint8_t*>(&bs[buf][b_row][8 * q + b_word]), 4 * kMmaLdw);
       if (kScaled) {
         // C fragment: (n row g, m cols 2t, 2t+1), (n row g + 8, same cols): their scales, read
         // once per step; A fragments one n tile at a time (registers: 2 CTAs per SM)
@@ -380,15 +364,7 @@ mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, i
     if (st + 1 < stages) store(buf ^ 1);
     __syncthreads();
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t n = n0 + wn + 16 * i + g + (e >= 2 ? 8 : 0), m = m0 + wm + 8 * j + 2 * t + (e & 1);
-        if (n < N && m < M) epi(n, m, iacc[i][j][e], facc[i][j][e]);
-      }
+  i8mma::store_acc(epi, iacc, facc, n0 + wn, m0 + wm, g, t, N, M);
 }
 
 template <bool kScaled, class PA, class PB, class Epi>

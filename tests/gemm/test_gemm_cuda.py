@@ -87,6 +87,32 @@ def test_weight_only_poison_and_long_k(fmt, params):
     assert_close(out, x, w64, TOL["float16"])
 
 
+GEMV_FORMATS = [("int4", {"group_size": 32}), ("int4", {"group_size": 64, "symmetric": True}),
+                ("int4", {"group_size": 128}), ("q4_0", {})]
+
+
+@pytest.mark.parametrize("fmt,params,k", [(f, p, k) for f, p in GEMV_FORMATS for k in (32 * 10, 32 * 131, 4096)
+                                          if k % p.get("group_size", 32) == 0], ids=str)
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
+    """One and two activation rows, fp16 and bf16: NaN-filled outputs all overwritten, K with a
+    partial last warp step (10 and 131 units of 32: a lane's second unit past the row) and with
+    whole steps, M = 53 (a partial 16-row CTA)."""
+    m = 53
+    mod, q, qc, w64 = weight(fmt, m, k, k + n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(DTYPES[dtype]).cuda()
+    out = torch.full((n, m), float("nan"), device="cuda", dtype=DTYPES[dtype])
+    stream = torch.cuda.current_stream().cuda_stream
+    if fmt == "int4":
+        mod._native.gemm(x, qc.buffers["qweight"], qc.buffers["scales"], qc.buffers.get("zeros"), out, n, k, m,
+                         params["group_size"], stream)
+    else:
+        mod._native.gemm(x, qc.buffers["blocks"], out, m, n, k, stream)
+    torch.cuda.synchronize()
+    assert_close(out, x, w64, TOL[dtype])
+
+
 def test_weight_only_misaligned_x_is_copied_not_misread():
     mod, _, qc, w64 = weight("nf4", 20, 64, 1)
     base = torch.randn(3 * 64 + 1, device="cuda", dtype=torch.float16)

@@ -69,6 +69,26 @@ __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], 
                 "r"(c[3]));
 }
 
+// One n tile's step of the block-scaled epilogue (q4_0 x q8_1), for the warp's four m8
+// fragments j: each block's mma starts at kMagicBits, so its int32 sum arrives as the float
+// kMagic + sum; one FMA with dw and ndw = -kMagic * dw (d_w of columns 2t, 2t+1) gives d_w * sum,
+// a second one adds d_w * sum * d_a (da: rows g, g + 8) to facc.
+__device__ __forceinline__ void scaled_block_mma(float (&facc)[4][4], const uint32_t (&af)[4],
+                                                 const uint32_t (&bf)[4][2], const float (&dw)[4][2],
+                                                 const float (&ndw)[4][2], const float (&da)[2]) {
+  const int32_t c_magic[4] = {kMagicBits, kMagicBits, kMagicBits, kMagicBits};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    int32_t c[4];
+    mma_s8(c, af, bf[j][0], bf[j][1], c_magic);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float dc = fmaf(__int_as_float(c[e]), dw[j][e & 1], ndw[j][e & 1]);
+      facc[j][e] = fmaf(dc, da[e >> 1], facc[j][e]);
+    }
+  }
+}
+
 // Four 8 x 16-byte matrices from shared memory: lanes 8i .. 8i+7 give the row addresses of matrix
 // i; each lane receives word (lane % 4) of row (lane / 4) of each, which for int8 is the
 // mma.m16n8k32 fragment layout.
@@ -193,7 +213,6 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
   // n8 tiles per load): (tile j, k 0-15), (tile j, k 16-31), then tile j+1 = b0, b1 of each.
   const int a_row = wn + (lane & 15), a_off = (lane >> 4) * 16;
   const int b_row = wm + (lane & 7) + ((lane >> 4) << 3), b_off = ((lane >> 3) & 1) * 16;
-  const int32_t c_magic[4] = {kMagicBits, kMagicBits, kMagicBits, kMagicBits};
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -230,16 +249,7 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
           ldmatrix_x4(af, as + (a_row + 16 * i) * kRowBytes + 32 * q + a_off);
           const float da[2] = {sas[(wn + 16 * i + g) * kBlocksPerStage + q],
                                sas[(wn + 16 * i + g + 8) * kBlocksPerStage + q]};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            int32_t c[4];
-            mma_s8(c, af, bf[j][0], bf[j][1], c_magic);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float dc = fmaf(__int_as_float(c[e]), dw[j][e & 1], ndw[j][e & 1]);  // d_w * block sum
-              facc[i][j][e] = fmaf(dc, da[e >> 1], facc[i][j][e]);
-            }
-          }
+          scaled_block_mma(facc[i], af, bf, dw, ndw, da);
         }
       } else {
         uint32_t af[TI][4];

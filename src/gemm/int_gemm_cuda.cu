@@ -310,7 +310,6 @@ mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, i
   // of tile j, b0, b1 of tile j+1.
   const int a_row = wn + (lane & 15), a_word = (lane >> 4) * 4;
   const int b_row = wm + (lane & 7) + ((lane >> 4) << 3), b_word = ((lane >> 3) & 1) * 4;
-  const int32_t c_magic[4] = {kMagicBits, kMagicBits, kMagicBits, kMagicBits};
   if (stages > 0) {
     fetch(0);
     store(0);
@@ -339,16 +338,7 @@ mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, i
           uint32_t af[4];
           ldmatrix_x4(af, &as[buf][a_row + 16 * i][8 * q + a_word]);
           const float da[2] = {ad[buf][q][wn + 16 * i + g], ad[buf][q][wn + 16 * i + g + 8]};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            int32_t c[4];
-            mma_s8(c, af, bf[j][0], bf[j][1], c_magic);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float dc = fmaf(__int_as_float(c[e]), dw[j][e & 1], ndw[j][e & 1]);  // d_w * sum
-              facc[i][j][e] = fmaf(dc, da[e >> 1], facc[i][j][e]);
-            }
-          }
+          i8mma::scaled_block_mma(facc[i], af, bf, dw, ndw, da);
         }
       } else {
         uint32_t af[4][4];

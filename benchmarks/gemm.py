@@ -6,9 +6,10 @@
 
 Y = X . W^T with W [M, K] and X [N, K] (fp16 activations). Each time is the median over `iters`
 calls timed with CUDA events; the weights (and activations) rotate through copies that together
-exceed 4x the L2 cache, so weights come from DRAM, and a torch.cuda._sleep before each start
-event keeps the GPU busy while Python issues the call (launch overhead is not counted; the
-operation's own kernels and the gaps between them are). Input checks that synchronize (the
+exceed 4x the L2 cache, so weights come from DRAM, and a ~1 ms torch.cuda._sleep before each
+start event keeps the GPU busy while Python issues the call (launch overhead is not counted; the
+operation's own kernels and the gaps between them are; a warning is printed if the host time
+comes near the sleep). Input checks that synchronize (the
 NaN/Inf scan) are switched off with qformats.skip_finite_check(), as a model's forward does.
 
 Columns: time in microseconds; TFLOP/s = 2 N M K / time; weight GB/s = stored weight bytes /
@@ -37,6 +38,7 @@ import json
 import shlex
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -58,21 +60,32 @@ def rotations(nbytes: int) -> int:
     return max(2, -(-4 * L2_BYTES // max(nbytes, 1)))
 
 
+SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU work queued before each timed call (at ~2 GHz)
+
+
 def time_us(fn, arg_sets, iters: int, warmup: int = 2) -> float:
     # Every rotated weight is used once before timing: per-weight setup that a model pays once
-    # (mixed2bit's row index, cached on the weight) must not land in the timed calls.
+    # (mixed2bit's chunk index, cached on the weight) must not land in the timed calls.
     for i in range(max(warmup, len(arg_sets))):
         fn(*arg_sets[i % len(arg_sets)])
     torch.cuda.synchronize()
-    events = []
+    events, host = [], []
     for i in range(iters):
-        torch.cuda._sleep(200_000)  # ~100 us of GPU work while Python issues the call
+        # The GPU sleeps while Python issues the call, so the events time the kernels alone. The
+        # sleep must outlast the call's host time (up to ~150 us for mixed2bit's checks): a
+        # shorter one (0.1 ms, earlier tables) let host time leak into the fastest rows.
+        torch.cuda._sleep(SLEEP_CYCLES)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         s.record()
         fn(*arg_sets[i % len(arg_sets)])
         e.record()
+        host.append(time.perf_counter() - t0)
         events.append((s, e))
     torch.cuda.synchronize()
+    if statistics.median(host) > 0.5e-3:
+        print(f"warning: {1e6 * statistics.median(host):.0f} us of host time per call, near the GPU sleep:"
+              " the time may include it", file=sys.stderr)
     return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
 
 

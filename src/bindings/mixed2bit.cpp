@@ -157,7 +157,7 @@ void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block
 
 // Y [N, rows] = X [N, K] . W^T, X float32, float16 or bfloat16. CPU: computed in float32 with W
 // decoded a tile at a time, out float32. CUDA: decoded in registers, out in x's dtype, with
-// n4_before = row_index()'s output (gemm/weight_only_formats.h; gemm_cuda_supports() says
+// n4_before = row_index()'s chunk index (gemm/weight_only_formats.h; gemm_cuda_supports() says
 // which parameters the kernel takes).
 void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
           int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
@@ -177,12 +177,13 @@ void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_siz
   if (dev.cuda) {
     if (!n4_before.is_valid()) throw std::invalid_argument("n4_before: required for CUDA arrays");
     require<int64_t>(n4_before, "n4_before", dev);
-    require_numel(n4_before, rows + 1, "n4_before");
+    require_numel(n4_before, ::qf::gemm::mixed2bit_chunk_index_size(rows, d.groups_per_row()), "n4_before");
     if (!::qf::gemm::mixed2bit_gemm_cuda_supports(d))
       throw std::invalid_argument("the CUDA GEMM needs group_size = 16 * 2^j <= 512, a power-of-two "
-                                  "scale_block and no outliers");
+                                  "scale_block, no outliers and fewer than 2^32 units of 16 values");
+    const auto* index = reinterpret_cast<const uint64_t*>(cptr<int64_t>(n4_before));
     dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
-      QF_ON_CUDA(::qf::gemm::mixed2bit_gemm_cuda(px, N, q, d, cptr<int64_t>(n4_before), py, dev.stream));
+      QF_ON_CUDA(::qf::gemm::mixed2bit_gemm_cuda(px, N, q, d, index, py, dev.stream));
     });
     return;
   }
@@ -192,8 +193,10 @@ void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_siz
   ::qf::gemm::mixed2bit_gemm_cpu(px, N, q, d, mptr<float>(out));  // validates the map and outliers
 }
 
-// n4_before: int64 [rows + 1] on the device of group_map: 4-bit groups before each row
-// (exclusive prefix; the last entry is the total). CUDA only (the CPU GEMM indexes itself).
+// n4_before: int64 [rows * ceil(groups_per_row / 32) + 1] on the device of group_map, filled
+// with the chunk index of gemm/weight_only_formats.h (per row and 32-group chunk: the 4-bit
+// groups before it in the low 32 bits, its map bits in the high 32; the last entry is the total).
+// CUDA only (the CPU GEMM indexes itself).
 void row_index(const Array& group_map, int64_t rows, int64_t groups_per_row, const Array& n4_before,
                uintptr_t stream) {
   const Device dev = device_of(group_map, stream, "group_map");
@@ -202,9 +205,10 @@ void row_index(const Array& group_map, int64_t rows, int64_t groups_per_row, con
   require<uint8_t>(group_map, "group_map", dev);
   require_numel(group_map, (rows * groups_per_row + 7) / 8, "group_map");
   require<int64_t>(n4_before, "n4_before", dev);
-  require_numel(n4_before, rows + 1, "n4_before");
+  require_numel(n4_before, ::qf::gemm::mixed2bit_chunk_index_size(rows, groups_per_row), "n4_before");
   QF_ON_CUDA(::qf::gemm::mixed2bit_row_index_cuda(cptr<uint8_t>(group_map), rows, groups_per_row,
-                                                  mptr<int64_t>(n4_before), dev.stream));
+                                                  reinterpret_cast<uint64_t*>(mptr<int64_t>(n4_before)),
+                                                  dev.stream));
 }
 
 bool gemm_cuda_supports(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,

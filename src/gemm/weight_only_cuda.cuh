@@ -4,10 +4,13 @@
 // "asynchronous dequantization" of arXiv 2311.16442 and the mmvq kernels of llama.cpp work the
 // same way). Y is written in the activations' dtype.
 //
-// Work split (one warp = kRows weight rows x all of K x NT activation rows):
-// * lane l takes the units u = l, l + 32, ... of its rows (a unit is Fmt::kUnit consecutive
-//   values of one row that share one scale: a q4_0 block, 32 nf4/int4 values, 16 mixed2bit
-//   values), so a warp reads 32 consecutive units of each row per step: coalesced.
+// Work split (one CTA = kRows weight rows x all of K x NT activation rows; its warps split K):
+// * warp w of W takes a contiguous run of warp steps (32 units each; a unit is Fmt::kUnit
+//   consecutive values of one row that share one scale: a q4_0 block, 32 nf4/int4 values, 16
+//   mixed2bit values); in a step lane l takes unit l, so a warp reads 32 consecutive units of
+//   each row per step: coalesced. Splitting K puts more, shorter warps on the device: each warp's
+//   steps wait on memory one after another (a double buffer hides one), so at small M a few long
+//   warps were latency-bound (mixed2bit, whose loads depend on a vote, most of all).
 // * each activation value is loaded once per warp step and used for kRows rows, so the L1
 //   traffic for X stays near the weight traffic instead of kRows times it.
 // * per unit the policy yields raw values v (q - zero, a code's table value...) and the unit's
@@ -15,7 +18,8 @@
 //   applies scale and offset once per unit: one FMA per weight and activation row. That moves
 //   the scale multiply out of the sum, so the result differs from a sum of dequantized products
 //   by float32 rounding only (|error| <~ K * 2^-24 * sum |w x|; the tests bound it).
-// * the warp sums its lanes with shuffles; lane 0 writes the kRows x NT outputs.
+// * each warp sums its lanes with shuffles; the CTA adds its warps' sums in shared memory in a
+//   fixed order (deterministic) and writes the kRows x NT outputs.
 // Loops are warp-uniform (lanes past the end of a row compute on zeros and add nothing), so a
 // policy may use warp votes (mixed2bit counts its 4-bit groups with __ballot_sync).
 #pragma once
@@ -30,9 +34,9 @@
 
 namespace qf::gemm::cuda_wo {
 
-constexpr int kRows = 4;         // weight rows per warp: the reuse factor of each activation load
-constexpr int kWarpsPerCta = 4;  // 128 threads: many small CTAs keep every SM busy at small M
-constexpr int kMaxNT = 8;        // activation rows per pass; grid.y covers larger N
+constexpr int kRows = 4;          // weight rows per CTA: the reuse factor of each activation load
+constexpr int kMaxWarpsPerCta = 8;  // warps splitting K
+constexpr int kMaxNT = 8;         // activation rows per pass; grid.y covers larger N
 
 // A 4-bit code c as the exact float (2^23 + c): c in the low mantissa bits of 2^23. Subtracting
 // (2^23 + zero) then gives c - zero exactly, two instructions per value and no int->float
@@ -71,28 +75,30 @@ __device__ __forceinline__ void load8(const bf16_t* p, float (&v)[8]) {
 // Fmt (a policy, passed by value as a kernel argument) provides:
 //   static constexpr int kUnit;                       values per unit, a multiple of 8
 //   struct Shared; __device__ void init(Shared&) const;  per-CTA tables (before a barrier)
-//   struct RowState; __device__ RowState row(int64_t m) const;
+//   struct RowState; __device__ RowState row(int64_t m, int64_t u0) const;  state for units from u0
+//       (u0 a multiple of 32; a warp-uniform call)
 //   struct Unit;  __device__ float scale(const Unit&) const, offset(const Unit&) const;
 //   __device__ Unit load(RowState&, int64_t m, int64_t u, bool valid) const;  warp-uniform call
 //   __device__ void decode8(const Shared&, const Unit&, int j, float (&v)[8]) const;
 //       raw values of elements 8j..8j+7 of the unit: w = v * scale - offset
 //   static constexpr bool kOffset;                     false: offset is always 0
 template <class Fmt, class T, int NT>
-__global__ void __launch_bounds__(kWarpsPerCta * 32)
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
 weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, int64_t M, T* __restrict__ Y) {
   __shared__ typename Fmt::Shared sh;
+  __shared__ float red[kMaxWarpsPerCta][kRows][NT];
   f.init(sh);
   __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const int64_t m0 = (int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32) * kRows;
-  if (m0 >= M) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int64_t m0 = int64_t(blockIdx.x) * kRows;
   const int64_t n0 = int64_t(blockIdx.y) * NT;
   const int nt = static_cast<int>(N - n0 < NT ? N - n0 : NT);
-  const int64_t units = K / Fmt::kUnit;
+  const int64_t units = K / Fmt::kUnit, steps = (units + 31) / 32;
+  const int64_t u_begin = steps * warp / nwarps * 32, u_end = steps * (warp + 1) / nwarps * 32;  // this warp's units
 
   typename Fmt::RowState rs[kRows];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) rs[r] = f.row(m0 + r < M ? m0 + r : M - 1);
+  for (int r = 0; r < kRows; ++r) rs[r] = f.row(m0 + r < M ? m0 + r : M - 1, u_begin);
   float acc[kRows][NT];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
@@ -108,12 +114,12 @@ weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, i
 #pragma unroll
     for (int r = 0; r < kRows; ++r) dst[r] = f.load(rs[r], m0 + r < M ? m0 + r : M - 1, valid ? u : u0, valid);
   };
-  if (units > 0) load_step(0, un);
-  for (int64_t u0 = 0; u0 < units; u0 += 32) {
+  if (u_begin < u_end) load_step(u_begin, un);
+  for (int64_t u0 = u_begin; u0 < u_end; u0 += 32) {
     const int64_t u = u0 + lane;
     const bool valid = u < units;
     typename Fmt::Unit next[kRows];
-    if (u0 + 32 < units) load_step(u0 + 32, next);  // warp-uniform condition
+    if (u0 + 32 < u_end) load_step(u0 + 32, next);  // warp-uniform condition
     if (valid) {
       float dot[kRows][NT], xsum[NT];
 #pragma unroll
@@ -158,8 +164,15 @@ weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, i
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const float v = cuda::warp_sum(acc[r][n]);
-      if (lane == 0 && m0 + r < M && n < nt) from_f32(v, &Y[(n0 + n) * M + m0 + r]);
+      if (lane == 0) red[warp][r][n] = v;
     }
+  __syncthreads();
+  if (threadIdx.x < kRows * NT) {
+    const int r = threadIdx.x / NT, n = threadIdx.x % NT;
+    float v = 0.0f;
+    for (int w = 0; w < nwarps; ++w) v += red[w][r][n];
+    if (m0 + r < M && n < nt) from_f32(v, &Y[(n0 + n) * M + m0 + r]);
+  }
 }
 
 // Launches the kernel for every activation row of X on `stream`. X and Y must be 16-byte
@@ -168,9 +181,16 @@ template <class Fmt, class T>
 void launch_weight_only(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, void* stream) {
   if (N <= 0 || M <= 0) return;
   const int nt = N >= 8 ? 8 : N >= 4 ? 4 : N >= 2 ? 2 : 1;
-  const dim3 grid(cuda::grid_for(M, kRows * kWarpsPerCta), cuda::grid_for(N, nt));
+  const dim3 grid(cuda::grid_for(M, kRows), cuda::grid_for(N, nt));
   if (grid.y > 65535) throw std::invalid_argument("weight-only GEMM: too many activation rows for one launch");
-  const dim3 block(kWarpsPerCta * 32);
+  // Split K over up to kMaxWarpsPerCta warps until the device has about 2048 of them (a wave of
+  // ~16 per SM at ~120 registers on a 132-SM H200), leaving each warp at least two steps (so that
+  // its double buffer has something to overlap). Measured on the H200 at N = 1 against no split:
+  // nf4 4096x14336 25.0 -> 21.7 us, the other shapes unchanged; 8192 and 16384 warps were slower.
+  const int64_t steps = (K / Fmt::kUnit + 31) / 32;
+  int warps = 1;
+  while (warps < kMaxWarpsPerCta && int64_t(grid.x) * grid.y * warps < 2048 && warps * 4 <= steps) warps *= 2;
+  const dim3 block(warps * 32);
   cudaStream_t s = cuda::stream(stream);
   switch (nt) {
     case 8: weight_only_kernel<Fmt, T, 8><<<grid, block, 0, s>>>(f, X, N, K, M, Y); break;

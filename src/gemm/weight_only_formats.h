@@ -45,7 +45,9 @@ void mixed2bit_row_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims
 // (FMA) with each unit's scale applied to the unit's sum (see weight_only_cuda.cuh), one rounding
 // to T at the end. Formats' extra conditions (std::invalid_argument otherwise): nf4 none; int4
 // group_size = 32 * 2^j; mixed2bit group_size = 16 * 2^j <= 512, power-of-two scale_block, no
-// outliers (mixed2bit_gemm_cuda_supports), plus n4_before = mixed2bit_row_index_cuda's output.
+// outliers, fewer than 2^32 16-value units (mixed2bit_gemm_cuda_supports), plus the chunk index of
+// mixed2bit_row_index_cuda. With 16-bit activations on sm_80+ the products run on tensor cores
+// with each weight rounded to the activations' type first (weight_only_mma_cuda.cuh).
 template <class T>
 void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
                    int64_t blocksize, T* Y, void* stream);
@@ -67,15 +69,24 @@ inline bool int4_gemm_cuda_supports(int64_t group_size) {
 }
 inline bool mixed2bit_gemm_cuda_supports(const mixed2bit::Dims& d) {
   const int us = d.group_size % 16 ? -1 : log2_exact(d.group_size / 16);
-  return us >= 0 && us <= 5 && log2_exact(d.scale_block) >= 0 && d.n_out == 0;
+  return us >= 0 && us <= 5 && log2_exact(d.scale_block) >= 0 && d.n_out == 0 &&
+         d.rows * (d.K / 16) < (int64_t(1) << 32);  // 16-value units (so also groups) index in 32 bits
 }
-// n4_before [rows + 1] (device int64): 4-bit groups before each row (exclusive prefix; the last
-// entry is the total, which the caller compares with dims.n4 to reject inconsistent buffers).
-void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t groups_per_row, int64_t* n4_before,
+// The chunk index of a mixed2bit weight on the GPU: a row's groups in chunks of 32, C =
+// ceil(groups_per_row / 32) per row, and entry r * C + c (uint64) = the 4-bit groups before
+// chunk c of row r in the low 32 bits (an exclusive prefix over the whole map, so the index of
+// the chunk's first 4-bit group in codes4) | the chunk's 32 group_map bits in the high 32 (bit
+// i = group 32 c + i; 0 past the row's end). A final entry r * C = rows * C holds the total,
+// which the caller compares with dims.n4 to reject inconsistent buffers. With it, any unit finds
+// its group's slot in either list with one load and a popcount.
+inline int64_t mixed2bit_chunk_index_size(int64_t rows, int64_t groups_per_row) {
+  return rows * ((groups_per_row + 31) / 32) + 1;
+}
+void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t groups_per_row, uint64_t* index,
                               void* stream);
 template <class T>
 void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
-                         const int64_t* n4_before, T* Y, void* stream);
+                         const uint64_t* index, T* Y, void* stream);
 
 // x [n] of float, half_t or bf16_t -> float32 (exact), threaded for large n.
 template <class T>

@@ -63,7 +63,9 @@ struct Nf4 {
   __device__ void init(Shared& s) const {
     if (threadIdx.x < 16) s.code[threadIdx.x] = nf4::code_value(static_cast<int>(threadIdx.x));
   }
-  __device__ RowState row(int64_t m) const { return {reinterpret_cast<const uint4*>(packed + m * K / 2), m * K}; }
+  __device__ RowState row(int64_t m, int64_t) const {
+    return {reinterpret_cast<const uint4*>(packed + m * K / 2), m * K};
+  }
   __device__ Unit load(RowState& r, int64_t, int64_t u, bool) const {
     return {__ldg(r.q + u), __ldg(absmax + ((r.e0 + u * kUnit) >> log2_bs))};
   }
@@ -94,6 +96,7 @@ struct Nf4 {
   }
   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) { return x[p]; }  // elements 2p, 2p+1
   static constexpr bool kPairLoad = false;
+  static constexpr bool kContiguousSteps = false;
 };
 
 // int4 (formats/int4): element 2b in the LOW nibble; asymmetric w = (q - zero) * scale, symmetric
@@ -118,7 +121,7 @@ struct Int4 {
     uint32_t zero;  // the stored zero point (asymmetric)
   };
   __device__ void init(Shared&) const {}
-  __device__ RowState row(int64_t m) const {
+  __device__ RowState row(int64_t m, int64_t) const {
     return {reinterpret_cast<const uint4*>(qweight + m * K / 2), m * (K >> (gshift + 5))};
   }
   __device__ Unit load(RowState& r, int64_t, int64_t u, bool) const {
@@ -148,6 +151,7 @@ struct Int4 {
     return i & 1 ? hi_hi(a, b) : lo_lo(a, b);
   }
   static constexpr bool kPairLoad = false;
+  static constexpr bool kContiguousSteps = false;
 };
 
 // q4_0 (llama.cpp block_q4_0, 18 bytes: fp16 d, 16 bytes qs): element i in the low nibble of
@@ -166,7 +170,7 @@ struct Q4_0 {
     uint32_t h[9];  // the block's halfwords, zero-extended: d, then qs as 8 halfwords
   };
   __device__ void init(Shared&) const {}
-  __device__ RowState row(int64_t m) const { return {blocks + m * nb * 9}; }
+  __device__ RowState row(int64_t m, int64_t) const { return {blocks + m * nb * 9}; }
   __device__ Unit load(RowState& rs, int64_t, int64_t u, bool) const {
     const uint16_t* b = rs.b + u * 9;
     Unit r;
@@ -207,6 +211,7 @@ struct Q4_0 {
   // u is even: with an even number of blocks per row and a 4-byte aligned W, every row's does.
   // Then a lane reads its two units as 9 words instead of 18 halfwords.
   static constexpr bool kPairLoad = true;
+  static constexpr bool kContiguousSteps = false;
   bool pair_load_ok() const { return nb % 2 == 0 && (reinterpret_cast<uintptr_t>(blocks) & 3u) == 0; }
   struct Pair {
     uint32_t w[9];  // block u: d = low half of w[0], qs = bytes 2..17; block u+1: d = high half of w[4], qs = w[5..8]
@@ -226,17 +231,18 @@ struct Q4_0 {
   }
 };
 
-// mixed2bit (formats/mixed2bit): a unit is 16 values of one group (one codes2 word or two codes4
-// words); group_size = 16 * 2^ushift <= 512 so a warp's 32 units hold whole groups, and
-// scale_block = 2^bshift. A lane finds its group's slot in the 2-bit or 4-bit list from the
-// row's running counts plus a vote over the group starts of this warp step (the paper's
-// per-row offsets, without a per-group index array). w = q * s_eff - m_eff.
+// mixed2bit (formats/mixed2bit) on the float32 kernel: a unit is 16 values of one group (one
+// codes2 word or two codes4 words); group_size = 16 * 2^ushift <= 512 so a warp's 32 units hold
+// whole groups, and scale_block = 2^bshift. A lane finds its group's slot in the 2-bit or 4-bit
+// list from the row's running counts plus a vote over the group starts of this warp step (the
+// paper's per-row offsets); the counts start from the chunk index (weight_only_formats.h).
+// w = q * s_eff - m_eff.
 struct Mixed2 {
   static constexpr int kUnit = 16;
   static constexpr bool kOffset = true;
   mixed2bit::ConstBuffers q;
-  const int64_t* n4_before;  // [rows + 1], from mixed2bit_row_index_cuda
-  int64_t G;                 // groups per row
+  const uint64_t* index;  // mixed2bit_row_index_cuda's chunk index
+  int64_t G, C;           // groups and chunks per row
   int ushift, bshift;
   using Shared = NoShared;
   struct RowState {
@@ -255,9 +261,11 @@ struct Mixed2 {
     const int64_t g = m * G + (u >> ushift);
     return u < (G << ushift) ? __ldg(q.group_map + (g >> 3)) : 0u;
   }
-  __device__ RowState row(int64_t m) const {
-    const int64_t n4 = __ldg(n4_before + m);
-    return {n4, m * G - n4, map_byte(m, threadIdx.x & 31)};
+  __device__ RowState row(int64_t m, int64_t u0) const {
+    const int64_t gb = u0 >> ushift;  // groups before u0 (u0 is a multiple of 32 >= a group's units)
+    const uint64_t e = __ldg(index + m * C + (gb >> 5));
+    const int64_t n4 = int64_t(e & 0xFFFFFFFFu) + __popc(uint32_t(e >> 32) & ((1u << (gb & 31)) - 1u));
+    return {n4, m * G + gb - n4, map_byte(m, u0 + (threadIdx.x & 31))};
   }
   // 8 2-bit fields in the low 16 bits -> 8 nibbles (field i to bits 4i..4i+3).
   static __device__ __forceinline__ uint32_t spread2(uint32_t x) {
@@ -312,40 +320,121 @@ struct Mixed2 {
   }
 };
 
-// Per-row popcounts of group_map into n4_before[r + 1] (one warp per row).
-__global__ void row_count_kernel(const uint8_t* __restrict__ map, int64_t rows, int64_t G, int64_t* __restrict__ out) {
+// mixed2bit on the tensor-core kernel (16-bit activations, sm_80+). A lane's unit is 16 values
+// of one group; warps take contiguous runs of K, so a lane's units only move forward and its
+// chunk-index entry (the 4-bit count before the chunk and the chunk's 32 map bits) changes once
+// per 32 groups, with the next entry loaded a chunk ahead: each unit then finds its slot in the
+// 2-bit or 4-bit list with a popcount, no vote and no dependent load. Both kinds decode the same
+// way: a byte permute puts the unit's fields for values (8j + i, 8j + i + 4) at bits (s i, 16 +
+// s i) of one word (s = 4 for codes4, 2 for codes2; i = 0..3), a LOP3 ORs each pair into the
+// magic, HSUB2 takes the magic away exactly, and HFMA2 gives q * s_eff - m_eff rounded once to
+// the 16-bit type (as dequantize followed by F.linear would round it, up to the fp16 rounding of
+// s_eff and m_eff).
+struct Mixed2Mma {
+  static constexpr int kUnit = 16;
+  static constexpr bool kLut = false;
+  static constexpr bool kPairLoad = false;
+  static constexpr bool kContiguousSteps = true;
+  mixed2bit::ConstBuffers q;
+  const uint64_t* index;
+  int64_t G, C;
+  int ushift, bshift;
+  // Index arithmetic in 32 bits: mixed2bit_gemm_cuda_supports keeps rows * K / 16 below 2^32.
+  struct RowState {
+    const uint64_t* entries;  // the row's chunk entries
+    uint32_t g0, chunk;       // the row's first group id; the chunk of cur
+    uint64_t cur, next;       // entries of chunks `chunk` and chunk + 1
+  };
+  struct Unit {
+    uint32_t c0, c1;  // 4-bit: the two codes4 words; 2-bit: c0 = the codes2 word, c1 = 0
+    uint32_t sc;      // 4-bit: scales4's [sc, mc] as a halfword; 2-bit: the scales2 byte
+    uint32_t so;      // the second-order [d, dm] (fp16 bits)
+    bool is4;
+  };
+  __device__ RowState row(int64_t m, int64_t u0) const {
+    uint32_t ch = static_cast<uint32_t>((u0 >> ushift) >> 5);
+    ch = ch < C ? ch : static_cast<uint32_t>(C - 1);  // a warp without steps: any entry (ch + 1 <= C stays in the index)
+    const uint64_t* e = index + m * C;
+    return {e, static_cast<uint32_t>(m * G), ch, __ldg(e + ch), __ldg(e + ch + 1)};
+  }
+  __device__ Unit load(RowState& rs, int64_t, int64_t u64, bool) const {
+    const uint32_t u = static_cast<uint32_t>(u64), c = u >> ushift, ch = c >> 5;
+    if (ch != rs.chunk) {  // forward by one chunk (the steps of a warp are contiguous and chunk-aligned)
+      rs.cur = rs.next;
+      rs.next = __ldg(rs.entries + ch + 1);
+      rs.chunk = ch;
+    }
+    const uint32_t bits = static_cast<uint32_t>(rs.cur >> 32), b = c & 31u;
+    const uint32_t i4 = static_cast<uint32_t>(rs.cur) + __popc(bits & ((1u << b) - 1u));  // 4-bit groups before
+    const uint32_t i2 = rs.g0 + c - i4;                                                    // 2-bit groups before
+    Unit r;
+    r.is4 = (bits >> b) & 1u;
+    const uint32_t i = r.is4 ? i4 : i2, w = (i << ushift) + (u & ((1u << ushift) - 1u));  // group; its unit's word
+    // Branch-free: one address per array, the second codes word and scale byte only for 4-bit.
+    const uint32_t* cp = r.is4 ? q.codes4 + 2 * size_t(w) : q.codes2 + w;
+    r.c0 = __ldg(cp);
+    r.c1 = r.is4 ? __ldg(cp + 1) : 0u;
+    const uint8_t* sp = r.is4 ? q.scales4 + 2 * size_t(i) : q.scales2 + i;
+    r.sc = r.is4 ? uint32_t(__ldg(reinterpret_cast<const uint16_t*>(sp))) : uint32_t(__ldg(sp));
+    r.so = __ldg(reinterpret_cast<const uint32_t*>(r.is4 ? q.so4 : q.so2) + (i >> bshift));
+    return r;
+  }
+  template <class Ops>
+  __host__ __device__ static constexpr bool odd_x16() { return false; }
+  template <class Ops>
+  __device__ void pairs(const uint32_t (*)[32], int, const Unit& un, int j, uint32_t (&p)[4]) const {
+    // s_eff = d16 * sc and m_eff = dm16 * mc in float32, as the format computes them
+    const uint32_t sc = un.is4 ? un.sc & 0xFFu : un.sc & 15u, mc = un.is4 ? un.sc >> 8 : (un.sc >> 4) & 15u;
+    const float s = fp16_bits_to_fp32(static_cast<uint16_t>(un.so)) * static_cast<float>(sc);
+    const float mo = fp16_bits_to_fp32(static_cast<uint16_t>(un.so >> 16)) * static_cast<float>(mc);
+    const uint32_t s2 = Ops::splat(s), nm2 = Ops::splat(-mo);
+    // codes4: word j as it is; codes2: bytes 2j, 2j + 1 (values 8j..8j+3, 8j+4..8j+7) to bytes 0, 2
+    const uint32_t w = __byte_perm(un.c0, un.c1, un.is4 ? (j ? 0x7654u : 0x3210u) : (j ? 0x3322u : 0x1100u));
+    const int sh = un.is4 ? 4 : 2;
+    const uint32_t mask = un.is4 ? 0x000F000Fu : 0x00030003u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      p[i] = Ops::fma(Ops::sub(cuda_wo::and_or(w >> (sh * i), mask, Ops::kMagic), Ops::kMagic), s2, nm2);
+  }
+  static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) { return Int4::xpair(x, p); }
+};
+
+// One warp per row: each chunk's 32 map bits by a vote, and their count in the low half (the
+// scan below turns the counts into the exclusive prefix). The last warp writes the final entry.
+__global__ void chunk_bits_kernel(const uint8_t* __restrict__ map, int64_t rows, int64_t G, int64_t C,
+                                  uint64_t* __restrict__ out) {
   const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (r >= rows) return;
   const int lane = threadIdx.x & 31;
-  int64_t count = 0;
-  for (int64_t c0 = 0; c0 < G; c0 += 32) {
-    const int64_t c = c0 + lane, g = r * G + c;
-    const bool bit = c < G && ((__ldg(map + (g >> 3)) >> (g & 7)) & 1u);
-    count += __popc(__ballot_sync(0xFFFFFFFFu, bit));
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t i = 32 * c + lane, g = r * G + i;
+    const bool bit = i < G && ((__ldg(map + (g >> 3)) >> (g & 7)) & 1u);
+    const uint32_t bits = __ballot_sync(0xFFFFFFFFu, bit);
+    if (lane == 0) out[r * C + c] = uint64_t(__popc(bits)) | uint64_t(bits) << 32;
   }
-  if (lane == 0) out[r + 1] = count;
-  if (r == 0 && lane == 0) out[0] = 0;
+  if (r == rows - 1 && lane == 0) out[rows * C] = 0;
 }
 
-// In-place inclusive scan of out[0 .. n) by one CTA of 1024 threads (n = rows + 1, a few
-// thousand: each thread scans a contiguous chunk, then the chunk totals are scanned).
-__global__ void __launch_bounds__(1024) scan_kernel(int64_t* __restrict__ out, int64_t n) {
-  __shared__ int64_t part[1024];
+// In-place exclusive scan of the low 32 bits of out[0 .. n) (the high halves kept) by one CTA of
+// 1024 threads: each thread scans a contiguous run, after a Hillis-Steele scan of the run totals.
+__global__ void __launch_bounds__(1024) scan_low_kernel(uint64_t* __restrict__ out, int64_t n) {
+  __shared__ uint64_t part[1024];
   const int64_t per = (n + 1023) / 1024, i0 = threadIdx.x * per, i1 = i0 + per < n ? i0 + per : n;
-  int64_t s = 0;
-  for (int64_t i = i0; i < i1; ++i) s += out[i];
+  uint64_t s = 0;
+  for (int64_t i = i0; i < i1; ++i) s += out[i] & 0xFFFFFFFFu;
   part[threadIdx.x] = s;
   __syncthreads();
-  for (int o = 1; o < 1024; o <<= 1) {  // Hillis-Steele over the chunk totals
-    const int64_t v = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
+  for (int o = 1; o < 1024; o <<= 1) {
+    const uint64_t v = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
     __syncthreads();
     part[threadIdx.x] += v;
     __syncthreads();
   }
-  s = threadIdx.x ? part[threadIdx.x - 1] : 0;
+  s = threadIdx.x ? part[threadIdx.x - 1] : 0;  // total before this thread's run
   for (int64_t i = i0; i < i1; ++i) {
-    s += out[i];
-    out[i] = s;
+    const uint64_t v = out[i];
+    out[i] = (v & 0xFFFFFFFF00000000ull) | s;  // s < 2^32: the GEMM takes fewer than 2^32 groups
+    s += v & 0xFFFFFFFFu;
   }
 }
 
@@ -386,23 +475,31 @@ void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::blo
   launch(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, stream);
 }
 
-void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t G, int64_t* n4_before,
-                              void* stream) {
+void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t G, uint64_t* index, void* stream) {
   cudaStream_t s = cuda::stream(stream);
-  if (rows > 0) row_count_kernel<<<cuda::grid_for(rows, 8), 256, 0, s>>>(group_map, rows, G, n4_before);
-  else cuda::check(cudaMemsetAsync(n4_before, 0, sizeof(int64_t), s), "mixed2bit row index");
-  scan_kernel<<<1, 1024, 0, s>>>(n4_before, rows + 1);
-  cuda::check_launch("mixed2bit row index");
+  const int64_t C = (G + 31) / 32, n = mixed2bit_chunk_index_size(rows, G);
+  if (rows > 0 && C > 0) chunk_bits_kernel<<<cuda::grid_for(rows, 8), 256, 0, s>>>(group_map, rows, G, C, index);
+  else cuda::check(cudaMemsetAsync(index, 0, sizeof(uint64_t) * n, s), "mixed2bit chunk index");
+  scan_low_kernel<<<1, 1024, 0, s>>>(index, n);
+  cuda::check_launch("mixed2bit chunk index");
 }
 
 template <class T>
 void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& d,
-                         const int64_t* n4_before, T* Y, void* stream) {
+                         const uint64_t* index, T* Y, void* stream) {
   if (!mixed2bit_gemm_cuda_supports(d))
     throw std::invalid_argument("mixed2bit CUDA GEMM: needs group_size = 16 * 2^j <= 512, a power-of-two "
-                                "scale_block and no outliers");
-  const Mixed2 f{q, n4_before, d.groups_per_row(), log2_exact(d.group_size / 16), log2_exact(d.scale_block)};
-  cuda_wo::launch_weight_only(f, X, N, d.K, d.rows, Y, stream);
+                                "scale_block, no outliers and fewer than 2^32 units of 16 values");
+  const int64_t G = d.groups_per_row(), C = (G + 31) / 32;
+  const int us = log2_exact(d.group_size / 16), bs = log2_exact(d.scale_block);
+  if constexpr (!std::is_same_v<T, float>) {
+    // the tensor-core policy reads scales4 as halfwords and so2 / so4 as words
+    const bool aligned = (reinterpret_cast<uintptr_t>(q.scales4) & 1u) == 0 &&
+                         (reinterpret_cast<uintptr_t>(q.so2) & 3u) == 0 && (reinterpret_cast<uintptr_t>(q.so4) & 3u) == 0;
+    if (aligned && cuda::has_sm80_mma())
+      return cuda_wo::launch_weight_only_mma(Mixed2Mma{q, index, G, C, us, bs}, X, N, d.K, d.rows, Y, stream);
+  }
+  cuda_wo::launch_weight_only(Mixed2{q, index, G, C, us, bs}, X, N, d.K, d.rows, Y, stream);
 }
 
 #define QF_INSTANTIATE(T)                                                                                    \
@@ -412,7 +509,7 @@ void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q
                                   const uint8_t*, int64_t, T*, void*);                                       \
   template void q4_0_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const q4_0::block_q4_0*, T*, void*); \
   template void mixed2bit_gemm_cuda<T>(const T*, int64_t, const mixed2bit::ConstBuffers&,                    \
-                                       const mixed2bit::Dims&, const int64_t*, T*, void*);
+                                       const mixed2bit::Dims&, const uint64_t*, T*, void*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

@@ -12,10 +12,11 @@
 // becomes inf there too); products and sums are float32; one rounding of Y at the end.
 //
 // Work split: a CTA owns 16 weight rows and up to 16 activation rows (grid.y covers more);
-// its warps split K into steps of 4 U units of 32 values (step s goes to warp s mod warps) and
-// add their partial sums in shared memory at the end, in a fixed order (deterministic). In a
-// step, lane (g, t) = (lane / 4, lane % 4) loads U units of rows g and g + 8 (16-byte loads:
-// whole sectors per quad) and activation row g (+ 8) at the same positions. mma's k order need
+// its warps split K into steps of 4 U units of Fmt::kUnit values (32, or mixed2bit's 16; step s
+// goes to warp s mod warps, or with Fmt::kContiguousSteps each warp takes one contiguous run of
+// steps) and add their partial sums in shared memory at the end, in a fixed order
+// (deterministic). In a step, lane (g, t) = (lane / 4, lane % 4) loads U units of rows g and
+// g + 8 (16-byte loads: whole sectors per quad) and activation row g (+ 8) at the same positions. mma's k order need
 // not be the memory order, only the same for A and B: an mma of lane (g, t) takes two pairs of
 // its unit, each a half2 of two elements that the format decodes together (Fmt::pairs), and
 // the activations of the same two elements (Fmt::xpair, one byte permute). Needs sm_80 (the host launcher checks; the mma is compiled empty below).
@@ -75,6 +76,9 @@ struct PairOps<half_t> {
   static __device__ __forceinline__ uint32_t u(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
   static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return u(__hsub2(h(a), h(b))); }
   static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return u(__hmul2(h(a), h(b))); }
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+    return u(__hfma2(h(a), h(b), h(c)));
+  }
   static __device__ __forceinline__ uint32_t splat(float f) { return u(__float2half2_rn(f)); }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return u(__floats2half2_rn(lo, hi)); }
   // an fp16 scale (its bits in the low half) in both halves: no conversion
@@ -105,6 +109,13 @@ struct PairOps<bf16_t> {
   static __device__ __forceinline__ uint32_t u(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
   static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return u(__hsub2(h(a), h(b))); }
   static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return u(__hmul2(h(a), h(b))); }
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+#if __CUDA_ARCH__ >= 800
+    return u(__hfma2(h(a), h(b), h(c)));
+#else
+    return u(__hadd2(__hmul2(h(a), h(b)), h(c)));  // (never run: the kernel needs sm_80)
+#endif
+  }
   static __device__ __forceinline__ uint32_t splat(float f) { return u(__float2bfloat162_rn(f)); }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return u(__floats2bfloat162_rn(lo, hi)); }
   static __device__ __forceinline__ uint32_t scale_fp16(uint32_t bits) {
@@ -124,15 +135,16 @@ struct PairOps<bf16_t> {
 __device__ __forceinline__ uint32_t lo_lo(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x5410); }
 __device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x7632); }
 
-// Fmt provides, besides what weight_only_cuda.cuh asks for (row, Unit, load):
+// Fmt provides, besides what weight_only_cuda.cuh asks for (kUnit = 16 or 32, row, Unit, load):
+//   static constexpr bool kContiguousSteps;  (see the work split above)
 //   static constexpr bool kLut;  (whether it decodes through a 256-entry pair table; if so:)
 //   template <class Ops> __device__ uint32_t lut_entry(int byte) const;
 //   template <class Ops> __device__ void pairs(const uint32_t (*lut)[32], int lane, const Unit&, int j,
 //                                              uint32_t (&p)[4]) const;
-//       pairs 4j .. 4j+3 of the unit (scale applied), each two elements as a 16-bit pair
+//       pairs 4j .. 4j+3 of the unit (scale applied; j < kUnit / 8), each two elements as a 16-bit pair
 //   template <class Ops> __host__ __device__ static constexpr bool odd_x16();  whether pairs 4j+1, 4j+3 come times 16
 //   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p);
-//       the activations of pair p's two elements from x = the unit's 32 activations as 16 pairs
+//       the activations of pair p's two elements from x = the unit's activations as pairs
 //   static constexpr bool kPairLoad; if kPairLoad: struct Pair, bool pair_load_ok() const (host),
 //       Pair load_pair(RowState&, int64_t u) (units u, u + 1, u even) and
 //       pairs_in_pair<Ops>(const Pair&, int i, int j, uint32_t (&p)[4]) (pairs of unit u + i)
@@ -166,8 +178,10 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   const int64_t m0 = int64_t(blockIdx.x) * kMmaRows;
   const int64_t rowA = m0 + g < M ? m0 + g : M - 1, rowB = m0 + g + 8 < M ? m0 + g + 8 : M - 1;
   const int64_t n0 = int64_t(blockIdx.y) * NTILES * 8;
-  const int64_t units = K / 32;
-  typename Fmt::RowState rsA = f.row(rowA), rsB = f.row(rowB);
+  constexpr int kUnit = Fmt::kUnit;
+  static_assert(kUnit == 16 || kUnit == 32, "units of 16 or 32 values");
+  const int64_t units = K / kUnit;
+  typename Fmt::RowState rsA, rsB;  // set below, once the warp's first unit is known
 
   // c: the products; c16: those of the pairs that Fmt decodes times 16 (odd_x16), scaled at the end
   constexpr bool kX16 = Fmt::template odd_x16<Ops>();
@@ -185,7 +199,11 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   constexpr int U = NTILES == 1 ? 2 : 1;  // two units per lane measured slower at 16 rows (177 registers)
   constexpr int kStepUnits = 4 * U;
   const int64_t steps = (units + kStepUnits - 1) / kStepUnits;
-  const int64_t mine = steps > warp ? (steps - warp + nwarps - 1) / nwarps : 0;  // this warp's steps
+  // this warp's steps: `mine` of them, the k-th being step first + k * stride
+  const int64_t first = Fmt::kContiguousSteps ? steps * warp / nwarps : warp;
+  const int64_t stride = Fmt::kContiguousSteps ? 1 : nwarps;
+  const int64_t mine = Fmt::kContiguousSteps ? steps * (warp + 1) / nwarps - first
+                                             : (steps > warp ? (steps - warp + nwarps - 1) / nwarps : 0);
   // PAIR: the format reads a lane's two units in one go (Fmt::Pair, q4_0's 36 bytes as 9 words)
   static_assert(!PAIR || U == 2, "pair loads take two units per lane");
   using Loaded = typename LoadedUnit<Fmt, PAIR>::type;
@@ -201,14 +219,14 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     xok[nt] = n < N;
     xrow[nt] = X + (xok[nt] ? n : 0) * K;
   }
-  auto unit_of = [&](int64_t k, int i) { return (warp + k * nwarps) * kStepUnits + t * U + i; };
+  auto unit_of = [&](int64_t k, int i) { return (first + k * stride) * kStepUnits + t * U + i; };
   auto load = [&](int64_t k, Stage& st) {
-    // Lanes past the end of K read the row's first unit and multiply it by zero activations:
-    // no extra work on the loaded registers (see the Fmt note), and a non-finite weight there
-    // is in this row's sum anyway.
+    // Lanes past the end of K read a unit of the row (the first; the last with contiguous steps,
+    // whose loads only move forward) and multiply it by zero activations: no extra work on the
+    // loaded registers (see the Fmt note), and a non-finite weight there is in this row's sum anyway.
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int64_t u = unit_of(k, i), uc = u < units ? u : 0;
+      const int64_t u = unit_of(k, i), uc = u < units ? u : (Fmt::kContiguousSteps ? units - 1 : 0);
       if constexpr (PAIR) {
         st.a[i] = f.load_pair(rsA, uc);
         st.b[i] = f.load_pair(rsB, uc);
@@ -222,23 +240,23 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       const int64_t u = unit_of(k, i);
-      uint32_t x[NTILES][16];
+      uint32_t x[NTILES][16];  // the unit's activations as pairs (the first kUnit / 2 used)
 #pragma unroll
       for (int nt = 0; nt < NTILES; ++nt) {
         if (xok[nt] && u < units) {
-          const uint4* xp = reinterpret_cast<const uint4*>(xrow[nt] + u * 32);
+          const uint4* xp = reinterpret_cast<const uint4*>(xrow[nt] + u * kUnit);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
+          for (int q = 0; q < kUnit / 8; ++q) {
             const uint4 v = __ldg(xp + q);
             x[nt][4 * q] = v.x; x[nt][4 * q + 1] = v.y; x[nt][4 * q + 2] = v.z; x[nt][4 * q + 3] = v.w;
           }
         } else {
 #pragma unroll
-          for (int q = 0; q < 16; ++q) x[nt][q] = 0u;  // zero activations: lanes past N or K add 0
+          for (int q = 0; q < kUnit / 2; ++q) x[nt][q] = 0u;  // zero activations: lanes past N or K add 0
         }
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kUnit / 8; ++j) {
         uint32_t pa[4], pb[4];
         if constexpr (PAIR) {
           f.template pairs_in_pair<Ops>(st.a[0], i, j, pa);
@@ -261,6 +279,8 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     }
   };
 
+  rsA = f.row(rowA, first * kStepUnits);
+  rsB = f.row(rowB, first * kStepUnits);
   Stage s0, s1;
   if (mine > 0) load(0, s0);
   for (int64_t k = 0; k < mine; k += 2) {  // warp-uniform conditions
@@ -299,8 +319,8 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   if (grid.y > 65535) throw std::invalid_argument("weight-only GEMM: too many activation rows for one launch");
   // About 2048 warps over the device (a wave of ~16 per SM at ~110 registers on a 132-SM
   // H200): more K-splitting when there are few 16-row CTAs, never more warps than steps.
-  // (Measured on the H200: 1024 is slower, 4096 no faster.)
-  const int64_t steps = (K / 32 + 7) / 8;  // warp steps (8 units)
+  // (Measured on the H200: 1024 is slower, 4096 no faster, for int4 and mixed2bit alike.)
+  const int64_t steps = (K / Fmt::kUnit + 7) / 8;  // warp steps (8 units)
   int warps = 1;
   while (warps < kMmaMaxWarps && int64_t(grid.x) * grid.y * warps < 2048 && warps * 2 <= steps) warps *= 2;
   cudaStream_t s = cuda::stream(stream);

@@ -113,6 +113,36 @@ def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
     assert_close(out, x, w64, TOL[dtype])
 
 
+# The float32-activation kernel (also mixed2bit's, and nf4's at one row) splits K over up to 8
+# warps of a CTA when M is small: K of 9 and 33 warp steps of 32 units (2 and 8 warps, a partial
+# last step), with group_map rows at odd bit offsets (G odd), so that each warp's count of the
+# 4-bit groups before its first unit starts mid-byte.
+SPLIT_CASES = [("mixed2bit", {"group_size": 16}, 16 * (32 * 9 + 3)),
+               ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.3}, 16 * (32 * 33 + 5)),
+               ("mixed2bit", {"group_size": 64, "ratio_4bit": 0.5, "scale_block": 4}, 64 * 265),
+               ("mixed2bit", {"group_size": 512, "ratio_4bit": 0.25}, 512 * 33),
+               ("nf4", {}, 32 * (32 * 33 + 7))]
+
+
+# (nf4 with 16-bit activations takes the tensor-core kernel above one row: not listed)
+@pytest.mark.parametrize("fmt,params,k,n,dtype", [
+    (f, p, k, n, d) for f, p, k in SPLIT_CASES
+    for n, d in [(1, "float16"), (1, "bfloat16"), (3, "float32"), (9, "float16")]
+    if not (f == "nf4" and d != "float32" and n > 1)], ids=str)
+def test_weight_only_float_kernel_k_split(fmt, params, k, n, dtype):
+    m = 21
+    mod, q, qc, w64 = weight(fmt, m, k, k + n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(DTYPES[dtype]).cuda()
+    out = torch.full((n, m), float("nan"), device="cuda", dtype=DTYPES[dtype])
+    stream = torch.cuda.current_stream().cuda_stream
+    if fmt == "nf4":
+        mod._native.gemm(x, qc.buffers["packed"], nf4.decoded_absmax(qc), out, m, k, q.params["blocksize"], stream)
+    else:
+        mod._native.gemm(x, *mixed2bit._native_args(qc), out, mixed2bit._row_index(qc), stream)
+    torch.cuda.synchronize()
+    assert_close(out, x, w64, TOL[dtype])
+
+
 def test_weight_only_misaligned_x_is_copied_not_misread():
     mod, _, qc, w64 = weight("nf4", 20, 64, 1)
     base = torch.randn(3 * 64 + 1, device="cuda", dtype=torch.float16)

@@ -7,16 +7,19 @@ from typing import Any
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized
 
-# The per-row prefix of 4-bit groups that the CUDA GEMM starts each row from is computed once
-# per weight (two small launches and one host sync, which a decode step should not pay) and
-# kept on the group_map tensor itself as (its version counter, n4_before), so it lives exactly
-# as long as the buffer and is recomputed if the buffer is modified in place.
+# The chunk index that the CUDA GEMM finds each group's slot in the 2-bit or 4-bit list with
+# (per row and 32-group chunk: the 4-bit groups before it and its map bits) is computed once per
+# weight (two small launches and one host sync, which a decode step should not pay) and kept on
+# the group_map tensor itself as (its version counter, index), so it lives exactly as long as
+# the buffer and is recomputed if the buffer is modified in place.
 _CACHE_ATTR = "_qformats_n4_before"
 
 
 def _row_index(q: QuantizedTensor) -> Any:
-    """int64 ``[rows + 1]`` on the GPU: 4-bit groups before each row of the CUDA weight ``q``.
-    Raises ValueError when group_map does not mark exactly ``n4`` groups."""
+    """int64 ``[rows * ceil(G / 32) + 1]`` on the GPU (G = K / group_size): for each row of the
+    CUDA weight ``q`` and chunk of 32 of its groups, the 4-bit groups before the chunk (low 32
+    bits) and the chunk's group_map bits (high 32); the last entry is the total. Raises
+    ValueError when group_map does not mark exactly ``n4`` groups."""
     gm = q.buffers["group_map"]
     hit = getattr(gm, _CACHE_ATTR, None)
     if hit is not None and hit[0] == gm._version:
@@ -26,9 +29,10 @@ def _row_index(q: QuantizedTensor) -> Any:
     from . import _native
 
     rows, K = q.shape
-    idx = torch.empty(rows + 1, dtype=torch.int64, device=gm.device)
+    G = K // q.params["group_size"]
+    idx = torch.empty(rows * ((G + 31) // 32) + 1, dtype=torch.int64, device=gm.device)
     with A.stream_for(gm) as stream:
-        _native.row_index(gm, rows, K // q.params["group_size"], idx, stream)
+        _native.row_index(gm, rows, G, idx, stream)
     total = int(idx[-1])
     if total != q.params["n4"]:
         raise ValueError(f"mixed2bit: group_map marks {total} 4-bit groups but n4 is {q.params['n4']}")
@@ -59,9 +63,12 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     Returns:
         ``[N, M]`` in the library and on the device of ``x``: float32 on the CPU (vectorized
         decoders for the 2- and 4-bit groups, outliers patched into each tile, FMA sums in an
-        order fixed by the instruction set, not by the thread count); ``x``'s dtype on CUDA, where each 16-value unit's
-        ``sum(q * x)`` and ``sum(x)`` are combined as ``s_eff * sum(q x) - m_eff * sum(x)`` in
-        float32 (``src/gemm/weight_only_formats_cuda.cu``). Weights the CUDA kernel does not
+        order fixed by the instruction set, not by the thread count); ``x``'s dtype on CUDA. There,
+        float16 / bfloat16 ``x`` on sm_80+ runs on tensor cores with each weight rounded to x's
+        dtype first (``q * s_eff - m_eff`` with s_eff, m_eff in that dtype: one rounding per
+        weight, as dequantize + matmul rounds it) and float32 products and sums; float32 ``x``
+        (or an older GPU) combines each 16-value unit's ``sum(q * x)`` and ``sum(x)`` as
+        ``s_eff * sum(q x) - m_eff * sum(x)`` in float32 (``src/gemm/weight_only_formats_cuda.cu``). Weights the CUDA kernel does not
         take (:func:`gemm_cuda_supported` False: outliers, other group sizes) are dequantized on
         the GPU and multiplied with torch.
     Raises:

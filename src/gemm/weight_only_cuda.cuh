@@ -8,9 +8,9 @@
 // * warp w of W takes a contiguous run of warp steps (32 units each; a unit is Fmt::kUnit
 //   consecutive values of one row that share one scale: a q4_0 block, 32 nf4/int4 values, 16
 //   mixed2bit values); in a step lane l takes unit l, so a warp reads 32 consecutive units of
-//   each row per step: coalesced. Splitting K puts more, shorter warps on the device: each warp's
-//   steps wait on memory one after another (a double buffer hides one), so at small M a few long
-//   warps were latency-bound (mixed2bit, whose loads depend on a vote, most of all).
+//   each row per step: coalesced. Splitting K puts more, shorter warps on the device when M is
+//   small: a warp's steps wait on memory one after another (a double buffer hides one), so a few
+//   long warps are latency-bound (see the launcher for what it measured).
 // * each activation value is loaded once per warp step and used for kRows rows, so the L1
 //   traffic for X stays near the weight traffic instead of kRows times it.
 // * per unit the policy yields raw values v (q - zero, a code's table value...) and the unit's
@@ -34,9 +34,9 @@
 
 namespace qf::gemm::cuda_wo {
 
-constexpr int kRows = 4;          // weight rows per CTA: the reuse factor of each activation load
+constexpr int kRows = 4;            // weight rows per CTA: the reuse factor of each activation load
 constexpr int kMaxWarpsPerCta = 8;  // warps splitting K
-constexpr int kMaxNT = 8;         // activation rows per pass; grid.y covers larger N
+constexpr int kMaxNT = 8;           // activation rows per pass; grid.y covers larger N
 
 // A 4-bit code c as the exact float (2^23 + c): c in the low mantissa bits of 2^23. Subtracting
 // (2^23 + zero) then gives c - zero exactly, two instructions per value and no int->float

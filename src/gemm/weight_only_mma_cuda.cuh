@@ -1,5 +1,6 @@
 // Weight-only GEMV / small-N GEMM on tensor cores for 16-bit activations (fp16 or bf16): Y [N, M]
-// = X [N, K] . W^T with W [M, K] packed in a 4-bit format (nf4, int4, q4_0) and decoded in
+// = X [N, K] . W^T with W [M, K] packed in a 4-bit format (nf4, int4, q4_0; or mixed2bit's
+// 2- and 4-bit groups, whose policy subtracts its offset with an HFMA2) and decoded in
 // registers straight into the A fragments of mma.sync.m16n8k16 (fp32 accumulate), the way
 // Marlin and TensorRT-LLM's weight-only kernels decode: a nibble is OR-ed into the mantissa of
 // a 16-bit "magic" float (1024 + q in fp16, 128 + q in bf16), the magic and the zero point are
@@ -16,7 +17,8 @@
 // goes to warp s mod warps, or with Fmt::kContiguousSteps each warp takes one contiguous run of
 // steps) and add their partial sums in shared memory at the end, in a fixed order
 // (deterministic). In a step, lane (g, t) = (lane / 4, lane % 4) loads U units of rows g and
-// g + 8 (16-byte loads: whole sectors per quad) and activation row g (+ 8) at the same positions. mma's k order need
+// g + 8 (16-byte loads: whole sectors per quad) and activation row g (+ 8) at the same
+// positions. mma's k order need
 // not be the memory order, only the same for A and B: an mma of lane (g, t) takes two pairs of
 // its unit, each a half2 of two elements that the format decodes together (Fmt::pairs), and
 // the activations of the same two elements (Fmt::xpair, one byte permute). Needs sm_80 (the host launcher checks; the mma is compiled empty below).

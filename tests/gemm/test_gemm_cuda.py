@@ -113,10 +113,11 @@ def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
     assert_close(out, x, w64, TOL[dtype])
 
 
-# The float32-activation kernel (also mixed2bit's, and nf4's at one row) splits K over up to 8
-# warps of a CTA when M is small: K of 9 and 33 warp steps of 32 units (2 and 8 warps, a partial
-# last step), with group_map rows at odd bit offsets (G odd), so that each warp's count of the
-# 4-bit groups before its first unit starts mid-byte.
+# Both weight-only kernels split K over up to 8 warps of a CTA when M is small: the float32
+# kernel (float32 activations; nf4 at one row) in runs of 32-unit steps, the tensor-core kernel
+# (mixed2bit with 16-bit activations) in contiguous runs of 8-unit steps. K spans 9 to 37 warp
+# steps with a partial last one, and group_map rows start at odd bit offsets (G odd), so that a
+# warp's first unit and its chunk-index entries start mid-chunk and mid-byte.
 SPLIT_CASES = [("mixed2bit", {"group_size": 16}, 16 * (32 * 9 + 3)),
                ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.3}, 16 * (32 * 33 + 5)),
                ("mixed2bit", {"group_size": 64, "ratio_4bit": 0.5, "scale_block": 4}, 64 * 265),

@@ -231,6 +231,12 @@ struct Q4_0 {
   }
 };
 
+// 4-bit groups before group b (0..31) of a chunk, from the chunk's index entry (the count before
+// the chunk in the low half, the chunk's map bits in the high half; weight_only_formats.h).
+__device__ __forceinline__ uint32_t fours_before(uint64_t entry, uint32_t b) {
+  return static_cast<uint32_t>(entry) + __popc(static_cast<uint32_t>(entry >> 32) & ((1u << b) - 1u));
+}
+
 // mixed2bit (formats/mixed2bit) on the float32 kernel: a unit is 16 values of one group (one
 // codes2 word or two codes4 words); group_size = 16 * 2^ushift <= 512 so a warp's 32 units hold
 // whole groups, and scale_block = 2^bshift. A lane finds its group's slot in the 2-bit or 4-bit
@@ -263,8 +269,7 @@ struct Mixed2 {
   }
   __device__ RowState row(int64_t m, int64_t u0) const {
     const int64_t gb = u0 >> ushift;  // groups before u0 (u0 is a multiple of 32 >= a group's units)
-    const uint64_t e = __ldg(index + m * C + (gb >> 5));
-    const int64_t n4 = int64_t(e & 0xFFFFFFFFu) + __popc(uint32_t(e >> 32) & ((1u << (gb & 31)) - 1u));
+    const int64_t n4 = fours_before(__ldg(index + m * C + (gb >> 5)), static_cast<uint32_t>(gb & 31));
     return {n4, m * G + gb - n4, map_byte(m, u0 + (threadIdx.x & 31))};
   }
   // 8 2-bit fields in the low 16 bits -> 8 nibbles (field i to bits 4i..4i+3).
@@ -364,11 +369,9 @@ struct Mixed2Mma {
       rs.next = __ldg(rs.entries + ch + 1);
       rs.chunk = ch;
     }
-    const uint32_t bits = static_cast<uint32_t>(rs.cur >> 32), b = c & 31u;
-    const uint32_t i4 = static_cast<uint32_t>(rs.cur) + __popc(bits & ((1u << b) - 1u));  // 4-bit groups before
-    const uint32_t i2 = rs.g0 + c - i4;                                                    // 2-bit groups before
+    const uint32_t b = c & 31u, i4 = fours_before(rs.cur, b), i2 = rs.g0 + c - i4;  // 4-/2-bit groups before
     Unit r;
-    r.is4 = (bits >> b) & 1u;
+    r.is4 = (rs.cur >> (32 + b)) & 1u;
     const uint32_t i = r.is4 ? i4 : i2, w = (i << ushift) + (u & ((1u << ushift) - 1u));  // group; its unit's word
     // Branch-free: one address per array, the second codes word and scale byte only for 4-bit.
     const uint32_t* cp = r.is4 ? q.codes4 + 2 * size_t(w) : q.codes2 + w;

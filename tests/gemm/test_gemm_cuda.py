@@ -65,6 +65,25 @@ def test_weight_only_gemm_cuda(fmt, params, dtype, n):
     assert_close(got, x, w64, TOL[dtype])
 
 
+def native_gemm_into_nan(fmt, mod, q, qc, x, m):
+    """The format's native CUDA GEMM of x [N, K] and weight qc [m, K], written into an output
+    pre-filled with NaN (so unwritten elements show), on torch's current stream."""
+    n, k = x.shape
+    out = torch.full((n, m), float("nan"), device="cuda", dtype=x.dtype)
+    stream = torch.cuda.current_stream().cuda_stream
+    if fmt == "nf4":
+        mod._native.gemm(x, qc.buffers["packed"], nf4.decoded_absmax(qc), out, m, k, q.params["blocksize"], stream)
+    elif fmt == "int4":
+        mod._native.gemm(x, qc.buffers["qweight"], qc.buffers["scales"], qc.buffers.get("zeros"), out, n, k, m,
+                         q.params["group_size"], stream)
+    elif fmt == "q4_0":
+        mod._native.gemm(x, qc.buffers["blocks"], out, m, n, k, stream)
+    else:
+        mod._native.gemm(x, *mixed2bit._native_args(qc), out, mixed2bit._row_index(qc), stream)
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.parametrize("fmt,params", [("nf4", {}), ("int4", {"group_size": 32}), ("q4_0", {}),
                                         ("mixed2bit", {"group_size": 16})])
 def test_weight_only_poison_and_long_k(fmt, params):
@@ -73,18 +92,7 @@ def test_weight_only_poison_and_long_k(fmt, params):
     m, k, n = 53, 4096 + 96, 5
     mod, q, qc, w64 = weight(fmt, m, k, 7, **params)
     x = torch.randn(n, k, device="cuda", dtype=torch.float16)
-    out = torch.full((n, m), float("nan"), device="cuda", dtype=torch.float16)
-    stream = torch.cuda.current_stream().cuda_stream
-    if fmt == "nf4":
-        mod._native.gemm(x, qc.buffers["packed"], nf4.decoded_absmax(qc), out, m, k, q.params["blocksize"], stream)
-    elif fmt == "int4":
-        mod._native.gemm(x, qc.buffers["qweight"], qc.buffers["scales"], qc.buffers["zeros"], out, n, k, m, 32, stream)
-    elif fmt == "q4_0":
-        mod._native.gemm(x, qc.buffers["blocks"], out, m, n, k, stream)
-    else:
-        mod._native.gemm(x, *mixed2bit._native_args(qc), out, mixed2bit._row_index(qc), stream)
-    torch.cuda.synchronize()
-    assert_close(out, x, w64, TOL["float16"])
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL["float16"])
 
 
 GEMV_FORMATS = [("int4", {"group_size": 32}), ("int4", {"group_size": 64, "symmetric": True}),
@@ -102,15 +110,7 @@ def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
     m = 53
     mod, q, qc, w64 = weight(fmt, m, k, k + n, **params)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(DTYPES[dtype]).cuda()
-    out = torch.full((n, m), float("nan"), device="cuda", dtype=DTYPES[dtype])
-    stream = torch.cuda.current_stream().cuda_stream
-    if fmt == "int4":
-        mod._native.gemm(x, qc.buffers["qweight"], qc.buffers["scales"], qc.buffers.get("zeros"), out, n, k, m,
-                         params["group_size"], stream)
-    else:
-        mod._native.gemm(x, qc.buffers["blocks"], out, m, n, k, stream)
-    torch.cuda.synchronize()
-    assert_close(out, x, w64, TOL[dtype])
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
 # Both weight-only kernels split K over up to 8 warps of a CTA when M is small: the float32
@@ -134,14 +134,7 @@ def test_weight_only_float_kernel_k_split(fmt, params, k, n, dtype):
     m = 21
     mod, q, qc, w64 = weight(fmt, m, k, k + n, **params)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(DTYPES[dtype]).cuda()
-    out = torch.full((n, m), float("nan"), device="cuda", dtype=DTYPES[dtype])
-    stream = torch.cuda.current_stream().cuda_stream
-    if fmt == "nf4":
-        mod._native.gemm(x, qc.buffers["packed"], nf4.decoded_absmax(qc), out, m, k, q.params["blocksize"], stream)
-    else:
-        mod._native.gemm(x, *mixed2bit._native_args(qc), out, mixed2bit._row_index(qc), stream)
-    torch.cuda.synchronize()
-    assert_close(out, x, w64, TOL[dtype])
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
 def test_weight_only_misaligned_x_is_copied_not_misread():

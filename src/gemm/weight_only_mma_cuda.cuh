@@ -21,7 +21,18 @@
 // positions. mma's k order need
 // not be the memory order, only the same for A and B: an mma of lane (g, t) takes two pairs of
 // its unit, each a half2 of two elements that the format decodes together (Fmt::pairs), and
-// the activations of the same two elements (Fmt::xpair, one byte permute). Needs sm_80 (the host launcher checks; the mma is compiled empty below).
+// the activations of the same two elements (Fmt::xpair, one byte permute). Needs sm_80 (the host
+// launcher checks; the mma is compiled empty below).
+//
+// One activation row (N = 1, the decode GEMV): the CTA first writes X's row into shared memory
+// already in mma order (XS: per unit and j, the B registers of its two mma, so a lane reads them
+// with one 16-byte LDS instead of loading the unit's activations from global memory and
+// permuting them with 2 PRMT per mma; zeros past K, so lanes past the end need no test). The
+// weights of the warp's first step are requested before that fill, so the two latencies
+// overlap. Measured on the H200 (int4 g128, N = 1): the x loads right before their PRMT were the
+// largest stall of the kernel (a third of the warp-stall samples, Nsight Compute source view);
+// with the table, 14336x4096 went from 19.5 to 18.2 us and 4096x4096 from 9.7 to 8.9 (q4_0 and
+// mixed2bit 2-8%).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,6 +40,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 
 #include "common/cuda_utils.cuh"
 #include "common/fp16.h"
@@ -161,10 +173,21 @@ struct LoadedUnit<Fmt, true> {
   using type = typename Fmt::Pair;
 };
 
-template <class Fmt, class H, int NTILES, bool PAIR>
+// XS: slot of word-quad j of unit u in the activation table. The four lanes t of a quad read units
+// U t + i (U = 2) in one LDS; XOR-ing j with bits of u puts their four 16-byte reads in distinct
+// banks (units are 64 bytes apart for kUnit = 32, 32 bytes for 16).
+template <int kUnit>
+__device__ __forceinline__ int xs_slot(int64_t u, int j) {
+  constexpr int kSlots = kUnit / 8;
+  return static_cast<int>(u) * kSlots + (j ^ static_cast<int>(kSlots == 4 ? (u >> 1) & 3 : (u >> 2) & 1));
+}
+
+template <class Fmt, class H, int NTILES, bool PAIR, bool XS>
 __global__ void __launch_bounds__(kMmaMaxWarps * 32)
 weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y) {
   using Ops = PairOps<H>;
+  static_assert(!XS || NTILES == 1, "the activation table holds one row");
+  extern __shared__ uint4 xs[];  // XS: X's row in mma order (dynamic shared memory, see the launcher)
   // nf4's pair table, one copy per bank: lane l reads column l, so lookups never conflict.
   __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
   __shared__ float red[kMmaMaxWarps][NTILES * 8][kMmaRows];
@@ -243,8 +266,13 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     for (int i = 0; i < U; ++i) {
       const int64_t u = unit_of(k, i);
       uint32_t x[NTILES][16];  // the unit's activations as pairs (the first kUnit / 2 used)
+      uint4 xq[kUnit / 8];     // XS: the unit's B registers, per j (h = 0: .x .y; h = 1: .z .w)
+      if constexpr (XS) {
 #pragma unroll
-      for (int nt = 0; nt < NTILES; ++nt) {
+        for (int j = 0; j < kUnit / 8; ++j) xq[j] = xs[xs_slot<kUnit>(u, j)];
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTILES && !XS; ++nt) {
         if (xok[nt] && u < units) {
           const uint4* xp = reinterpret_cast<const uint4*>(xrow[nt] + u * kUnit);
 #pragma unroll
@@ -272,10 +300,14 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
           // A fragment: rows g / g + 8 x k pairs (2t, 2t+1) / (2t+8, 2t+9) = our pairs h / h+2
           // (so that the odd pairs, which may be decoded times 16, share one mma)
           const uint32_t a[4] = {pa[h], pb[h], pa[h + 2], pb[h + 2]};
+          if constexpr (XS) {
+            Ops::mma(kX16 && h == 1 ? c16[0] : c[0], a, h ? xq[j].z : xq[j].x, h ? xq[j].w : xq[j].y);
+          } else {
 #pragma unroll
-          for (int nt = 0; nt < NTILES; ++nt)
-            Ops::mma(kX16 && h == 1 ? c16[nt] : c[nt], a, Fmt::xpair(x[nt], 4 * j + h),
-                     Fmt::xpair(x[nt], 4 * j + h + 2));
+            for (int nt = 0; nt < NTILES; ++nt)
+              Ops::mma(kX16 && h == 1 ? c16[nt] : c[nt], a, Fmt::xpair(x[nt], 4 * j + h),
+                       Fmt::xpair(x[nt], 4 * j + h + 2));
+          }
         }
       }
     }
@@ -285,6 +317,24 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   rsB = f.row(rowB, first * kStepUnits);
   Stage s0, s1;
   if (mine > 0) load(0, s0);
+  if constexpr (XS) {
+    // one unit per thread and pass: its kUnit / 2 activation pairs in, kUnit / 8 slots of B
+    // registers out (Fmt::xpair's order); units past K (up to whole steps) get zeros
+    const int64_t padded = steps * kStepUnits;
+    for (int64_t u = threadIdx.x; u < padded; u += blockDim.x) {
+      uint32_t w[16];
+#pragma unroll
+      for (int q = 0; q < kUnit / 8; ++q) {
+        const uint4 v = u < units ? __ldg(reinterpret_cast<const uint4*>(X + u * kUnit) + q) : make_uint4(0, 0, 0, 0);
+        w[4 * q] = v.x; w[4 * q + 1] = v.y; w[4 * q + 2] = v.z; w[4 * q + 3] = v.w;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnit / 8; ++j)
+        xs[xs_slot<kUnit>(u, j)] = make_uint4(Fmt::xpair(w, 4 * j), Fmt::xpair(w, 4 * j + 2), Fmt::xpair(w, 4 * j + 1),
+                                              Fmt::xpair(w, 4 * j + 3));
+    }
+    __syncthreads();
+  }
   for (int64_t k = 0; k < mine; k += 2) {  // warp-uniform conditions
     if (k + 1 < mine) load(k + 1, s1);
     multiply(k, s0);
@@ -326,18 +376,29 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   int warps = 1;
   while (warps < kMmaMaxWarps && int64_t(grid.x) * grid.y * warps < 2048 && warps * 2 <= steps) warps *= 2;
   cudaStream_t s = cuda::stream(stream);
+  // N = 1: X's row in shared memory in mma order (whole steps of 8 units, zero-padded), while it
+  // fits beside the kernel's own shared arrays under the default 48 KB (K up to ~20000; nf4's
+  // pair table leaves no room, and nf4 takes the float32 kernel at N = 1 anyway).
+  const size_t xs_bytes = size_t((K / Fmt::kUnit + 7) / 8 * 8) * Fmt::kUnit * sizeof(H);
+  const bool xs = N == 1 && !Fmt::kLut && xs_bytes <= 40 * 1024;
+  const size_t dyn = xs ? xs_bytes : 0;
+  auto one_tile = [&](auto pair) {  // the N <= 8 kernels, with or without the activation table
+    constexpr bool kPair = decltype(pair)::value;
+    if constexpr (!Fmt::kLut) {
+      if (xs) return weight_only_mma_kernel<Fmt, H, 1, kPair, true><<<grid, warps * 32, dyn, s>>>(f, X, N, K, M, Y);
+    }
+    weight_only_mma_kernel<Fmt, H, 1, kPair, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+  };
   bool launched = false;
   if constexpr (Fmt::kPairLoad) {
-    if (f.pair_load_ok()) {  // (two units per lane: the N <= 8 kernel only)
-      if (ntiles == 1) {
-        weight_only_mma_kernel<Fmt, H, 1, true><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
-        launched = true;
-      }
+    if (f.pair_load_ok() && ntiles == 1) {  // (two units per lane: the N <= 8 kernel only)
+      one_tile(std::true_type{});
+      launched = true;
     }
   }
   if (!launched) {
-    if (ntiles == 2) weight_only_mma_kernel<Fmt, H, 2, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
-    else weight_only_mma_kernel<Fmt, H, 1, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+    if (ntiles == 2) weight_only_mma_kernel<Fmt, H, 2, false, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+    else one_tile(std::false_type{});
   }
   cuda::check_launch("weight-only GEMM (tensor cores)");
 }

@@ -113,6 +113,19 @@ def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
+@pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 32}), ("q4_0", {}), ("mixed2bit", {"group_size": 16})],
+                         ids=str)
+@pytest.mark.parametrize("k", [20480 - 32, 20480 + 256])
+def test_weight_only_gemv_activation_table_limit(fmt, params, k):
+    """One fp16 activation row on the tensor-core kernel, K on either side of the largest row its
+    shared-memory activation table takes (40 KB: K = 20480 rounded up to whole 8-unit steps;
+    above it the kernel reads X from global memory): a partial last step below the limit."""
+    m = 19
+    mod, q, qc, w64 = weight(fmt, m, k, k, **params)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(torch.float16).cuda()
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL["float16"])
+
+
 # Both weight-only kernels split K over up to 8 warps of a CTA when M is small: the float32
 # kernel (float32 activations; nf4 at one row) in runs of 32-unit steps, the tensor-core kernel
 # (mixed2bit with 16-bit activations) in contiguous runs of 8-unit steps. K spans 9 to 37 warp

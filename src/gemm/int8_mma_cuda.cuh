@@ -5,14 +5,14 @@
 // and added in float32 (llama.cpp's q4_0 x q8_1 arithmetic, after int_gemm_cuda.cu has
 // unpacked the blocks to codes and scales).
 //
-// A CTA computes a 128 (n) x 128 (m) tile (kScaled: 64 x 128), K in stages of 64 bytes. Every
-// thread copies up to four 16-byte chunks per stage with cp.async straight into shared memory
-// (no registers, no conversion; consecutive lanes take consecutive chunks of one row, so a warp
-// reads 8 rows x 64 contiguous bytes). kStages stages are in flight: one barrier per stage, and
-// the copies of stage s + 3 overlap the mma of stage s. 8 warps (2 along n x 4 along m) each
-// multiply a 64 (kScaled: 32) x 32 block with mma.m16n8k32 (s8 x s8 -> s32), fragments read by
-// ldmatrix. Rows and K chunks past the end are zero-filled by the copy (src-size 0), so they
-// add nothing.
+// A CTA computes a 128 (n) x 128 (m) tile (kScaled: 64 x 128), K in stages of kBK bytes (128;
+// kScaled: 64). Every thread copies its 16-byte chunks of a stage with cp.async straight into
+// shared memory (no registers, no conversion; consecutive lanes take consecutive chunks of one
+// row, so a warp reads whole 64- or 128-byte row segments). kStages stages are in flight (3;
+// kScaled: 4): one barrier per stage, and the copies of stage s + kStages - 1 overlap the mma of
+// stage s. 8 warps (2 along n x 4 along m) each multiply a 64 (kScaled: 32) x 32 block with
+// mma.m16n8k32 (s8 x s8 -> s32), fragments read by ldmatrix. Rows and K chunks past the end are
+// zero-filled by the copy (src-size 0), so they add nothing.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -29,18 +29,28 @@ namespace qf::gemm::i8mma {
 template <bool kScaled>
 constexpr int kBN = kScaled ? 64 : 128;
 constexpr int kBM = 128;
-constexpr int kBK = 64;              // K bytes per stage: two k32 mma steps
-constexpr int kStages = 4;
+// K bytes per stage and stages in flight. int8: 128-byte stages (four k32 mma steps per barrier),
+// three in flight (2 x 108 KB of shared memory per SM); measured on the H200 against 64-byte
+// stages, four in flight: +7-18% at N = 512 and 2048 (4096x14336, N = 2048: 501 -> 557 TOPS;
+// with the copy addressing below, 630). kScaled keeps 64-byte stages: with 128 its per-block
+// scales spill (80 bytes) and it measured 20-30% slower.
+template <bool kScaled>
+constexpr int kBK = kScaled ? 64 : 128;
+template <bool kScaled>
+constexpr int kStages = kScaled ? 4 : 3;
 constexpr int kThreads = 256;
-// Shared row stride: 64 bytes + 16. Rows stay 16-byte aligned (cp.async, ldmatrix) and the 8 rows
-// of an ldmatrix matrix (80 r mod 128) fall in 8 distinct 16-byte bank groups: no conflicts.
-constexpr int kRowBytes = kBK + 16;
-constexpr int kBlocksPerStage = kBK / 32;  // kScaled: scale blocks per row per stage
+// Shared row stride: kBK + 16 bytes. Rows stay 16-byte aligned (cp.async, ldmatrix) and the 8
+// rows of an ldmatrix matrix (80 r or 144 r mod 128) fall in 8 distinct 16-byte bank groups: no
+// conflicts.
+template <bool kScaled>
+constexpr int kRowBytes = kBK<kScaled> + 16;
+template <bool kScaled>
+constexpr int kBlocksPerStage = kBK<kScaled> / 32;  // kScaled: scale blocks per row per stage
 
 template <bool kScaled>
 constexpr int smem_bytes() {
-  constexpr int rows = kBN<kScaled> + kBM;
-  return kStages * rows * kRowBytes + (kScaled ? kStages * rows * kBlocksPerStage * 4 : 0);
+  constexpr int rows = kBN<kScaled> + kBM, st = kStages<kScaled>;
+  return st * rows * kRowBytes<kScaled> + (kScaled ? st * rows * kBlocksPerStage<kScaled> * 4 : 0);
 }
 
 // An int32 sum c with |c| < 2^22 added to the bits of the float 1.5 * 2^23 gives the bits of the
@@ -165,6 +175,8 @@ __global__ void __launch_bounds__(kThreads, 2)  // two CTAs per SM
 kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* __restrict__ sa,
        const float* __restrict__ sb, const Epi epi, int64_t N, int64_t M, int64_t K) {
   constexpr int BN = kBN<kScaled>, TI = BN / 32;  // TI: n tiles of 16 per warp
+  constexpr int kBK = i8mma::kBK<kScaled>, kStages = i8mma::kStages<kScaled>;
+  constexpr int kRowBytes = i8mma::kRowBytes<kScaled>, kBlocksPerStage = i8mma::kBlocksPerStage<kScaled>;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* a_s = smem;                              // [kStages][BN][kRowBytes]
   uint8_t* b_s = smem + kStages * BN * kRowBytes;  // [kStages][kBM][kRowBytes]
@@ -175,23 +187,39 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
   const int64_t n0 = int64_t(blockIdx.y) * BN, m0 = int64_t(blockIdx.x) * kBM;
   const int64_t ktiles = (K + kBK - 1) / kBK, kb = K / 32;
 
+  // This thread's 16-byte chunks of a stage: chunk lc of tile rows lr + kRowStep i (A: i < kLoadsA,
+  // B: i < kLoadsB). Their row validity is fixed and their addresses advance by kBK per stage, so a
+  // stage's copies cost an address add and a K test each (Nsight Compute on the earlier per-chunk
+  // index arithmetic: ~6 instructions per mma, the kernel issue-bound at 16 warps per SM).
+  constexpr int kChunks = kBK / 16, kRowStep = kThreads / kChunks;
+  constexpr int kLoadsA = BN / kRowStep, kLoadsB = kBM / kRowStep;
+  const int lr = tid / kChunks, lc = tid % kChunks;
+  const int8_t* a_src = A + (n0 + lr) * K + 16 * lc;  // (formed for rows past N too; read only when valid)
+  const int8_t* b_src = B + (m0 + lr) * K + 16 * lc;
+  uint32_t a_ok = 0, b_ok = 0;  // bit i: row lr + kRowStep i exists
+#pragma unroll
+  for (int i = 0; i < kLoadsA; ++i) a_ok |= uint32_t(n0 + lr + kRowStep * i < N) << i;
+#pragma unroll
+  for (int i = 0; i < kLoadsB; ++i) b_ok |= uint32_t(m0 + lr + kRowStep * i < M) << i;
   auto load = [&](int64_t kt, int slot) {
     const int64_t k0 = kt * kBK;
+    const bool kok = k0 + 16 * lc < K;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {  // rows x 4 chunks per operand: 2 chunks of B per thread, BN/64 of A
-      const int id = tid + kThreads * i, r = id >> 2, c = id & 3;
-      const int64_t k = k0 + 16 * c;
-      if (r < BN) {
-        const bool oka = n0 + r < N && k < K;
-        cp_async<16>(a_s + (slot * BN + r) * kRowBytes + 16 * c, oka ? A + (n0 + r) * K + k : A, oka);
-      }
-      const bool okb = m0 + r < M && k < K;
-      cp_async<16>(b_s + (slot * kBM + r) * kRowBytes + 16 * c, okb ? B + (m0 + r) * K + k : B, okb);
+    for (int i = 0; i < kLoadsA; ++i) {
+      const bool ok = kok && ((a_ok >> i) & 1u);
+      cp_async<16>(a_s + (slot * BN + lr + kRowStep * i) * kRowBytes + 16 * lc,
+                   ok ? a_src + int64_t(kRowStep * i) * K + k0 : A, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < kLoadsB; ++i) {
+      const bool ok = kok && ((b_ok >> i) & 1u);
+      cp_async<16>(b_s + (slot * kBM + lr + kRowStep * i) * kRowBytes + 16 * lc,
+                   ok ? b_src + int64_t(kRowStep * i) * K + k0 : B, ok);
     }
     if (kScaled) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {  // (BN + 128) rows x 2 blocks: up to 2 words per thread
-        const int id = tid + kThreads * i, r = id >> 1, q = id & 1;
+      for (int i = 0; i < ((BN + kBM) * kBlocksPerStage + kThreads - 1) / kThreads; ++i) {  // (BN + 128) rows x blocks
+        const int id = tid + kThreads * i, r = id / kBlocksPerStage, q = id % kBlocksPerStage;
         const bool op = r >= BN;  // B's rows after A's
         const int rr = op ? r - BN : r;
         if (rr >= (op ? kBM : BN)) continue;
@@ -219,12 +247,12 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
     if (s < ktiles) load(s, s);
     cp_async_commit();  // empty groups keep the count that cp_async_wait relies on
   }
+  int slot = 0, wslot = kStages - 1;  // stages read and written this iteration: kt, kt - 1 (mod kStages)
   for (int64_t kt = 0; kt < ktiles; ++kt) {
     cp_async_wait<kStages - 2>();  // this thread's copies of stage kt have landed
     __syncthreads();               // everyone's have, and everyone is done with stage kt - 1
-    if (kt + kStages - 1 < ktiles) load(kt + kStages - 1, static_cast<int>((kt + kStages - 1) % kStages));
+    if (kt + kStages - 1 < ktiles) load(kt + kStages - 1, wslot);
     cp_async_commit();
-    const int slot = static_cast<int>(kt % kStages);
     const uint8_t* as = a_s + slot * BN * kRowBytes;
     const uint8_t* bs = b_s + slot * kBM * kRowBytes;
 #pragma unroll
@@ -261,6 +289,8 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
           for (int j = 0; j < 4; ++j) mma_s8(iacc[i][j], af[i], bf[j][0], bf[j][1], iacc[i][j]);
       }
     }
+    wslot = slot;  // (no % kStages: a division by 3)
+    slot = slot + 1 == kStages ? 0 : slot + 1;
   }
   cp_async_wait<0>();  // no copy outlives the CTA (the trailing groups are empty, but be exact)
   store_acc(epi, iacc, facc, n0 + wn, m0 + wm, g, t, N, M);

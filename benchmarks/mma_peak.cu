@@ -23,40 +23,40 @@
 
 constexpr int kChains = 8;  // independent accumulators per warp: enough to cover the mma latency
 
-// m16n8k16 f16 x f16 -> f32: 2 * 16 * 8 * 16 = 4096 flops per warp instruction
-__global__ void mma_f16(int iters, float* out) {
-  uint32_t a[4] = {threadIdx.x, threadIdx.x * 3u, threadIdx.x * 5u, threadIdx.x * 7u}, b0 = 0x3c003c00u, b1 = b0;
-  float c[kChains][4] = {};
-  for (int it = 0; it < iters; ++it) {
-#pragma unroll
-    for (int k = 0; k < kChains; ++k)
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                   "{%0,%1,%2,%3};\n"
-                   : "+f"(c[k][0]), "+f"(c[k][1]), "+f"(c[k][2]), "+f"(c[k][3])
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// One mma.sync on register operands: d = a b + d. Op::kOps = operations per warp instruction.
+struct F16 {  // m16n8k16 f16 x f16 -> f32: 2 * 16 * 8 * 16
+  static constexpr double kOps = 4096;
+  using Acc = float;
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  float s = 0;
-#pragma unroll
-  for (int k = 0; k < kChains; ++k) s += c[k][0] + c[k][1] + c[k][2] + c[k][3];
-  if (s == 1.2345f) out[0] = s;
-}
+};
+struct S8 {  // m16n8k32 s8 x s8 -> s32: 2 * 16 * 8 * 32
+  static constexpr double kOps = 8192;
+  using Acc = int;
+  static __device__ __forceinline__ void mma(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
 
-// m16n8k32 s8 x s8 -> s32: 2 * 16 * 8 * 32 = 8192 ops per warp instruction
-__global__ void mma_s8(int iters, int* out) {
-  uint32_t a[4] = {threadIdx.x, threadIdx.x * 3u, threadIdx.x * 5u, threadIdx.x * 7u}, b0 = 0x01010101u, b1 = b0;
-  int c[kChains][4] = {};
+template <class Op>
+__global__ void mma_loop(int iters, typename Op::Acc* out) {
+  const uint32_t a[4] = {threadIdx.x, threadIdx.x * 3u, threadIdx.x * 5u, threadIdx.x * 7u}, b = 0x3c003c00u;
+  typename Op::Acc c[kChains][4] = {};
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
-    for (int k = 0; k < kChains; ++k)
-      asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                   "{%0,%1,%2,%3};\n"
-                   : "+r"(c[k][0]), "+r"(c[k][1]), "+r"(c[k][2]), "+r"(c[k][3])
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    for (int k = 0; k < kChains; ++k) Op::mma(c[k], a, b, b);
   }
-  int s = 0;
+  typename Op::Acc s = 0;
 #pragma unroll
   for (int k = 0; k < kChains; ++k) s += c[k][0] + c[k][1] + c[k][2] + c[k][3];
-  if (s == 12345) out[0] = s;
+  if (s == typename Op::Acc(12345)) out[0] = s;  // (practically never): keeps the mma alive
 }
 
 template <class F>
@@ -84,16 +84,18 @@ int main() {
   void* out;
   CK(cudaMalloc(&out, 64));
   const int iters = 4096;
-  std::printf("%s, %d SMs\n%-34s %8s %10s\n", p.name, p.multiProcessorCount, "instruction (warps / SM)", "ms", "T(FL)OP/s");
-  for (int wps : {8, 16, 32}) {
+  std::printf("%s, %d SMs\n%-34s %8s %10s\n", p.name, p.multiProcessorCount, "instruction (warps / SM)", "ms",
+              "T(FL)OP/s");
+  auto row = [&](auto op, const char* name, int wps) {
+    using Op = decltype(op);
     const int blocks = p.multiProcessorCount * wps / 4;
-    const double warps = double(blocks) * 4;
-    float ms = median_ms([&] { mma_f16<<<blocks, 128>>>(iters, static_cast<float*>(out)); });
+    const float ms = median_ms([&] { mma_loop<Op><<<blocks, 128>>>(iters, static_cast<typename Op::Acc*>(out)); });
+    std::printf("%-26s (%2d)    %8.3f %10.1f\n", name, wps, ms, blocks * 4.0 * iters * kChains * Op::kOps / ms / 1e9);
+  };
+  for (int wps : {8, 16, 32}) {
+    row(F16{}, "mma.sync m16n8k16 f16->f32", wps);
+    row(S8{}, "mma.sync m16n8k32 s8->s32", wps);
     CK(cudaGetLastError());
-    std::printf("mma.sync m16n8k16 f16->f32 (%2d)    %8.3f %10.1f\n", wps, ms, warps * iters * kChains * 4096.0 / ms / 1e9);
-    ms = median_ms([&] { mma_s8<<<blocks, 128>>>(iters, static_cast<int*>(out)); });
-    CK(cudaGetLastError());
-    std::printf("mma.sync m16n8k32 s8->s32  (%2d)    %8.3f %10.1f\n", wps, ms, warps * iters * kChains * 8192.0 / ms / 1e9);
   }
   return 0;
 }

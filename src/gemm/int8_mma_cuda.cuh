@@ -123,21 +123,9 @@ __device__ __forceinline__ void ldmatrix_b4(uint32_t (&bf)[4][2], const uint8_t*
   }
 }
 
-// Accumulators of a warp's TI x 4 grid of m16n8 fragments: zeroed, and handed to the epilogue
-// (n_base, m_base: the warp block's first row and column; fragment element e is row g (+8 for
-// e >= 2), column 2t + (e & 1)).
-template <int TI>
-__device__ __forceinline__ void zero_acc(int32_t (&iacc)[TI][4][4], float (&facc)[TI][4][4]) {
-#pragma unroll
-  for (int i = 0; i < TI; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        iacc[i][j][e] = 0;
-        facc[i][j][e] = 0.0f;
-      }
-}
+// The accumulators of a warp's TI x 4 grid of m16n8 fragments (zero-initialized where declared)
+// to the epilogue (n_base, m_base: the warp block's first row and column; fragment element e is
+// row g (+8 for e >= 2), column 2t + (e & 1)).
 template <int TI, class Epi>
 __device__ __forceinline__ void store_acc(const Epi& epi, const int32_t (&iacc)[TI][4][4],
                                           const float (&facc)[TI][4][4], int64_t n_base, int64_t m_base, int g,
@@ -233,9 +221,8 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
     }
   };
 
-  int32_t iacc[TI][4][4];  // [n tile of 16][m tile of 8][fragment]
-  float facc[TI][4][4];
-  zero_acc(iacc, facc);
+  int32_t iacc[TI][4][4] = {};  // [n tile of 16][m tile of 8][fragment]
+  float facc[TI][4][4] = {};
   // ldmatrix rows of this lane. A (m16 x k32 per n tile i): matrices (rows 0-7, k 0-15), (rows
   // 8-15, k 0-15), (rows 0-7, k 16-31), (rows 8-15, k 16-31) = fragment registers a0..a3. B (two
   // n8 tiles per load): (tile j, k 0-15), (tile j, k 16-31), then tile j+1 = b0, b1 of each.

@@ -272,9 +272,8 @@ mma_tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, i
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int wn = (warp >> 2) * 64, wm = (warp & 3) * 32;  // this warp's block in the tile
   const int64_t n0 = int64_t(blockIdx.y) * kMmaTile, m0 = int64_t(blockIdx.x) * kMmaTile;
-  int32_t iacc[4][4][4];  // [n tile of 16][m tile of 8][fragment]
-  float facc[4][4][4];
-  i8mma::zero_acc(iacc, facc);
+  int32_t iacc[4][4][4] = {};  // [n tile of 16][m tile of 8][fragment]
+  float facc[4][4][4] = {};
   const int64_t steps = (K + 31) / 32, stages = (steps + kMmaSteps - 1) / kMmaSteps;
   uint32_t reg[kMmaSteps][8];
   float rd[kMmaSteps];

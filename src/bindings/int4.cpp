@@ -5,9 +5,10 @@
 
 #include <optional>
 
+#include "bindings/bind_args.h"
+#include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/int4/int4.h"
-#include "gemm/bind_args.h"
 #include "gemm/int4_int4.h"
 #include "gemm/weight_only_formats.h"
 
@@ -121,30 +122,46 @@ void unpack(const Array& packed, const Array& out, uintptr_t stream) {
   }
 }
 
-// x: float [N, K] (float32, float16 or bfloat16); weight buffers of an [M, K] int4 tensor. CPU:
-// x converted to float32 exactly, out float32 [N, M]. CUDA: out [N, M] in x's dtype
-// (gemm/weight_only_formats.h: group_size = 32 * 2^j).
-void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
-          const Array& out, int64_t N, int64_t K, int64_t M, int64_t group_size, uintptr_t stream) {
-  if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
-  const Device dev = device_of(x, stream, "x");
-  require_contiguous_on(x, "x", dev);
-  require_numel(x, N * K, "x");
-  require_numel(out, N * M, "out");
+// The weight-only GEMM's policy (bindings/linear.h) over an [M, K] int4 weight's buffers.
+struct Int4Linear {
+  const uint8_t* qweight;
+  const float* scales;
+  const uint8_t* zeros;  // nullptr: symmetric
+  int64_t M, K, group_size;
+#if defined(QFORMATS_WITH_CUDA)
+  template <class T>
+  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
+    gemm::int4_gemm_cuda(x, N, K, M, qweight, scales, zeros, group_size, y, bias, stream);
+  }
+#endif
+  void cpu(const float* x, int64_t N, float* y) const {
+    gemm::int4_gemm_cpu(x, N, K, M, qweight, scales, zeros, group_size, y);
+  }
+};
+
+// The int4 weight [M, K] as a Linear (checked here, once). CUDA: group_size = 32 * 2^j
+// (gemm/weight_only_formats.h); CPU: any multiple of 8 dividing K.
+PackedLinear<Int4Linear> make_linear(const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
+                                     int64_t M, int64_t K, int64_t group_size) {
+  if (M < 0 || K < 0) throw std::invalid_argument("bad M, K");
+  const Device dev = device_of(qweight, 0, "qweight");
   check_buffers(M * K, group_size, qweight, scales, zeros, dev);
   if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
-  if (dev.cuda) {
-    dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
-      QF_ON_CUDA(gemm::int4_gemm_cuda(px, N, K, M, cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros),
-                                      group_size, py, dev.stream));
-    });
-    return;
-  }
-  require<float>(out, "out");
-  std::vector<float> buf;
-  const float* px = float32_activations(x, "x", buf);
-  gemm::int4_gemm_cpu(px, N, K, M, cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), group_size,
-                      mptr<float>(out));
+  if (dev.cuda && !gemm::int4_gemm_cuda_supports(group_size))
+    throw std::invalid_argument("the CUDA GEMM needs group_size = 32 * 2^j");
+  std::vector<Array> keep{qweight, scales};
+  if (zeros) keep.push_back(*zeros);
+  return packed_linear(Int4Linear{cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), M, K, group_size},
+                       M, K, qweight, std::move(keep));
+}
+
+// x: float [N, K] (float32, float16 or bfloat16); weight buffers of an [M, K] int4 tensor. CPU:
+// x converted to float32 exactly, out float32 [N, M]. CUDA: out [N, M] in x's dtype.
+void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
+                      const Array& out, int64_t N, int64_t K, int64_t M, int64_t group_size, uintptr_t stream) {
+  if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
+  require_numel(x, N * K, "x");
+  make_linear(qweight, scales, zeros, M, K, group_size)(x, out, std::nullopt, stream);
 }
 
 // a: uint8 [N, K/2], b: uint8 [M, K/2] (symmetric packed codes); out: int32 [N, M].
@@ -180,6 +197,9 @@ NB_MODULE(_native, m) {
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
         nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), nb::arg("stream") = 0,
         release_gil());
+  bind_linear<Int4Linear>(m, "An int4 weight [M, K] bound for repeated x . W^T (+ bias) calls.");
+  m.def("make_linear", &make_linear, nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(), nb::arg("M"),
+        nb::arg("K"), nb::arg("group_size"));
   m.def("gemm_cuda_supports", &gemm::int4_gemm_cuda_supports, nb::arg("group_size"),
         "Whether the CUDA weight-only GEMM takes this group_size (32 * 2^j).");
   m.def("int4_matmul", &int4_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"), nb::arg("M"),

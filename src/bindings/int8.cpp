@@ -6,7 +6,7 @@
 
 #include <optional>
 
-#include "gemm/bind_args.h"
+#include "bindings/bind_args.h"
 #include "gemm/int8_int8.h"
 
 using namespace qf;

@@ -4,9 +4,10 @@
 // outputs (n4 and n_out are known from the parameters before the call, so every buffer size is)
 // and, for CUDA calls, the kernels' scratch workspace (sized by *_workspace_bytes) as torch
 // tensors on the caller's stream. The GEMM runs on both (gemm/weight_only_formats.h).
+#include "bindings/bind_args.h"
+#include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/mixed2bit/mixed2bit.h"
-#include "gemm/bind_args.h"
 #include "gemm/weight_only_formats.h"
 
 using namespace qf;
@@ -155,25 +156,35 @@ void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block
   });
 }
 
-// Y [N, rows] = X [N, K] . W^T, X float32, float16 or bfloat16. CPU: computed in float32 with W
-// decoded a tile at a time, out float32. CUDA: decoded in registers, out in x's dtype, with
-// n4_before = row_index()'s chunk index (gemm/weight_only_formats.h; gemm_cuda_supports() says
-// which parameters the kernel takes).
-void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
-          int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
-          const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
-          const Array& outlier_idx, const Array& outlier_val, const Array& out, const Array& n4_before,
-          uintptr_t stream) {
-  const Device dev = device_of(x, stream, "x");
+// The policy of bindings/linear.h over a mixed2bit weight [rows, K]. CPU: W decoded a tile at a
+// time in float32 (mixed2bit_gemm_cpu validates the map and outliers on each call, as it indexes
+// them itself). CUDA: decoded in registers, with the chunk index of row_index().
+struct Mixed2Linear {
+  m2::ConstBuffers q;
+  m2::Dims d;
+  const uint64_t* index;  // CUDA only
+#if defined(QFORMATS_WITH_CUDA)
+  template <class T>
+  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
+    ::qf::gemm::mixed2bit_gemm_cuda(x, N, q, d, index, y, bias, stream);
+  }
+#endif
+  void cpu(const float* x, int64_t N, float* y) const { ::qf::gemm::mixed2bit_gemm_cpu(x, N, q, d, y); }
+};
+
+// A mixed2bit weight [rows, K] (the nine buffers of mixed2bit.h and its dims) as a Linear, checked
+// here once. CUDA: n4_before = row_index()'s chunk index (gemm/weight_only_formats.h) and the
+// parameters gemm_cuda_supports() accepts.
+PackedLinear<Mixed2Linear> make_linear(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
+                                       int64_t n_out, const Array& group_map, const Array& codes2,
+                                       const Array& codes4, const Array& scales2, const Array& scales4,
+                                       const Array& so2, const Array& so4, const Array& outlier_idx,
+                                       const Array& outlier_val, const Array& n4_before) {
+  const Device dev = device_of(group_map, 0, "group_map");
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
   check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
-  require_contiguous_on(x, "x", dev);
-  if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K)
-    throw std::invalid_argument("x: expected float [N, K]");
-  const int64_t N = static_cast<int64_t>(x.shape(0));
-  require_numel(out, N * rows, "out");
-  const m2::ConstBuffers q =
-      const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  std::vector<Array> keep{group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val};
+  const uint64_t* index = nullptr;
   if (dev.cuda) {
     if (!n4_before.is_valid()) throw std::invalid_argument("n4_before: required for CUDA arrays");
     require<int64_t>(n4_before, "n4_before", dev);
@@ -181,16 +192,24 @@ void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_siz
     if (!::qf::gemm::mixed2bit_gemm_cuda_supports(d))
       throw std::invalid_argument("the CUDA GEMM needs group_size = 16 * 2^j <= 512, a power-of-two "
                                   "scale_block, no outliers and fewer than 2^32 units of 16 values");
-    const auto* index = reinterpret_cast<const uint64_t*>(cptr<int64_t>(n4_before));
-    dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
-      QF_ON_CUDA(::qf::gemm::mixed2bit_gemm_cuda(px, N, q, d, index, py, dev.stream));
-    });
-    return;
+    index = reinterpret_cast<const uint64_t*>(cptr<int64_t>(n4_before));
+    keep.push_back(n4_before);
   }
-  require<float>(out, "out");
-  std::vector<float> buf;
-  const float* px = float32_activations(x, "x", buf);  // float16 / bfloat16: exact float32 copy
-  ::qf::gemm::mixed2bit_gemm_cpu(px, N, q, d, mptr<float>(out));  // validates the map and outliers
+  const m2::ConstBuffers q =
+      const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
+  return packed_linear(Mixed2Linear{q, d, index}, rows, K, group_map, std::move(keep));
+}
+
+// Y [N, rows] = X [N, K] . W^T, X float32, float16 or bfloat16 [N, K]: make_linear's product for
+// one call (out float32 on the CPU, x's dtype on CUDA).
+void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
+                      int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
+                      const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
+                      const Array& outlier_idx, const Array& outlier_val, const Array& out, const Array& n4_before,
+                      uintptr_t stream) {
+  if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K) throw std::invalid_argument("x: expected float [N, K]");
+  make_linear(rows, K, group_size, scale_block, n4, n_out, group_map, codes2, codes4, scales2, scales4, so2, so4,
+              outlier_idx, outlier_val, n4_before)(x, out, std::nullopt, stream);
 }
 
 // n4_before: int64 [rows * ceil(groups_per_row / 32) + 1] on the device of group_map, filled
@@ -267,6 +286,11 @@ NB_MODULE(_native, m) {
         nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
         nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"),
         nb::arg("n4_before").none() = nb::none(), nb::arg("stream") = 0, release_gil());
+  bind_linear<Mixed2Linear>(m, "A mixed2bit weight [rows, K] bound for repeated x . W^T (+ bias) calls.");
+  m.def("make_linear", &make_linear, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"), nb::arg("scale_block"),
+        nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"), nb::arg("codes2"), nb::arg("codes4"),
+        nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"), nb::arg("so4"), nb::arg("outlier_idx"),
+        nb::arg("outlier_val"), nb::arg("n4_before").none() = nb::none());
   m.def("row_index", &row_index, nb::arg("group_map"), nb::arg("rows"), nb::arg("groups_per_row"),
         nb::arg("n4_before"), nb::arg("stream") = 0, release_gil());
   m.def("gemm_cuda_supports", &gemm_cuda_supports, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),

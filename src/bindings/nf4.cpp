@@ -5,9 +5,10 @@
 
 #include <vector>
 
+#include "bindings/bind_args.h"
+#include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/nf4/nf4.h"
-#include "gemm/bind_args.h"
 #include "gemm/weight_only_formats.h"
 
 using namespace qf;
@@ -109,36 +110,44 @@ void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset
   }
 }
 
-// out[N, M] = x[N, K] . W^T with W [M, K] given as nf4 (packed, decoded float32 absmax). CPU: x
-// float32, float16 or bfloat16 (converted to float32 exactly), out float32. CUDA: out in x's dtype
-// (gemm/weight_only_formats.h; K a multiple of 32). The blocks run over the flattened W, so a
-// block may straddle two rows when K % blocksize != 0: the CPU tile decoder works on flat ranges.
-void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Array& out, int64_t M, int64_t K,
-              int64_t blocksize, uintptr_t stream) {
+// The weight-only GEMM's policy (bindings/linear.h) over an nf4 weight [M, K]: packed codes and
+// the decoded float32 absmax (the blocks run over the flattened W, so a block may straddle two
+// rows when K % blocksize != 0: the CPU tile decoder works on flat ranges).
+struct Nf4Linear {
+  const uint8_t* packed;
+  const float* absmax;
+  int64_t M, K, blocksize;
+#if defined(QFORMATS_WITH_CUDA)
+  template <class T>
+  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
+    gemm::nf4_gemm_cuda(x, N, K, M, packed, absmax, blocksize, y, bias, stream);
+  }
+#endif
+  void cpu(const float* x, int64_t N, float* y) const { gemm::nf4_gemm_cpu(x, N, K, M, packed, absmax, blocksize, y); }
+};
+
+// An nf4 weight [M, K] (packed uint8 [ceil(M K / 2)], absmax float32 [ceil(M K / blocksize)]) as a
+// Linear, checked here once. CUDA needs K % 32 == 0 (gemm/weight_only_formats.h).
+PackedLinear<Nf4Linear> make_linear(const Array& packed, const Array& absmax, int64_t M, int64_t K,
+                                    int64_t blocksize) {
   check_blocksize(blocksize);
   if (M < 0 || K < 0) throw std::invalid_argument("M and K must be >= 0");
-  const Device dev = device_of(x, stream, "x");
-  require_contiguous_on(x, "x", dev);
+  const Device dev = device_of(packed, 0, "packed");
   require<uint8_t>(packed, "packed", dev);
   require<float>(absmax, "absmax", dev);
-  if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K)
-    throw std::invalid_argument("x: expected shape [N, " + std::to_string(K) + "]");
-  const int64_t N = static_cast<int64_t>(x.shape(0));
   const int64_t n = M * K;
   require_numel(packed, (n + 1) / 2, "packed");
   require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
-  require_numel(out, N * M, "out");
-  if (dev.cuda) {
-    dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
-      QF_ON_CUDA(gemm::nf4_gemm_cuda(px, N, K, M, cptr<uint8_t>(packed), cptr<float>(absmax), blocksize, py,
-                                     dev.stream));
-    });
-    return;
-  }
-  require<float>(out, "out");
-  std::vector<float> buf;
-  const float* px = float32_activations(x, "x", buf);
-  gemm::nf4_gemm_cpu(px, N, K, M, cptr<uint8_t>(packed), cptr<float>(absmax), blocksize, mptr<float>(out));
+  if (dev.cuda && K % 32) throw std::invalid_argument("the CUDA GEMM needs K % 32 == 0");
+  return packed_linear(Nf4Linear{cptr<uint8_t>(packed), cptr<float>(absmax), M, K, blocksize}, M, K, packed,
+                       {packed, absmax});
+}
+
+// x: float [N, K] (float32, float16 or bfloat16); out: CPU float32 [N, M], CUDA x's dtype.
+void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Array& out, int64_t M, int64_t K,
+              int64_t blocksize, uintptr_t stream) {
+  if (x.ndim() != 2) throw std::invalid_argument("x: expected shape [N, " + std::to_string(K) + "]");
+  make_linear(packed, absmax, M, K, blocksize)(x, out, std::nullopt, stream);
 }
 
 // The format's constants as the native code sees them (tests compare them with the reference).
@@ -170,6 +179,9 @@ NB_MODULE(_native, m) {
         nb::arg("stream") = 0, release_gil());
   m.def("dequantize_absmax", &dequantize_absmax, nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"),
         nb::arg("out"), nb::arg("stream") = 0, release_gil());
+  bind_linear<Nf4Linear>(m, "An nf4 weight [M, K] bound for repeated x . W^T (+ bias) calls.");
+  m.def("make_linear", &make_linear, nb::arg("packed"), nb::arg("absmax"), nb::arg("M"), nb::arg("K"),
+        nb::arg("blocksize"));
   m.def("gemm", &gemm_nf4, nb::arg("x"), nb::arg("packed"), nb::arg("absmax"), nb::arg("out"), nb::arg("M"),
         nb::arg("K"), nb::arg("blocksize"), nb::arg("stream") = 0, release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");

@@ -1,8 +1,9 @@
 // qformats.q4_0._native: q4_0 codec (formats/q4_0) and the q4_0 x q8_1 GEMM (gemm/).
 // Adapters check the arrays, then call the kernels without the GIL.
+#include "bindings/bind_args.h"
+#include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/q4_0/q4_0.h"
-#include "gemm/bind_args.h"
 #include "gemm/q4_0_q8_1.h"
 #include "gemm/weight_only_formats.h"
 
@@ -112,28 +113,42 @@ void linear(const Array& x, const Array& w, const Array& out, int64_t M, int64_t
   dispatch_float(x, "x", [&](auto* px) { gemm::linear_q4_0_cpu(px, N, K, pw, M, mptr<float>(out)); });
 }
 
+// The policy of bindings/linear.h over q4_0 blocks of an [M, K] weight. CUDA: the weight-only
+// kernel (blocks decoded in registers, x's dtype out). CPU: with q8_1_activations, llama.cpp's
+// path (each row of x quantized to q8_1 blocks, integer q4_0 x q8_1 dot products); otherwise the
+// weight-only float32 GEMM (blocks decoded exactly, as dequantize gives them).
+struct Q4_0Linear {
+  const q4_0::block_q4_0* w;
+  int64_t M, K;
+  bool q8_1_activations;
+#if defined(QFORMATS_WITH_CUDA)
+  template <class T>
+  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
+    gemm::q4_0_gemm_cuda(x, N, K, M, w, y, bias, stream);
+  }
+#endif
+  void cpu(const float* x, int64_t N, float* y) const {
+    if (q8_1_activations) gemm::linear_q4_0_cpu(x, N, K, w, M, y);
+    else gemm::q4_0_gemm_cpu(x, N, K, M, w, y);
+  }
+};
+
+// q4_0 blocks (uint8 [M, K / 32, 18]) of an [M, K] weight as a Linear, checked here once.
+PackedLinear<Q4_0Linear> make_linear(const Array& w, int64_t M, int64_t K, bool q8_1_activations) {
+  if (M < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, K (K must be a multiple of 32)");
+  const Device dev = device_of(w, 0, "w");
+  require<uint8_t>(w, "w", dev);
+  require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "w");
+  return packed_linear(Q4_0Linear{cptr<q4_0::block_q4_0>(w), M, K, q8_1_activations}, M, K, w, {w});
+}
+
 // Weight-only: out [N, M] = x . W^T, W decoded a tile at a time (CPU: float32 out) or in
 // registers (CUDA: out in x's dtype).
 void weight_only_gemm(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K,
                       uintptr_t stream) {
-  const Device dev = device_of(x, stream, "x");
-  if (dev.cuda) {
-    if (M < 0 || N < 0 || K < 0 || K % q4_0::QK)
-      throw std::invalid_argument("bad M, N, K (K must be a multiple of 32)");
-    require<uint8_t>(w, "w", dev);
-    require_contiguous_on(x, "x", dev);
-    require_numel(x, N * K, "x");
-    require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "w");
-    require_numel(out, N * M, "out");
-    dispatch_cuda_x_out(x, out, dev, [&](auto* px, auto* py) {
-      QF_ON_CUDA(gemm::q4_0_gemm_cuda(px, N, K, M, cptr<q4_0::block_q4_0>(w), py, dev.stream));
-    });
-    return;
-  }
-  check_x_w_out(x, w, out, M, N, K);
-  std::vector<float> buf;
-  const float* px = float32_activations(x, "x", buf);
-  gemm::q4_0_gemm_cpu(px, N, K, M, cptr<q4_0::block_q4_0>(w), mptr<float>(out));
+  if (N < 0) throw std::invalid_argument("bad N");
+  require_numel(x, N * K, "x");
+  make_linear(w, M, K, false)(x, out, std::nullopt, stream);
 }
 
 }  // namespace
@@ -150,6 +165,8 @@ NB_MODULE(_native, m) {
         nb::arg("K"));
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"),
         release_gil());
+  bind_linear<Q4_0Linear>(m, "A q4_0 weight [M, K] bound for repeated x . W^T (+ bias) calls.");
+  m.def("make_linear", &make_linear, nb::arg("w"), nb::arg("M"), nb::arg("K"), nb::arg("q8_1_activations"));
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"),
         nb::arg("K"), nb::arg("stream") = 0, release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");

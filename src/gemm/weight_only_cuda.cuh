@@ -47,6 +47,20 @@ __device__ __forceinline__ float magic_u4(uint32_t bytes, int b) {
 }
 constexpr float kMagic = 8388608.0f;  // 2^23
 
+// Writes output y of weight row m from its float32 sum v. With a bias (x's dtype), v is rounded
+// to T, the bias added in float32 and the sum rounded again: the same two roundings as
+// `y = gemm(x, W); y += bias` in T (torch adds 16-bit tensors in float32 and rounds once), so
+// fusing the bias into the epilogue changes no output bit and saves a launch.
+template <class T>
+__device__ __forceinline__ void store_out(float v, const T* __restrict__ bias, int64_t m, T* y) {
+  if (bias != nullptr) {
+    T t;
+    from_f32(v, &t);
+    v = to_f32(t) + to_f32(bias[m]);
+  }
+  from_f32(v, y);
+}
+
 // 8 consecutive activations (16-byte aligned) as float32.
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
@@ -84,7 +98,8 @@ __device__ __forceinline__ void load8(const bf16_t* p, float (&v)[8]) {
 //   static constexpr bool kOffset;                     false: offset is always 0
 template <class Fmt, class T, int NT>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
-weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, int64_t M, T* __restrict__ Y) {
+weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, int64_t M, T* __restrict__ Y,
+                   const T* __restrict__ bias) {
   __shared__ typename Fmt::Shared sh;
   __shared__ float red[kMaxWarpsPerCta][kRows][NT];
   f.init(sh);
@@ -171,14 +186,15 @@ weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, i
     const int r = threadIdx.x / NT, n = threadIdx.x % NT;
     float v = 0.0f;
     for (int w = 0; w < nwarps; ++w) v += red[w][r][n];
-    if (m0 + r < M && n < nt) from_f32(v, &Y[(n0 + n) * M + m0 + r]);
+    if (m0 + r < M && n < nt) store_out(v, bias, m0 + r, &Y[(n0 + n) * M + m0 + r]);
   }
 }
 
 // Launches the kernel for every activation row of X on `stream`. X and Y must be 16-byte
-// aligned (the adapters check) and K a multiple of Fmt::kUnit.
+// aligned (the adapters check) and K a multiple of Fmt::kUnit; bias [M] of T, or nullptr.
 template <class Fmt, class T>
-void launch_weight_only(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, void* stream) {
+void launch_weight_only(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, const T* bias,
+                        void* stream) {
   if (N <= 0 || M <= 0) return;
   const int nt = N >= 8 ? 8 : N >= 4 ? 4 : N >= 2 ? 2 : 1;
   const dim3 grid(cuda::grid_for(M, kRows), cuda::grid_for(N, nt));
@@ -193,10 +209,10 @@ void launch_weight_only(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t 
   const dim3 block(warps * 32);
   cudaStream_t s = cuda::stream(stream);
   switch (nt) {
-    case 8: weight_only_kernel<Fmt, T, 8><<<grid, block, 0, s>>>(f, X, N, K, M, Y); break;
-    case 4: weight_only_kernel<Fmt, T, 4><<<grid, block, 0, s>>>(f, X, N, K, M, Y); break;
-    case 2: weight_only_kernel<Fmt, T, 2><<<grid, block, 0, s>>>(f, X, N, K, M, Y); break;
-    default: weight_only_kernel<Fmt, T, 1><<<grid, block, 0, s>>>(f, X, N, K, M, Y); break;
+    case 8: weight_only_kernel<Fmt, T, 8><<<grid, block, 0, s>>>(f, X, N, K, M, Y, bias); break;
+    case 4: weight_only_kernel<Fmt, T, 4><<<grid, block, 0, s>>>(f, X, N, K, M, Y, bias); break;
+    case 2: weight_only_kernel<Fmt, T, 2><<<grid, block, 0, s>>>(f, X, N, K, M, Y, bias); break;
+    default: weight_only_kernel<Fmt, T, 1><<<grid, block, 0, s>>>(f, X, N, K, M, Y, bias); break;
   }
   cuda::check_launch("weight-only GEMM");
 }

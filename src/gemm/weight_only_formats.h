@@ -43,19 +43,21 @@ void mixed2bit_row_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims
 // activations' dtype), device pointers, launched on `stream` (a cudaStream_t) of the current
 // device. X and Y 16-byte aligned, K a multiple of 32 (16 for mixed2bit). Summation in float32
 // (FMA) with each unit's scale applied to the unit's sum (see weight_only_cuda.cuh), one rounding
-// to T at the end. Formats' extra conditions (std::invalid_argument otherwise): nf4 none; int4
-// group_size = 32 * 2^j; mixed2bit group_size = 16 * 2^j <= 512, power-of-two scale_block, no
-// outliers, fewer than 2^32 16-value units (mixed2bit_gemm_cuda_supports), plus the chunk index of
+// to T at the end; bias [M] of T (or nullptr) is added to the rounded result in float32 and
+// rounded again, as a separate `y += bias` in T would. Formats' extra conditions
+// (std::invalid_argument otherwise): nf4 none; int4 group_size = 32 * 2^j; mixed2bit group_size =
+// 16 * 2^j <= 512, power-of-two scale_block, no outliers, fewer than 2^32 16-value units (mixed2bit_gemm_cuda_supports), plus the chunk index of
 // mixed2bit_row_index_cuda. With 16-bit activations on sm_80+ the products run on tensor cores
 // with each weight rounded to the activations' type first (weight_only_mma_cuda.cuh).
 template <class T>
 void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
-                   int64_t blocksize, T* Y, void* stream);
+                   int64_t blocksize, T* Y, const T* bias, void* stream);
 template <class T>
 void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                    const uint8_t* zeros, int64_t gs, T* Y, void* stream);
+                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, void* stream);
 template <class T>
-void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, void* stream);
+void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, const T* bias,
+                    void* stream);
 // log2(v) for a power of two v >= 1, else -1.
 inline int log2_exact(int64_t v) {
   if (v < 1 || (v & (v - 1))) return -1;
@@ -86,7 +88,7 @@ void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t gr
                               void* stream);
 template <class T>
 void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
-                         const uint64_t* index, T* Y, void* stream);
+                         const uint64_t* index, T* Y, const T* bias, void* stream);
 
 // x [n] of float, half_t or bf16_t -> float32 (exact), threaded for large n.
 template <class T>

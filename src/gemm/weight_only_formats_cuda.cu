@@ -463,36 +463,37 @@ __global__ void __launch_bounds__(1024) scan_low_kernel(uint64_t* __restrict__ o
 // kernel; for nf4 at one row it measured faster on the H200 (the tensor-core kernel builds its
 // pair table in every CTA).
 template <class Fmt, class T>
-void launch(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, void* stream) {
+void launch(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, const T* bias, void* stream) {
   if constexpr (!std::is_same_v<T, float>) {
     if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma())
-      return cuda_wo::launch_weight_only_mma(f, X, N, K, M, Y, stream);
+      return cuda_wo::launch_weight_only_mma(f, X, N, K, M, Y, bias, stream);
   }
-  cuda_wo::launch_weight_only(f, X, N, K, M, Y, stream);
+  cuda_wo::launch_weight_only(f, X, N, K, M, Y, bias, stream);
 }
 
 }  // namespace
 
 template <class T>
 void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
-                   int64_t blocksize, T* Y, void* stream) {
+                   int64_t blocksize, T* Y, const T* bias, void* stream) {
   const int lb = log2_exact(blocksize);
   if (K % 32 || lb < 5) throw std::invalid_argument("nf4 CUDA GEMM: K must be a multiple of 32");
-  launch(Nf4{packed, absmax, K, lb}, X, N, K, M, Y, stream);
+  launch(Nf4{packed, absmax, K, lb}, X, N, K, M, Y, bias, stream);
 }
 
 template <class T>
 void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                    const uint8_t* zeros, int64_t gs, T* Y, void* stream) {
+                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, void* stream) {
   if (!int4_gemm_cuda_supports(gs) || K % gs)
     throw std::invalid_argument("int4 CUDA GEMM: group_size must be 32 * 2^j dividing K");
-  launch(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, stream);
+  launch(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, bias, stream);
 }
 
 template <class T>
-void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, void* stream) {
+void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, const T* bias,
+                    void* stream) {
   if (K % q4_0::QK) throw std::invalid_argument("q4_0 CUDA GEMM: K must be a multiple of 32");
-  launch(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, stream);
+  launch(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, bias, stream);
 }
 
 void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t G, uint64_t* index, void* stream) {
@@ -506,7 +507,7 @@ void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t G,
 
 template <class T>
 void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& d,
-                         const uint64_t* index, T* Y, void* stream) {
+                         const uint64_t* index, T* Y, const T* bias, void* stream) {
   if (!mixed2bit_gemm_cuda_supports(d))
     throw std::invalid_argument("mixed2bit CUDA GEMM: needs group_size = 16 * 2^j <= 512, a power-of-two "
                                 "scale_block, no outliers and fewer than 2^32 units of 16 values");
@@ -517,19 +518,20 @@ void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q
     const bool aligned = (reinterpret_cast<uintptr_t>(q.scales4) & 1u) == 0 &&
                          (reinterpret_cast<uintptr_t>(q.so2) & 3u) == 0 && (reinterpret_cast<uintptr_t>(q.so4) & 3u) == 0;
     if (aligned && cuda::has_sm80_mma())
-      return cuda_wo::launch_weight_only_mma(Mixed2Mma{q, index, G, C, us, bs}, X, N, d.K, d.rows, Y, stream);
+      return cuda_wo::launch_weight_only_mma(Mixed2Mma{q, index, G, C, us, bs}, X, N, d.K, d.rows, Y, bias, stream);
   }
-  cuda_wo::launch_weight_only(Mixed2{q, index, G, C, us, bs}, X, N, d.K, d.rows, Y, stream);
+  cuda_wo::launch_weight_only(Mixed2{q, index, G, C, us, bs}, X, N, d.K, d.rows, Y, bias, stream);
 }
 
-#define QF_INSTANTIATE(T)                                                                                    \
-  template void nf4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*, int64_t, \
-                                 T*, void*);                                                                 \
-  template void int4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*,         \
-                                  const uint8_t*, int64_t, T*, void*);                                       \
-  template void q4_0_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const q4_0::block_q4_0*, T*, void*); \
-  template void mixed2bit_gemm_cuda<T>(const T*, int64_t, const mixed2bit::ConstBuffers&,                    \
-                                       const mixed2bit::Dims&, const uint64_t*, T*, void*);
+#define QF_INSTANTIATE(T)                                                                                     \
+  template void nf4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*, int64_t,  \
+                                 T*, const T*, void*);                                                        \
+  template void int4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*,          \
+                                  const uint8_t*, int64_t, T*, const T*, void*);                              \
+  template void q4_0_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const q4_0::block_q4_0*, T*, const T*, \
+                                  void*);                                                                     \
+  template void mixed2bit_gemm_cuda<T>(const T*, int64_t, const mixed2bit::ConstBuffers&,                     \
+                                       const mixed2bit::Dims&, const uint64_t*, T*, const T*, void*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

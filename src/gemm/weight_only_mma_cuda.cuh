@@ -184,7 +184,8 @@ __device__ __forceinline__ int xs_slot(int64_t u, int j) {
 
 template <class Fmt, class H, int NTILES, bool PAIR, bool XS>
 __global__ void __launch_bounds__(kMmaMaxWarps * 32)
-weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y) {
+weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y,
+                       const H* __restrict__ bias) {
   using Ops = PairOps<H>;
   static_assert(!XS || NTILES == 1, "the activation table holds one row");
   extern __shared__ uint4 xs[];  // XS: X's row in mma order (dynamic shared memory, see the launcher)
@@ -358,13 +359,15 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     const int n = i / kMmaRows, r = i % kMmaRows;
     float v = 0.0f;
     for (int w = 0; w < nwarps; ++w) v += red[w][n][r];
-    if (n0 + n < N && m0 + r < M) from_f32(v, &Y[(n0 + n) * M + m0 + r]);
+    if (n0 + n < N && m0 + r < M) store_out(v, bias, m0 + r, &Y[(n0 + n) * M + m0 + r]);
   }
 }
 
-// Launches the tensor-core kernel on `stream`. X and Y 16-byte aligned, K a multiple of 32.
+// Launches the tensor-core kernel on `stream`. X and Y 16-byte aligned, K a multiple of 32;
+// bias [M] of H, or nullptr.
 template <class Fmt, class H>
-void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, void* stream) {
+void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, const H* bias,
+                            void* stream) {
   if (N <= 0 || M <= 0) return;
   const int ntiles = N > 8 ? 2 : 1;
   const dim3 grid(cuda::grid_for(M, kMmaRows), cuda::grid_for(N, ntiles * 8));
@@ -385,9 +388,9 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   auto one_tile = [&](auto pair) {  // the N <= 8 kernels, with or without the activation table
     constexpr bool kPair = decltype(pair)::value;
     if constexpr (!Fmt::kLut) {
-      if (xs) return weight_only_mma_kernel<Fmt, H, 1, kPair, true><<<grid, warps * 32, dyn, s>>>(f, X, N, K, M, Y);
+      if (xs) return weight_only_mma_kernel<Fmt, H, 1, kPair, true><<<grid, warps * 32, dyn, s>>>(f, X, N, K, M, Y, bias);
     }
-    weight_only_mma_kernel<Fmt, H, 1, kPair, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+    weight_only_mma_kernel<Fmt, H, 1, kPair, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
   };
   bool launched = false;
   if constexpr (Fmt::kPairLoad) {
@@ -397,7 +400,7 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
     }
   }
   if (!launched) {
-    if (ntiles == 2) weight_only_mma_kernel<Fmt, H, 2, false, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y);
+    if (ntiles == 2) weight_only_mma_kernel<Fmt, H, 2, false, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
     else one_tile(std::false_type{});
   }
   cuda::check_launch("weight-only GEMM (tensor cores)");

@@ -1,0 +1,112 @@
+// A quantized weight W [M, K] checked once and bound to its buffers, for repeated products
+// y [N, M] = x [N, K] . W^T (+ bias): what qformats.nn.QuantizedLinear calls on every forward,
+// and what each format's public `gemm` adapter builds for a single call.
+//
+// The Python object holds the weight's nb::ndarray buffers (which keep their owners, numpy
+// arrays or torch tensors, alive) and a format policy `Impl` with the raw pointers and sizes,
+// so a call converts only x, out and bias: the weight's buffers and parameters are validated
+// when the object is made, not per call. Calls still check what they are given (device, dtype,
+// contiguity, sizes, alignment), so a direct call cannot reach a kernel with a wrong pointer.
+//
+// Impl provides
+//   template <class T> void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const;
+//       (CUDA builds; y and bias in x's dtype, bias may be nullptr)
+//   void cpu(const float* x, int64_t N, float* y) const;     float32 activations and output
+// Each extension binds its own PackedLinear<Impl> type (Impl differs), so the Python name
+// `Linear` may repeat across the format modules without a nanobind type clash.
+#pragma once
+#include <nanobind/stl/optional.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings/bind_args.h"
+#include "bindings/dlpack_exchange.h"
+#include "bindings/nb_common.h"
+
+namespace qf::bind {
+
+template <class Impl>
+struct PackedLinear {
+  Impl impl;
+  int64_t M = 0, K = 0;
+  Device dev;                 // where the weight lives (stream unset)
+  std::vector<Array> keep;    // the buffers Impl points into
+
+  // x [..., K] (float32 / float16 / bfloat16, C-contiguous) on the weight's device; out [N, M]
+  // with N = numel(x) / K: x's dtype on CUDA, float32 on the CPU; bias [M] of out's dtype or None.
+  // CUDA: launched on `stream` of the current device (the caller makes the weight's device
+  // current), x and out 16-byte aligned. CPU: threaded; the bias is added after the product.
+  void operator()(const Array& x, const Array& out, const std::optional<Array>& bias, uintptr_t stream) const {
+    Device d = device_of(x, stream, "x");
+    if (d.cuda != dev.cuda || (d.cuda && d.id != dev.id))
+      throw std::invalid_argument("x: not on the weight's device");
+    require_contiguous_on(x, "x", d);
+    if (x.ndim() < 1 || static_cast<int64_t>(x.shape(x.ndim() - 1)) != K)
+      throw std::invalid_argument("x: expected shape [..., " + std::to_string(K) + "]");
+    const int64_t N = K ? numel(x) / K : 0;
+    require_numel(out, N * M, "out");
+    if (bias) {
+      require_contiguous_on(*bias, "bias", d);
+      require_numel(*bias, M, "bias");
+      if (bias->dtype() != out.dtype()) throw nb::type_error("bias: expected the dtype of out");
+    }
+    if (d.cuda) {
+      dispatch_cuda_x_out(x, out, d, [&](auto* px, auto* py) {
+        using T = std::remove_pointer_t<decltype(py)>;
+        const T* pb = bias ? static_cast<const T*>(bias->data()) : nullptr;
+        QF_ON_CUDA(impl.cuda(px, N, py, pb, d.stream));
+        (void)pb;
+      });
+      return;
+    }
+    require<float>(out, "out");
+    std::vector<float> buf;
+    const float* px = float32_activations(x, "x", buf);
+    float* py = mptr<float>(out);
+    impl.cpu(px, N, py);
+    if (bias) {
+      const float* pb = cptr<float>(*bias);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t m = 0; m < M; ++m) py[n * M + m] += pb[m];
+    }
+  }
+
+  // The Python-facing call: arguments imported without the __dlpack__ protocol where their type
+  // allows (bindings/dlpack_exchange.h), then the product without the GIL.
+  void call(nb::handle x, nb::handle out, nb::handle bias, uintptr_t stream) const {
+    const Array xa = import_array(x, "x"), oa = import_array(out, "out");
+    std::optional<Array> ba;
+    if (!bias.is_none()) ba = import_array(bias, "bias");
+    nb::gil_scoped_release release;
+    (*this)(xa, oa, ba, stream);
+  }
+};
+
+// Binds PackedLinear<Impl> as `<module>.Linear`: call(x, out, bias=None, stream=0) without the
+// GIL, and read-only M, K, device ("cpu" or "cuda:<id>").
+template <class Impl>
+void bind_linear(nb::module_& m, const char* doc) {
+  using L = PackedLinear<Impl>;
+  nb::class_<L>(m, "Linear", doc)
+      .def("__call__", &L::call, nb::arg("x"), nb::arg("out"), nb::arg("bias").none() = nb::none(),
+           nb::arg("stream") = 0)
+      .def_ro("M", &L::M)
+      .def_ro("K", &L::K)
+      .def_prop_ro("device", [](const L& l) {
+        return l.dev.cuda ? "cuda:" + std::to_string(l.dev.id) : std::string("cpu");
+      });
+}
+
+// A PackedLinear on the device of `first` (every buffer in `keep` must be there too, which the
+// format's own checks ensure).
+template <class Impl>
+PackedLinear<Impl> packed_linear(Impl impl, int64_t M, int64_t K, const Array& first, std::vector<Array> keep) {
+  if (M < 0 || K < 0) throw std::invalid_argument("bad M, K");
+  PackedLinear<Impl> l{std::move(impl), M, K, device_of(first, 0, "weight"), std::move(keep)};
+  return l;
+}
+
+}  // namespace qf::bind

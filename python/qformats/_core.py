@@ -12,7 +12,9 @@ import numpy as np
 
 from . import _arrays as A
 
-#: The formats shipped with the package; each is the subpackage ``qformats.<name>``.
+#: The formats shipped with the package, in display order: the one registration line of a format.
+#: Each is the subpackage ``qformats.<name>``, which says what it is in its ``SPEC``
+#: (:class:`qformats._spec.FormatSpec`).
 FORMATS = ("q4_0", "q8_1", "int8", "int4", "nf4", "mixed2bit")
 
 
@@ -29,6 +31,12 @@ def format_module(name: str):
     if getattr(mod, "FORMAT", None) != name:
         raise ValueError(f"unknown qformats format {name!r}")
     return mod
+
+
+def format_spec(name: str):
+    """The :class:`~qformats._spec.FormatSpec` of format ``name`` (ValueError for an unknown
+    name, ImportError for a format whose native module cannot load)."""
+    return format_module(name).SPEC
 
 
 @dataclass

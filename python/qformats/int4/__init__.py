@@ -26,13 +26,14 @@ from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._spec import FormatSpec, LinearKernel
 from . import _native, reference
 
 FORMAT = "int4"
 GROUP_MULTIPLE = 8            #: group_size must be a positive multiple of this
 MAX_MATMUL_K = 33554431       #: largest K with an exact int32 int4_matmul (64 * K < 2^31)
 
-__all__ = ["quantize", "dequantize", "expected_buffers", "pack_int4", "unpack_int4", "int4_matmul",
+__all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "pack_int4", "unpack_int4", "int4_matmul",
            "gemm", "gemm_cuda_supported", "FORMAT", "GROUP_MULTIPLE", "MAX_MATMUL_K", "reference"]
 
 
@@ -269,3 +270,30 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     with A.stream_for(x) as stream:
         _native.gemm(x, qweight, scales, zeros, out, N, K, M, gs, stream)
     return out
+
+# -- the format's face --------------------------------------------------------------------------
+
+def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None:
+    """int4 weight ``q`` [M, K] bound to the native weight-only kernel (None on CUDA for a
+    group_size the kernel does not take)."""
+    qweight, scales, zeros, gs = _decode_args(q)
+    if A.is_cuda(qweight) and not gemm_cuda_supported(q):
+        return None
+    return LinearKernel(_native.make_linear(qweight, scales, zeros, *q.shape, gs))
+
+
+SPEC = FormatSpec(
+    name=FORMAT,
+    summary="4-bit integer codes, two per byte, float32 scale (+ uint8 zero point) per group",
+    source="GPTQ / AWQ group convention (asymmetric min-max with an integer zero point, or symmetric)",
+    defaults={"group_size": 128, "symmetric": False},
+    group_param="group_size",
+    block=lambda p: int(p.get("group_size", 128)),
+    quantize=quantize,
+    dequantize=dequantize,
+    expected_buffers=expected_buffers,
+    gemm=gemm,
+    linear_rows={"cuda": 16, "cpu": 32},
+    make_linear=_make_linear,
+    trainable=lambda p: not p.get("symmetric", False),
+)

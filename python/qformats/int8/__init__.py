@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._spec import FormatSpec
 from . import _native, reference
 
 FORMAT = "int8"
@@ -31,7 +32,7 @@ QMAX = 127                                   #: codes are in [-QMAX, QMAX]
 GRANULARITIES = ("tensor", "row", "group")   #: what one scale covers
 MAX_MATMUL_K = 131071                        #: largest K with an exact int32 int8_matmul
 
-__all__ = ["quantize", "dequantize", "quantize_tensor", "dequantize_tensor", "int8_matmul", "int8_linear",
+__all__ = ["SPEC", "quantize", "dequantize", "quantize_tensor", "dequantize_tensor", "int8_matmul", "int8_linear",
            "expected_buffers", "FORMAT", "QMAX", "GRANULARITIES", "MAX_MATMUL_K", "reference"]
 
 
@@ -286,3 +287,22 @@ def int8_linear(x_q: Any, x_scale: Any, w_q: Any, w_scale: Any, bias: Any = None
     with A.stream_for(x_q) as stream:
         _native.int8_linear(x_q, xs, w_q, ws, bias, relu, float(scale_c), out, N, M, K, stream)
     return out
+
+# -- the format's face --------------------------------------------------------------------------
+
+def _with_group_size(params: dict, group_size: int) -> dict:
+    return {**params, "granularity": "group", "group_size": group_size}
+
+
+SPEC = FormatSpec(
+    name=FORMAT,
+    summary="int8 codes with a float32 scale per tensor, row or group",
+    source="bitsandbytes int8_vectorwise_quant rounding (LLM.int8(), arXiv 2208.07339)",
+    defaults={"granularity": "row"},
+    group_param="group_size",
+    block=lambda p: int(p.get("group_size", 128)) if p.get("granularity", "row") == "group" else 1,
+    with_group_size=_with_group_size,
+    quantize=quantize,
+    dequantize=dequantize,
+    expected_buffers=expected_buffers,
+)

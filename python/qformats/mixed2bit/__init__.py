@@ -60,6 +60,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._spec import FormatSpec, LinearKernel
 from . import _native, reference
 
 FORMAT = "mixed2bit"
@@ -71,7 +72,7 @@ BUFFER_NAMES = reference.BUFFER_NAMES
 PARAM_NAMES = ("group_size", "ratio_4bit", "outlier_ratio", "scale_block", "selection", "n4", "n_out")
 _MAX_INT32 = 2**31 - 1
 
-__all__ = ["quantize", "dequantize", "expected_buffers", "gemm", "gemm_cuda_supported", "pack_2bit", "unpack_2bit", "nmse",
+__all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "gemm", "gemm_cuda_supported", "pack_2bit", "unpack_2bit", "nmse",
            "FORMAT", "BUFFER_NAMES", "reference"]
 
 
@@ -359,3 +360,37 @@ def nmse(w: Any, q: Any) -> float:
         return 0.0 if num == 0.0 else math.inf
     return num / den
 from ._gemm import gemm, gemm_cuda_supported, _row_index  # noqa: E402,F401  (the GEMMs live in _gemm.py)
+
+# -- the format's face --------------------------------------------------------------------------
+
+def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None:
+    """mixed2bit weight ``q`` [rows, K] bound to the native weight-only kernel; on CUDA with the
+    chunk index (``derived["chunk_index"]``, made here when not given), None for params the
+    CUDA kernel does not take (outliers, other group sizes)."""
+    args = _native_args(q)
+    if not _on_cuda(q.buffers["group_map"]):
+        return LinearKernel(_native.make_linear(*args))
+    if not gemm_cuda_supported(q):
+        return None
+    index = (derived or {}).get("chunk_index")
+    if index is None:
+        index = _row_index(q)
+    return LinearKernel(_native.make_linear(*args, index), {"chunk_index": index})
+
+
+SPEC = FormatSpec(
+    name=FORMAT,
+    summary="2-bit and 4-bit groups in separate arrays, second-order scales, fp16 outliers",
+    source="Jin et al., arXiv 2311.16442 (2/4/16-bit in a weight matrix)",
+    defaults={"group_size": DEFAULT_GROUP_SIZE, "ratio_4bit": DEFAULT_RATIO_4BIT},
+    group_param="group_size",
+    block=lambda p: int(p.get("group_size", DEFAULT_GROUP_SIZE)),
+    quantize=quantize,
+    dequantize=dequantize,
+    expected_buffers=expected_buffers,
+    gemm=gemm,
+    linear_rows={"cuda": 16, "cpu": 32},
+    make_linear=_make_linear,
+    trainable=lambda p: float(p.get("outlier_ratio", 0.0)) == 0.0 and p.get("sensitivity") is None,
+    calibrated=lambda p: float(p.get("ratio_4bit", DEFAULT_RATIO_4BIT)) > 0,
+)

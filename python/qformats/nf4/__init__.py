@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._spec import FormatSpec, LinearKernel
 from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
@@ -48,7 +49,7 @@ DYNAMIC_MAP = reference.DYNAMIC_MAP        #: the 256-entry map of the compresse
 MAX_HALF_GAP = reference.MAX_HALF_GAP
 DYNAMIC_MAX_ERROR = reference.DYNAMIC_MAX_ERROR
 
-__all__ = ["quantize", "dequantize", "expected_buffers", "quantize_nf4", "dequantize_nf4", "gemm",
+__all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "quantize_nf4", "dequantize_nf4", "gemm",
            "BLOCKSIZES", "CODE", "DYNAMIC_MAP", "reference"]
 
 
@@ -285,3 +286,35 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     with A.stream_for(x) as stream:
         _native.gemm(x, w.buffers["packed"], absmax, out, M, K, blocksize, stream)
     return out
+
+# -- the format's face --------------------------------------------------------------------------
+
+def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None:
+    """nf4 weight ``q`` [M, K] bound to the native weight-only kernel, with its absmax decoded
+    once (``derived["absmax_decoded"]`` for compressed statistics); None on CUDA for K % 32."""
+    M, K = q.shape
+    packed = q.buffers["packed"]
+    if A.is_cuda(packed) and K % 32:
+        return None
+    blocksize, cs = _check_params(q.params)
+    absmax = (derived or {}).get("absmax_decoded") if cs else None
+    if absmax is None:
+        absmax = decoded_absmax(q)
+    return LinearKernel(_native.make_linear(packed, absmax, M, K, blocksize),
+                        {"absmax_decoded": absmax} if cs else {})
+
+
+SPEC = FormatSpec(
+    name=FORMAT,
+    summary="NF4 codes, two per byte (even element high), float32 absmax per block (4.5 bits at 64)",
+    source="bitsandbytes 0.50 quantize_4bit(quant_type='nf4') (QLoRA, arXiv 2305.14314)",
+    defaults={"blocksize": 64},
+    group_param="blocksize",
+    block=lambda p: 1,  # blocks run over the flattened weight, as bitsandbytes
+    quantize=quantize,
+    dequantize=dequantize,
+    expected_buffers=expected_buffers,
+    gemm=gemm,
+    linear_rows={"cuda": 16, "cpu": 32},
+    make_linear=_make_linear,
+)

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._spec import FormatSpec, LinearKernel
 from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
@@ -22,7 +23,7 @@ FORMAT = "q4_0"
 QK = 32           #: values per block
 BLOCK_BYTES = 18  #: bytes per block
 
-__all__ = ["quantize", "dequantize", "quantize_q4_0", "dequantize_q4_0", "gemm_q4_0_q8_1", "linear",
+__all__ = ["SPEC", "quantize", "dequantize", "quantize_q4_0", "dequantize_q4_0", "gemm_q4_0_q8_1", "linear",
            "gemm", "QK", "BLOCK_BYTES", "reference"]
 
 
@@ -251,3 +252,35 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     with A.stream_for(x) as stream:
         _native.gemm(x, blocks, out, M, N, K, stream)
     return out
+
+# -- the format's face --------------------------------------------------------------------------
+
+def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None:
+    """q4_0 weight ``q`` [M, K] bound to the native kernels: on CUDA the weight-only kernel, on
+    the CPU llama.cpp's product with the activations quantized to q8_1 (as :func:`linear`)."""
+    M, K = q.shape
+    blocks = A.check_array(q.buffers["blocks"], "blocks", "uint8", (M, K // QK, BLOCK_BYTES))
+    return LinearKernel(_native.make_linear(blocks, M, K, q8_1_activations=not A.is_cuda(blocks)))
+
+
+def _fixed_blocks(params: dict, group_size: int) -> dict:
+    if group_size != QK:
+        raise ValueError(f"{FORMAT} has fixed blocks of {QK} values; group_size={group_size} is not possible")
+    return dict(params)
+
+
+SPEC = FormatSpec(
+    name=FORMAT,
+    summary="GGML blocks of 32: fp16 d + 16 bytes of nibbles (4.5 bits)",
+    source="llama.cpp ggml-common.h block_q4_0, quantize_row_q4_0_ref; gguf Q4_0",
+    defaults={},
+    group_param=None,
+    block=lambda p: QK,
+    with_group_size=_fixed_blocks,
+    quantize=quantize,
+    dequantize=dequantize,
+    expected_buffers=expected_buffers,
+    gemm=gemm,
+    linear_rows={"cuda": 16, "cpu": 32},
+    make_linear=_make_linear,
+)

@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._spec import FormatSpec
 from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
@@ -20,7 +21,7 @@ FORMAT = "q8_1"
 QK = 32           #: values per block
 BLOCK_BYTES = 36  #: bytes per block
 
-__all__ = ["quantize", "dequantize", "quantize_q8_1", "dequantize_q8_1", "QK", "BLOCK_BYTES",
+__all__ = ["SPEC", "quantize", "dequantize", "quantize_q8_1", "dequantize_q8_1", "QK", "BLOCK_BYTES",
            "reference"]
 
 
@@ -87,3 +88,24 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     """Decode a q8_1 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original)."""
     q = check_quantized(q, FORMAT)
     return dequantize_q8_1(q.buffers["blocks"], q.shape[-1], output_dtype(q, dtype))
+
+# -- the format's face --------------------------------------------------------------------------
+
+def _fixed_blocks(params: dict, group_size: int) -> dict:
+    if group_size != QK:
+        raise ValueError(f"{FORMAT} has fixed blocks of {QK} values; group_size={group_size} is not possible")
+    return dict(params)
+
+
+SPEC = FormatSpec(
+    name=FORMAT,
+    summary="GGML blocks of 32: fp16 d, fp16 s = d * sum(q), 32 int8 (9 bits)",
+    source="llama.cpp ggml-common.h block_q8_1, quantize_row_q8_1_ref",
+    defaults={},
+    group_param=None,
+    block=lambda p: QK,
+    with_group_size=_fixed_blocks,
+    quantize=quantize,
+    dequantize=dequantize,
+    expected_buffers=expected_buffers,
+)

@@ -1,0 +1,103 @@
+"""What a format is, said in one place: :class:`FormatSpec`, one frozen instance per format
+(``qformats.<fmt>.SPEC``), like the ``type_traits`` table of ggml (``ggml.c``). The layers above
+the formats (the registry in ``_core``, ``ops`` and ``nn``, the model-level tools, the CLI,
+``compare``, benchmarks and tools) read these fields and never branch on a format's name.
+
+This module imports nothing from the package, so every format package can import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
+
+__all__ = ["FormatSpec", "LinearKernel"]
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """A weight bound to a native product kernel, made once by :attr:`FormatSpec.make_linear`.
+
+    Attributes:
+        run: the native ``Linear`` object of the format's extension (``src/bindings/linear.h``):
+            ``run(x, out, bias, stream)`` with x ``[..., K]`` float32/float16/bfloat16 on the
+            weight's device, out ``[N, M]`` (x's dtype on CUDA, float32 on the CPU), bias
+            ``[M]`` of out's dtype or None, stream a ``cudaStream_t`` as an int (0 on the CPU).
+        derived: tensors computed from the packed buffers that ``run`` reads (nf4's decoded
+            ``absmax``, mixed2bit's CUDA chunk index), by name; a module that keeps the kernel
+            registers them as non-persistent buffers so that they move and stay alive with it.
+    """
+
+    run: Any
+    derived: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _no_group_size(params: dict, group_size: int) -> dict:
+    raise ValueError("this format has no group parameter")
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One format's facts and entry points.
+
+    Attributes:
+        name: the format's name, also its subpackage ``qformats.<name>``.
+        summary: one line: layout and bits per value.
+        source: where the format comes from (paper, llama.cpp file, library version).
+        defaults: the parameters :attr:`quantize` uses when given none (read-only mapping).
+        group_param: the parameter that a generic ``group_size`` sets (``"group_size"``,
+            ``"blocksize"``), or None for fixed blocks.
+        block: ``block(params) -> int``: the last dimension (in_features) must be a multiple
+            of this for these params (1: any).
+        with_group_size: ``with_group_size(params, group_size) -> params``: params with a
+            generic group size folded in; ValueError if the format cannot take it.
+        quantize: ``quantize(x, **params) -> QuantizedTensor``.
+        dequantize: ``dequantize(q, dtype=None)``.
+        expected_buffers: ``expected_buffers(shape, params) -> {name: (dtype, shape)}``.
+        gemm: ``gemm(x, w)`` weight-only product ``[N, M]`` (None: the format has none).
+        linear_rows: activation rows up to which :class:`qformats.nn.QuantizedLinear` runs
+            the native kernel, by device type (``{"cuda": 16, "cpu": 32}``); above them (or
+            for a device not listed) it dequantizes and calls ``F.linear``. Measured
+            crossovers: benchmarks/README.md.
+        make_linear: ``make_linear(q, derived=None) -> LinearKernel | None``: ``q`` (a 2-D
+            QuantizedTensor with torch buffers, already validated) bound to the native
+            kernel, or None where the kernel does not take its params on that device;
+            ``derived`` reuses tensors a previous call made (no allocation then).
+        trainable: ``trainable(params) -> bool``: whether trainable rounding (signround)
+            applies to a layer with these params.
+        calibrated: ``calibrated(params) -> bool``: whether :attr:`quantize` takes a
+            ``sensitivity=`` argument for these params (calibrated group selection).
+    """
+
+    name: str
+    summary: str
+    source: str
+    defaults: Mapping[str, Any]
+    group_param: Optional[str]
+    block: Callable[[Mapping[str, Any]], int]
+    quantize: Callable[..., Any]
+    dequantize: Callable[..., Any]
+    expected_buffers: Callable[..., dict]
+    gemm: Optional[Callable[..., Any]] = None
+    linear_rows: Mapping[str, int] = field(default_factory=dict)
+    make_linear: Optional[Callable[..., Optional[LinearKernel]]] = None
+    with_group_size: Optional[Callable[[dict, int], dict]] = None
+    trainable: Callable[[Mapping[str, Any]], bool] = lambda params: False
+    calibrated: Callable[[Mapping[str, Any]], bool] = lambda params: False
+
+    def __post_init__(self):
+        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+        object.__setattr__(self, "linear_rows", MappingProxyType(dict(self.linear_rows)))
+        if self.with_group_size is None:
+            gp = self.group_param
+
+            def fold(params: dict, group_size: int) -> dict:
+                if gp is None:
+                    return _no_group_size(params, group_size)
+                return {**params, gp: group_size}
+
+            object.__setattr__(self, "with_group_size", fold)
+
+    def params(self, **overrides: Any) -> dict:
+        """The default params with ``overrides`` applied (a new dict)."""
+        return {**self.defaults, **overrides}

@@ -3,7 +3,9 @@
 :class:`QuantizedLinear` replaces ``torch.nn.Linear``: it keeps the weight packed in any
 qformats format (the QuantizedTensor's buffers are the module's buffers, so ``.to(device)``,
 ``state_dict()`` and ``load_state_dict()`` carry them) plus a float bias, and computes
-``x @ W^T + b`` through :func:`qformats.ops.linear_packed` (a ``torch.library`` operator:
+``x @ W^T + b``: in eager inference straight through the format's native kernel, bound to the
+weight once (:meth:`QuantizedLinear.prepare`), otherwise through
+:func:`qformats.ops.linear_packed` (a ``torch.library`` operator: autograd, and
 ``torch.compile(fullgraph=True)`` traces it).
 
 Use::
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from . import ops
-from ._core import QuantizedTensor, check_quantized, float_dtype, format_module
+from ._core import QuantizedTensor, check_quantized, float_dtype, format_module, format_spec
 
 __all__ = ["QuantizedLinear", "quantized_linears"]
 
@@ -54,6 +56,12 @@ class QuantizedLinear(nn.Module):
     (their bytes are the format). Forward takes float32, float16 or bfloat16 activations
     ``[..., in_features]`` on the module's device and returns ``[..., out_features]`` in the
     activation's dtype.
+
+    Check once, run many: the weight is validated and bound to its format's native kernel
+    (:meth:`prepare`) when the layer is built from a weight, loaded (``load_state_dict``) or
+    moved (``.to()``); tensors the kernel reads besides the packed bytes (nf4's decoded absmax,
+    mixed2bit's CUDA chunk index) are made then, as non-persistent buffers, never inside a
+    forward. An eager forward without autograd on x then costs one native call.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -102,13 +110,65 @@ class QuantizedLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.derived_names: tuple = ()
+        self._kernel = None        # the bound native kernel (LinearKernel.run), or None
+        self._watch = ()           # (name, tensor, version) of what it was bound to
+        self._kernel_rows = 0      # activation rows it takes on its device
+        self._kernel_device = -2   # its device as Tensor.get_device() gives it (-1: CPU)
+        self._bias_cast = None     # (dtype, the bias in the dtype the kernel wants)
+        self._filled = False       # buffers hold a weight (built from one, or loaded)
         self._refresh_meta()
 
     def _refresh_meta(self) -> None:
         """The operator's weight description (a constant string for torch.compile)."""
         self._meta = json.dumps({"format": self.format, "shape": [self.out_features, self.in_features],
                                  "dtype": self.weight_dtype, "params": self.params,
-                                 "buffers": list(self.buffer_names)}, sort_keys=True)
+                                 "buffers": list(self.buffer_names), "derived": list(self.derived_names)},
+                                sort_keys=True)
+
+    def _stale(self) -> bool:
+        """Whether a tensor the kernel was bound to was replaced or modified in place since."""
+        bufs, params = self._buffers, self._parameters
+        for name, t, version in self._watch:
+            cur = bufs[name] if name != "bias" else params["bias"]
+            if cur is not t or (t is not None and t._version != version):
+                return True
+        return False
+
+    def prepare(self) -> None:
+        """Bind the packed weight to its format's native kernel on the buffers' device (the
+        format's ``SPEC.make_linear``), making the tensors that kernel reads besides the packed
+        bytes as non-persistent buffers (``derived_names``). Called when the layer is built from
+        a weight, loaded and moved; call it after modifying the buffers by hand. A format or
+        device without a kernel leaves the layer on the operator path.
+
+        Raises:
+            ValueError: buffers that contradict their params (e.g. a mixed2bit group_map
+                marking another number of 4-bit groups than ``n4``).
+        """
+        for n in self.derived_names:
+            self._buffers.pop(n, None)
+        self.derived_names = ()
+        self._kernel = self._bias_cast = None
+        self._watch = ()
+        self._kernel_rows = 0
+        self._kernel_device = -2
+        spec = format_spec(self.format)
+        dev = self._buffers[self.buffer_names[0]].device
+        if spec.make_linear is not None and dev.type in spec.linear_rows:
+            bound = spec.make_linear(self.quantized_weight)
+            if bound is not None:
+                for n, t in bound.derived.items():
+                    self.register_buffer(n, t, persistent=False)
+                self.derived_names = tuple(bound.derived)
+                self._kernel = bound.run
+                self._kernel_rows = spec.linear_rows[dev.type]
+                self._kernel_device = dev.index if dev.type == "cuda" else -1
+        self._refresh_meta()
+        self._watch = tuple((n, self._buffers[n], self._buffers[n]._version)
+                            for n in self.buffer_names + self.derived_names)
+        self._watch += (("bias", self.bias, self.bias._version if self.bias is not None else 0),)
+        self._filled = True
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -137,6 +197,7 @@ class QuantizedLinear(nn.Module):
             layer._buffers[name] = bufs[name]
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().to(dev).clone(), requires_grad=bias.requires_grad)
+        layer.prepare()
         return layer
 
     @classmethod
@@ -195,8 +256,45 @@ class QuantizedLinear(nn.Module):
         """``x @ W^T + bias`` for x float32 / float16 / bfloat16 ``[..., in_features]``;
         returns ``[..., out_features]`` in ``x.dtype``. Raises TypeError / ValueError for
         another dtype, a wrong last dimension or x on another device."""
-        return ops.linear_packed(x, self._meta, [getattr(self, n) for n in self.buffer_names],
+        y = self._fast_forward(x)
+        if y is not None:
+            return y
+        return ops.linear_packed(x, self._meta, [self._buffers[n] for n in self.buffer_names + self.derived_names],
                                  self.bias)
+
+    def _fast_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The bound kernel's result where it applies (eager, no autograd through x or the bias,
+        a float tensor on the weight's device, which is the current one, few rows), else None."""
+        run = self._kernel
+        if run is None or not isinstance(x, torch.Tensor) or torch.compiler.is_compiling():
+            return None
+        K = self.in_features
+        if x.dtype not in ops.FLOAT_DTYPES or x.ndim < 1 or x.shape[-1] != K:
+            return None
+        rows = x.numel() // K
+        if not 0 < rows <= self._kernel_rows or x.get_device() != self._kernel_device:
+            return None
+        grad = torch.is_grad_enabled()
+        if grad and x.requires_grad:
+            return None
+        if self._kernel_device >= 0 and (self._kernel_device != torch.cuda.current_device()
+                                         or not ops.kernel_rows_on("cuda")):
+            return None
+        if self._kernel_device < 0 and not ops.kernel_rows_on("cpu"):
+            return None
+        if self._stale():  # a buffer or the bias replaced or modified in place
+            self.prepare()
+            return self._fast_forward(x)
+        bias = self.bias
+        if bias is None:
+            return ops.run_linear(run, x, None, self.out_features)
+        if grad and bias.requires_grad:  # the operator's autograd formula
+            return None
+        want = x.dtype if self._kernel_device >= 0 else torch.float32
+        cached = self._bias_cast
+        if cached is None or cached[0] != want:
+            cached = self._bias_cast = (want, bias.detach().to(want).contiguous())
+        return ops.run_linear(run, x, cached[1], self.out_features)
 
     def extra_repr(self) -> str:
         p = ", ".join(f"{k}={v}" for k, v in self.params.items())
@@ -209,10 +307,16 @@ class QuantizedLinear(nn.Module):
         # Packed buffers get only the device part of `fn`: apply it to a uint8 view (which
         # no dtype conversion touches) and view the result back, so .half() / .to(dtype)
         # cast the bias but never the format's bytes, while .to(device), .cuda(),
-        # .to_empty(device=...) move them.
+        # .to_empty(device=...) move them. Derived tensors are dropped and made again by
+        # prepare() on the new device (to_empty leaves the buffers unfilled: no prepare).
         packed = {n: self._buffers.get(n) for n in self.buffer_names}
         for n in self.buffer_names:
             self._buffers[n] = None
+        for n in self.derived_names:
+            self._buffers.pop(n, None)
+        self.derived_names = ()
+        self._kernel = self._bias_cast = None
+        self._watch = ()
         try:
             super()._apply(fn, recurse)
         finally:
@@ -224,12 +328,20 @@ class QuantizedLinear(nn.Module):
                 flat = b.reshape(-1) if b.is_contiguous() else b.contiguous().reshape(-1)
                 moved = fn(flat.view(torch.uint8))
                 self._buffers[n] = moved.view(dt).reshape(shape)
+        self._refresh_meta()
+        if self._filled and all(self._buffers[n] is not None and self._buffers[n].device.type != "meta"
+                                for n in self.buffer_names):
+            try:
+                self.prepare()
+            except ValueError:  # to_empty(): unfilled buffers; load_state_dict prepares again
+                self._filled = False
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # The default loader would cast a tensor of another dtype into a packed buffer
         # (corrupting its bytes): refuse dtype mismatches instead.
+        n_errors = len(error_msgs)
         for n in self.buffer_names:
             key = prefix + n
             if key in state_dict:
@@ -239,6 +351,12 @@ class QuantizedLinear(nn.Module):
                                       f"{dst.dtype}, the state dict has {src.dtype}")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if len(error_msgs) == n_errors and all(prefix + n in state_dict for n in self.buffer_names) \
+                and self._buffers[self.buffer_names[0]].device.type != "meta":
+            try:
+                self.prepare()
+            except (TypeError, ValueError) as e:
+                error_msgs.append(f"{prefix}: the loaded {self.format} weight is inconsistent: {e}")
 
     def config(self) -> dict:
         """What rebuilds this layer's skeleton (JSON-serializable): ``format``, ``params``,

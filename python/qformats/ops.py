@@ -13,14 +13,18 @@ that only compute output shapes and dtypes:
 params and buffer names (:func:`weight_meta`); ``buffers`` are its packed buffers in that
 order. A string is a constant to dynamo, so one compiled graph serves every call of a layer.
 
-:func:`linear` is **the** place where a quantized weight meets an activation: every
-:class:`qformats.nn.QuantizedLinear` forward goes through it, and through
-:func:`_linear_dispatch` inside the operator. Today that dequantizes ``W`` to the
-activation's dtype and calls ``torch.nn.functional.linear`` (correct for float32, float16
-and bfloat16 activations on every device the format decodes on), except where a GEMM kernel is
-registered with :func:`register_linear_kernel`: at import, CUDA activations with at most
-``CUDA_GEMV_MAX_ROWS`` rows and ``CUDA_GEMV_FORMATS`` weights go through the library's
-weight-only kernels, which decode the weight in registers (:func:`use_builtin_kernels`).
+``meta`` may also name ``derived`` tensors (after the packed buffers in ``buffers``): what a
+format's kernel reads besides the packed bytes (nf4's decoded absmax, mixed2bit's CUDA chunk
+index), made once by :class:`qformats.nn.QuantizedLinear` so that no forward allocates them.
+
+How a product runs (:func:`_linear_dispatch`, inside the operator): a kernel registered with
+:func:`register_linear_kernel` first; else, for at most ``spec.linear_rows[device type]``
+activation rows (the format's :class:`~qformats._spec.FormatSpec`), the format's native kernel
+(:func:`run_linear`: the weight decoded in registers on CUDA, the threaded AVX-512 / AVX2
+kernels on the CPU, the bias added in the kernel); else the weight dequantized to the
+activation's dtype and ``torch.nn.functional.linear``. :class:`qformats.nn.QuantizedLinear`
+calls :func:`run_linear` directly in eager inference (no operator, no re-validation) and the
+operator otherwise (autograd, torch.compile).
 
 Backward: ``qformats::linear`` has an autograd formula for ``x`` and ``bias``
 (``grad_x = grad_y @ W``, ``grad_bias = sum grad_y``); the packed weight gets no gradient.
@@ -34,10 +38,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._core import QuantizedTensor, format_module
+from ._core import QuantizedTensor, format_module, format_spec
 
-__all__ = ["linear", "linear_packed", "dequantize", "dequantize_packed", "weight_meta",
-           "register_linear_kernel", "use_builtin_kernels", "FLOAT_DTYPES", "CUDA_GEMV_MAX_ROWS"]
+__all__ = ["linear", "linear_packed", "dequantize", "dequantize_packed", "weight_meta", "run_linear",
+           "register_linear_kernel", "use_builtin_kernels", "kernel_rows", "kernel_rows_on", "FLOAT_DTYPES"]
 
 #: Activation / output dtypes the operators take.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,12 +52,15 @@ _KERNELS: dict[tuple[str, str], Callable] = {}
 
 # -- the weight description ---------------------------------------------------------------------
 
-def weight_meta(qt: QuantizedTensor) -> str:
+def weight_meta(qt: QuantizedTensor, derived: Sequence[str] = ()) -> str:
     """The ``meta`` string of the operators for QuantizedTensor ``qt``: canonical JSON
-    ``{"buffers": [names in order], "dtype", "format", "params", "shape"}`` (buffers in
-    ``qt.buffers`` order). Equal weights' descriptions give equal strings."""
+    ``{"buffers": [names in order], "derived": [names], "dtype", "format", "params", "shape"}``
+    (buffers in ``qt.buffers`` order; ``derived``: the names of the kernel's derived tensors
+    that follow the buffers in the operator's tensor list). Equal weights' descriptions give
+    equal strings."""
     return json.dumps({"format": qt.format, "shape": list(qt.shape), "dtype": qt.dtype,
-                       "params": qt.params, "buffers": list(qt.buffers)}, sort_keys=True)
+                       "params": qt.params, "buffers": list(qt.buffers), "derived": list(derived)},
+                      sort_keys=True)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -61,7 +68,7 @@ def _parse_meta(meta: str) -> tuple:
     try:
         m = json.loads(meta)
         return (m["format"], tuple(int(s) for s in m["shape"]), m["dtype"], m["params"],
-                tuple(m["buffers"]))
+                tuple(m["buffers"]), tuple(m.get("derived", ())))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"qformats: malformed weight description {meta!r}: {e}") from e
 
@@ -72,12 +79,15 @@ def _in_features(meta: str) -> int:
     return _parse_meta(meta)[1][-1]
 
 
-def _rebuild(meta: str, buffers: Sequence[torch.Tensor]) -> QuantizedTensor:
-    fmt, shape, dtype, params, names = _parse_meta(meta)
-    if len(names) != len(buffers):
-        raise ValueError(f"qformats: {fmt} weight has buffers {list(names)}, got {len(buffers)} tensors")
+def _rebuild(meta: str, buffers: Sequence[torch.Tensor]) -> tuple[QuantizedTensor, dict]:
+    """(the weight, its derived tensors by name) from an operator's arguments."""
+    fmt, shape, dtype, params, names, derived = _parse_meta(meta)
+    if len(names) + len(derived) != len(buffers):
+        raise ValueError(f"qformats: {fmt} weight has buffers {list(names)} and derived tensors "
+                         f"{list(derived)}, got {len(buffers)} tensors")
     # params is shared with the cache: the format modules only read it.
-    return QuantizedTensor(fmt, shape, dtype, params, dict(zip(names, buffers)))
+    qt = QuantizedTensor(fmt, shape, dtype, params, dict(zip(names, buffers[:len(names)])))
+    return qt, dict(zip(derived, buffers[len(names):]))
 
 
 def _as_torch(qt: QuantizedTensor, device) -> QuantizedTensor:
@@ -98,27 +108,87 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @torch.library.custom_op("qformats::dequantize", mutates_args=())
 def _dequantize_op(meta: str, buffers: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    qt = _rebuild(meta, buffers)
+    qt, _ = _rebuild(meta, buffers)
     return format_module(qt.format).dequantize(qt, dtype=_dtype_name(dtype))
 
 
 @_dequantize_op.register_fake
 def _(meta, buffers, dtype):
-    _, shape, _, _, _ = _parse_meta(meta)
+    shape = _parse_meta(meta)[1]
     return buffers[0].new_empty(shape, dtype=dtype)
 
 
 # -- qformats::linear ---------------------------------------------------------------------------
 
-def _linear_dispatch(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+#: Device types on which the formats' native kernels are used (:func:`use_builtin_kernels`).
+_BUILTIN_ON = {"cpu": True, "cuda": True}
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def kernel_rows_on(device_type: str) -> bool:
+    """Whether the formats' native kernels are switched on for ``device_type``."""
+    return _BUILTIN_ON.get(device_type, False)
+
+
+def kernel_rows(spec, device_type: str) -> int:
+    """The most activation rows for which weights of ``spec``'s format go to its native kernel
+    on ``device_type`` (0: never; dequantize + ``F.linear`` then)."""
+    return spec.linear_rows.get(device_type, 0) if _BUILTIN_ON.get(device_type, False) else 0
+
+
+def _stream(device: torch.device) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def run_linear(run: Callable, x: torch.Tensor, bias: Optional[torch.Tensor], M: int) -> torch.Tensor:
+    """``x @ W^T + bias`` through a bound native kernel (``LinearKernel.run``) of a weight
+    ``[M, K]`` on x's device: x ``[..., K]`` float32 / float16 / bfloat16 (copied when not
+    contiguous, or on CUDA not 16-byte aligned), bias ``[M]`` or None. Returns ``[..., M]`` in
+    x's dtype: on CUDA the kernel writes it (bias cast to x's dtype, added in the kernel's
+    epilogue exactly as ``y + bias`` in that dtype would); on the CPU the float32 product plus
+    a float32 bias, cast to x's dtype. Launches on torch's current stream of x's device, which
+    must be the current device."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if x.is_cuda:
+        if x.data_ptr() % 16:
+            x = x.clone()
+        out = torch.empty((*x.shape[:-1], M), dtype=x.dtype, device=x.device)
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            bias = bias.to(x.dtype).contiguous()
+        run(x, out, bias, _stream(x.device))
+        return out
+    out = torch.empty((*x.shape[:-1], M), dtype=torch.float32)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    run(x, out, bias, 0)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _linear_dispatch(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],
+                     derived: Optional[dict] = None) -> torch.Tensor:
     """``x @ W^T + bias`` for a quantized ``W``: a registered kernel for (format, device) if
-    one takes it, else dequantize ``W`` to ``x.dtype`` and ``F.linear`` (the reference path)."""
+    one takes it; the format's native kernel for few rows; else dequantize ``W`` to
+    ``x.dtype`` and ``F.linear`` (the reference path)."""
     kernel = _KERNELS.get((qt.format, x.device.type))
     if kernel is not None:
         y = kernel(x, qt, bias)
         if y is not NotImplemented:
             return y
-    w = format_module(qt.format).dequantize(qt, dtype=_dtype_name(x.dtype))
+    spec = format_spec(qt.format)
+    M, K = qt.shape
+    rows = x.numel() // K if K else 0
+    if spec.make_linear is not None and 0 < rows <= kernel_rows(spec, x.device.type):
+        bound = spec.make_linear(qt, derived)
+        if bound is not None:
+            if x.is_cuda:
+                with torch.cuda.device(x.device):
+                    return run_linear(bound.run, x, bias, M)
+            return run_linear(bound.run, x, bias, M)
+    w = spec.dequantize(qt, dtype=_dtype_name(x.dtype))
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     return F.linear(x, w, bias)
@@ -127,12 +197,13 @@ def _linear_dispatch(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.
 @torch.library.custom_op("qformats::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, meta: str, buffers: list[torch.Tensor],
                bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return _linear_dispatch(x, _rebuild(meta, buffers), bias)
+    qt, derived = _rebuild(meta, buffers)
+    return _linear_dispatch(x, qt, bias, derived)
 
 
 @_linear_op.register_fake
 def _(x, meta, buffers, bias):
-    _, shape, _, _, _ = _parse_meta(meta)
+    shape = _parse_meta(meta)[1]
     return x.new_empty((*x.shape[:-1], shape[0]))
 
 
@@ -148,7 +219,7 @@ def _linear_setup_context(ctx, inputs, output):
 def _linear_backward(ctx, grad):
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        w = torch.ops.qformats.dequantize(ctx.meta, list(ctx.saved_tensors), grad.dtype)
+        w = torch.ops.qformats.dequantize(ctx.meta, list(ctx.saved_tensors), grad.dtype)  # derived ignored
         grad_x = (grad @ w).to(ctx.x_dtype)
     if ctx.has_bias and ctx.needs_input_grad[3]:
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
@@ -257,49 +328,10 @@ def register_linear_kernel(format: str, device_type: str,
 
 # -- built-in GEMM kernels ----------------------------------------------------------------------
 
-#: Activation rows up to which QuantizedLinear on CUDA uses the library's weight-only kernels
-#: (one row: ``src/gemm/weight_only_cuda.cuh``; 2-16 rows of fp16/bf16: the tensor-core kernel
-#: of ``src/gemm/weight_only_mma_cuda.cuh``); above it, dequantize to x's dtype + cuBLAS is
-#: faster (H200, benchmarks/gemm.py, 14336x4096: 46-56 us at 16 rows against 76-82 us for
-#: "+cuBLAS"; at 64 rows 124-174 us against 77 us).
-CUDA_GEMV_MAX_ROWS = 16
-#: Formats whose CUDA kernels beat dequantize + cuBLAS at few rows, with the most activation
-#: rows each takes (at most ``CUDA_GEMV_MAX_ROWS``). mixed2bit's tensor-core kernel too
-#: (14336x4096 at 16 rows: 38 us against 96 us for "+cuBLAS"; 128 against 96 at 64 rows).
-CUDA_GEMV_FORMATS = {"nf4": CUDA_GEMV_MAX_ROWS, "int4": CUDA_GEMV_MAX_ROWS, "q4_0": CUDA_GEMV_MAX_ROWS,
-                     "mixed2bit": CUDA_GEMV_MAX_ROWS}
-
-
-def _cuda_weight_only(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor]):
-    """The CUDA weight-only GEMV of nf4 / int4 / q4_0 / mixed2bit for few activation rows;
-    NotImplemented (-> dequantize + F.linear) for many rows or parameters the kernels do not take."""
-    from . import _arrays as A
-
-    K = qt.shape[-1]
-    x2 = x.reshape(-1, K)
-    rows = min(CUDA_GEMV_MAX_ROWS, CUDA_GEMV_FORMATS.get(qt.format, 0))
-    if x2.shape[0] > rows or x2.shape[0] == 0 or K % 32:
-        return NotImplemented
-    mod = format_module(qt.format)
-    supported = getattr(mod, "gemm_cuda_supported", None)  # int4, mixed2bit: parameter limits
-    if supported is not None and not supported(qt):
-        return NotImplemented
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    with A.skip_finite_check():  # F.linear does not scan activations either (and no host sync)
-        y = mod.gemm(x2, qt)
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], qt.shape[0])
-
-
-def use_builtin_kernels(cuda: bool = True) -> None:
-    """Route CUDA :func:`linear` calls of ``CUDA_GEMV_FORMATS`` weights with at most that
-    format's number of activation rows through the library's kernels (on by default,
-    at import). ``cuda=False`` restores dequantize + ``F.linear`` everywhere. The CPU always takes dequantize + ``F.linear`` (bitwise the
-    reference); the CPU GEMMs are reached through the format modules' ``gemm``."""
-    for fmt in CUDA_GEMV_FORMATS:
-        register_linear_kernel(fmt, "cuda", _cuda_weight_only if cuda else None)
-
-
-use_builtin_kernels(True)
+def use_builtin_kernels(cuda: bool = True, cpu: bool = True) -> None:
+    """Whether :func:`linear` (and every QuantizedLinear) runs the formats' native kernels for
+    few activation rows (``FormatSpec.linear_rows``) on CUDA and on the CPU (both on by
+    default). With a device switched off, that device always takes dequantize + ``F.linear``
+    (bitwise the reference)."""
+    _BUILTIN_ON["cuda"] = bool(cuda)
+    _BUILTIN_ON["cpu"] = bool(cpu)

@@ -83,3 +83,16 @@ def make_tiny_llama():
 @pytest.fixture
 def make_small_net():
     return small_net
+
+
+@pytest.fixture
+def reference_path():
+    """QuantizedLinear and qformats.ops.linear on the CPU take dequantize + F.linear (bitwise
+    the reference) instead of the native kernels during the test."""
+    from qformats import ops
+
+    ops.use_builtin_kernels(cuda=True, cpu=False)
+    try:
+        yield
+    finally:
+        ops.use_builtin_kernels(cuda=True, cpu=True)

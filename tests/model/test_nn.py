@@ -1,6 +1,7 @@
 """QuantizedLinear and the qformats:: torch operators: equal to F.linear on the dequantized
-weight for every format, bias handling, state dicts, device/dtype conversions, errors,
-gradients, the kernel dispatch hook and torch.compile(fullgraph=True)."""
+weight for every format (the reference path), the CPU kernels within float32 rounding of it
+(q4_0: llama.cpp's q8_1 product exactly), bias handling, state dicts, device/dtype
+conversions, errors, gradients, the kernel dispatch hook and torch.compile(fullgraph=True)."""
 from __future__ import annotations
 
 import io
@@ -43,7 +44,7 @@ def _linear(bias=True, seed=0, in_f=256, out_f=96):
 @pytest.mark.parametrize("fmt,params", CASES, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
-def test_forward_equals_dequantized_linear(fmt, params, dtype):
+def test_forward_equals_dequantized_linear(fmt, params, dtype, reference_path):
     lin = _linear()
     q = QuantizedLinear.from_linear(lin, fmt, **params)
     x = torch.randn(2, 5, 256).to(dtype)
@@ -59,7 +60,47 @@ def test_forward_equals_dequantized_linear(fmt, params, dtype):
     assert rel < (0.5 if fmt == "mixed2bit" else 0.2), rel
 
 
-def test_from_linear_keeps_bias_and_leaves_linear_alone():
+#: CPU kernel path against F.linear on the dequantized weight: the kernels sum in float32 in
+#: another order, so |y - ref| <= TOL * (|x| @ |W|^T) (float32: K = 256 terms, 2^-24 each, with
+#: room; 16-bit x: one rounding of the float32 result to x's dtype on each side).
+CPU_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("fmt,params", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("lead", [(1,), (2, 5), (32,), (33,)], ids=["1", "2x5", "32", "33"])
+def test_cpu_kernel_path(fmt, params, dtype, lead):
+    """With the CPU kernels on (the default), few rows go through the format's native kernel:
+    within float32 rounding of dequantize + F.linear, q4_0 exactly llama.cpp's product with
+    q8_1 activations plus the bias; more rows than ``linear_rows["cpu"]`` take the reference
+    path bitwise. The bias is added in float32."""
+    q = QuantizedLinear.from_linear(_linear(), fmt, **params)
+    spec = qformats._core.format_spec(fmt)
+    x = torch.randn(*lead, 256).to(dtype)
+    y = q(x)
+    assert y.dtype == dtype and y.shape == (*lead, 96)
+    assert torch.equal(ops.linear(x, q.quantized_weight, q.bias), y)
+    w = q.quantized_weight.dequantize(DTYPES[dtype])
+    ref = F.linear(x, w, q.bias.to(dtype))
+    rows = x.numel() // 256
+    if rows > spec.linear_rows.get("cpu", 0):
+        assert torch.equal(y, ref)
+        return
+    if fmt == "q4_0":  # llama.cpp's path: x quantized to q8_1, integer dot products
+        exact = qformats.q4_0.linear(x.float().reshape(-1, 256), q.quantized_weight) + q.bias.float()
+        assert torch.equal(y, exact.to(dtype).reshape(y.shape))
+        # against the float product: the q8_1 rounding of x, half a step of max|x| / 127 per block
+        step = x.float().reshape(-1, 8, 32).abs().amax(-1) / 127
+        bound = (step.repeat_interleave(32, -1) / 2 @ w.float().abs().T).reshape(y.shape)
+        assert ((y.float() - ref.float()).abs() <= bound * 1.01 + CPU_TOL[dtype] * ref.float().abs() + 1e-6).all()
+        return
+    scale = (x.float().abs() @ w.float().abs().T) + q.bias.float().abs()
+    err = (y.float() - ref.float()).abs()
+    assert (err <= CPU_TOL[dtype] * scale).all(), (err / scale).max()
+
+
+def test_from_linear_keeps_bias_and_leaves_linear_alone(reference_path):
     lin = _linear()
     w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
     q = QuantizedLinear.from_linear(lin, "int4", group_size=64)
@@ -75,7 +116,7 @@ def test_from_linear_keeps_bias_and_leaves_linear_alone():
     assert torch.equal(nob(x), F.linear(x, nob.dequantize_weight(), None))
 
 
-def test_from_linear_fp16_weight_records_dtype():
+def test_from_linear_fp16_weight_records_dtype(reference_path):
     lin = _linear().half()
     q = QuantizedLinear.from_linear(lin, "int8")
     assert q.weight_dtype == "float16" and q.bias.dtype == torch.float16
@@ -117,7 +158,7 @@ def test_state_dict_mismatches_raise():
         fresh.load_state_dict({k: v for k, v in sd.items() if k != "zeros"})
 
 
-def test_conversions_keep_packed_dtypes():
+def test_conversions_keep_packed_dtypes(reference_path):
     q = QuantizedLinear.from_linear(_linear(), "mixed2bit")
     before = {n: getattr(q, n).clone() for n in q.buffer_names}
     for conv in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.float(),
@@ -171,7 +212,7 @@ def test_bad_input_and_arguments():
         QuantizedLinear(256, 96, format="mixed2bit", params={"group_size": 16})  # no n4/n_out
 
 
-def test_numpy_quantized_tensor_through_ops():
+def test_numpy_quantized_tensor_through_ops(reference_path):
     w = _linear().weight.detach().numpy()
     qt = qformats.nf4.quantize(w)
     x = torch.randn(2, 256)

@@ -11,6 +11,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from conftest import requires_cuda  # noqa: E402
 from qformats import ops, quantize_model  # noqa: E402
+from qformats._core import format_spec  # noqa: E402
 from qformats.nn import QuantizedLinear  # noqa: E402
 from strategies import assert_bytes_equal  # noqa: E402
 
@@ -37,19 +38,22 @@ def test_cuda_forward_and_bytes(fmt, params, dtype):
         y = moved(x)
         assert y.is_cuda and y.dtype == dtype and y.shape == (*shape[:-1], 96)
         ref = F.linear(x, w, moved.bias.to(dtype))
-        if shape[0] > min(ops.CUDA_GEMV_MAX_ROWS, ops.CUDA_GEMV_FORMATS.get(fmt, 0)):
+        if x.numel() // 256 > format_spec(fmt).linear_rows.get("cuda", 0):
             assert torch.equal(y, ref)
         else:
             tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
             scale = (x.abs().float() @ w.abs().float().T).max()
             assert (y.float() - ref.float()).abs().max() <= tol * scale
+            # the bias fused into the kernel's epilogue: bitwise the two-step gemm, then + bias
+            two_step = format_spec(fmt).gemm(x.reshape(-1, 256), moved.quantized_weight) + moved.bias.to(dtype)
+            assert torch.equal(y, two_step.reshape(y.shape))
         assert torch.equal(q_gpu(x), y)
     try:  # with the built-in kernels off, every shape takes the reference path exactly
-        ops.use_builtin_kernels(False)
+        ops.use_builtin_kernels(cuda=False)
         x = torch.randn(2, 256, device="cuda", dtype=dtype)
         assert torch.equal(moved(x), F.linear(x, w, moved.bias.to(dtype)))
     finally:
-        ops.use_builtin_kernels(True)
+        ops.use_builtin_kernels(cuda=True)
 
 
 def test_cuda_compiled_model_and_graph_replay():

@@ -31,7 +31,7 @@ SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "8b": (4096, 14336, 32, 32, 8, 128256),      # Llama-3-8B
     "1b": (2048, 8192, 16, 32, 8, 128256),       # Llama-3.2-1B
 }
-FORMATS = {"nf4": {"blocksize": 64}, "int4": {"group_size": 128}, "q4_0": {}, "mixed2bit": {}}
+FORMATS = {f: dict(getattr(qformats, f).SPEC.defaults) for f in qformats.FORMATS}  # each at its defaults
 
 
 class RMSNorm(nn.Module):

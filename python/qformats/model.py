@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ._core import FORMATS, format_module
+from ._core import FORMATS, format_module, format_spec
 from .nn import QuantizedLinear
 
 __all__ = ["quantize_model", "resolve_spec", "check_method", "QuantizationReport", "LayerReport", "model_size",
@@ -42,7 +42,8 @@ __all__ = ["quantize_model", "resolve_spec", "check_method", "QuantizationReport
 #: and anything named like an embedding (``nn.Embedding`` is never touched anyway).
 DEFAULT_IGNORE = ("lm_head", "embed_out", "*embed*", "*wte", "*wpe")
 
-#: ``bits`` -> (format, default params).
+#: ``bits`` -> (format, default params): a policy of the model level (which format and settings
+#: ``bits=`` means), not a fact of the formats; each format's own defaults are in its ``SPEC``.
 BITS_FORMATS = {
     8: ("int8", {"granularity": "row"}),
     4: ("int4", {"group_size": 128, "symmetric": False}),
@@ -72,41 +73,20 @@ def matches(name: str, patterns: Iterable[str]) -> Optional[str]:
 
 
 def _block(fmt: str, params: dict) -> int:
-    """in_features must be a multiple of this for ``fmt`` with ``params`` (1: any)."""
-    if fmt in ("q4_0", "q8_1"):
-        return 32
-    if fmt == "nf4":
-        return 1  # blocks run over the flattened weight
-    if fmt == "int8":
-        return int(params.get("group_size", 128)) if params.get("granularity", "row") == "group" else 1
-    if fmt == "int4":
-        return int(params.get("group_size", 128))
-    if fmt == "mixed2bit":
-        return int(params.get("group_size", 16))
-    for key in ("group_size", "blocksize", "block_size"):
-        if isinstance(params.get(key), int):
-            return int(params[key])
-    return 1
+    """in_features must be a multiple of this for ``fmt`` with ``params`` (1: any): the
+    format's own :attr:`~qformats._spec.FormatSpec.block`."""
+    return int(format_spec(fmt).block(params))
 
 
 def _apply_group_size(fmt: str, params: dict, group_size: Optional[int]) -> dict:
-    """Fold a generic ``group_size`` into ``fmt``'s own parameter."""
+    """Fold a generic ``group_size`` into ``fmt``'s own parameter
+    (:attr:`~qformats._spec.FormatSpec.with_group_size`; ValueError where the format cannot
+    take it)."""
     if group_size is None:
         return params
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    params = dict(params)
-    if fmt in ("q4_0", "q8_1"):
-        if group_size != 32:
-            raise ValueError(f"{fmt} has fixed blocks of 32 values; group_size={group_size} is not possible")
-    elif fmt == "nf4":
-        params["blocksize"] = group_size
-    elif fmt == "int8":
-        params["granularity"] = "group"
-        params["group_size"] = group_size
-    else:
-        params["group_size"] = group_size
-    return params
+    return dict(format_spec(fmt).with_group_size(dict(params), group_size))
 
 
 def resolve_spec(format: Optional[str] = None, bits: Optional[int] = None,
@@ -529,8 +509,8 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
             reason = "out_proj of nn.MultiheadAttention, which reads its weight directly"
         elif in_f % blk:
             reason = f"in_features={in_f} is not a multiple of the {fmt} block of {blk}"
-        elif fmt == "mixed2bit" and m.weight.ndim != 2:
-            reason = "mixed2bit needs a 2-D weight"
+        elif m.weight.ndim != 2:
+            reason = f"{fmt} needs a 2-D weight [out, in] (QuantizedLinear), got {m.weight.ndim}-D"
         if reason:
             msg = f"{name}: kept in float: {reason}"
             report.warnings.append(msg)
@@ -641,8 +621,7 @@ def _calibrated_sensitivities(model: nn.Module, plan: list, options: dict) -> tu
     """
     from .signround import calibration_samples, model_second_moments, sensitivity_from_moments
 
-    layers = {name: m for name, m, fmt, qp in plan
-              if fmt == "mixed2bit" and float(qp.get("ratio_4bit", 0.1)) > 0}
+    layers = {name: m for name, m, fmt, qp in plan if format_spec(fmt).calibrated(qp)}
     if not layers:
         raise ValueError("calibration= with method='rtn' only chooses mixed2bit's 4-bit groups "
                          "(format='mixed2bit' or bits=2 with ratio_4bit > 0); no planned layer is one")

@@ -151,7 +151,8 @@ def test_minilm_encoder(monkeypatch):
     from qformats import q4_0
 
     real_import = cmp._import_format
-    fake = types.SimpleNamespace(QK=256, quantize=lambda x, **kw: q4_0.quantize(x))
+    fake = types.SimpleNamespace(SPEC=types.SimpleNamespace(block=lambda params: 256),
+                                 quantize=lambda x, **kw: q4_0.quantize(x))
 
     def fake_import(name):
         if name == "nf4":

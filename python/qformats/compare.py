@@ -24,26 +24,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ._core import FORMATS
+from ._core import FORMATS, format_spec
 from .evaluate import (EvalError, checkpoint_dtypes, cosine_stats, default_model_path,
                        dtype_bytes, embed, encoder_sentences, lm_windows, load_model,
                        load_text, perplexity, progress_bar)
 
-__all__ = ["CompareError", "Row", "CompareResult", "DEFAULT_PARAMS", "DEFAULT_MAX_TOKENS",
+__all__ = ["CompareError", "Row", "CompareResult", "default_params", "DEFAULT_MAX_TOKENS",
            "DEFAULT_MAX_SENTENCES", "parse_formats", "compare", "format_table"]
 
 #: A problem with the user's input; the CLI prints it on one line and exits with status 2.
 CompareError = EvalError
-
-#: Parameters each format is run with unless ``--formats fmt:key=value`` says otherwise.
-DEFAULT_PARAMS: dict[str, dict] = {
-    "q4_0": {},
-    "q8_1": {},
-    "int8": {"granularity": "row"},
-    "int4": {"group_size": 128, "symmetric": False},
-    "nf4": {"blocksize": 64},
-    "mixed2bit": {"group_size": 16, "ratio_4bit": 0.1},
-}
 
 #: Default token budget of the perplexity evaluation: 96 windows of 512 tokens (49,152 tokens),
 #: evenly spaced over the text. On 2 CPU cores an fp32 forward of the 17M-parameter pydoc-llama
@@ -160,6 +150,22 @@ def _parse_value(s: str):
     return s
 
 
+def default_params(name: str) -> dict:
+    """The parameters format ``name`` is run with unless ``--formats fmt:key=value`` says
+    otherwise: its ``SPEC.defaults`` (:attr:`qformats._spec.FormatSpec.defaults`), as a new
+    dict; {} for a format that cannot be loaded (its row says why)."""
+    try:
+        return dict(format_spec(name).defaults)
+    except (ImportError, ValueError, AttributeError):
+        return {}
+
+
+def __getattr__(name: str):
+    if name == "DEFAULT_PARAMS":  # {format: default params}, from the formats' specs
+        return {f: default_params(f) for f in FORMATS}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def parse_formats(spec: str | Sequence[str] | None) -> list[tuple[str, dict]]:
     """Parse a format selection into ``[(name, params), ...]``.
 
@@ -170,12 +176,12 @@ def parse_formats(spec: str | Sequence[str] | None) -> list[tuple[str, dict]]:
             int, float, true/false, none, else kept as strings). A format may appear several
             times with different parameters.
     Returns:
-        the list, each params dict being :data:`DEFAULT_PARAMS` updated by the given ones.
+        the list, each params dict being :func:`default_params` updated by the given ones.
     Raises:
         CompareError: an unknown format name, a malformed ``key=value``, or an empty list.
     """
     if spec is None:
-        return [(f, dict(DEFAULT_PARAMS.get(f, {}))) for f in FORMATS]
+        return [(f, default_params(f)) for f in FORMATS]
     if isinstance(spec, str):
         spec = [spec]
     items = [t for s in spec for t in str(s).replace(",", " ").split()]
@@ -187,7 +193,7 @@ def parse_formats(spec: str | Sequence[str] | None) -> list[tuple[str, dict]]:
         if name not in FORMATS:
             hint = " (put MODEL before --formats)" if Path(item).exists() else ""
             raise CompareError(f"unknown format {name!r}; known: {', '.join(FORMATS)}{hint}")
-        params = dict(DEFAULT_PARAMS.get(name, {}))
+        params = default_params(name)
         for kv in kvs:
             if "=" not in kv or not kv.split("=", 1)[0]:
                 raise CompareError(f"bad format parameter {kv!r} in {item!r}: expected key=value")
@@ -205,25 +211,15 @@ def _import_format(name: str):
         return None, f"{type(e).__name__}: {e}"
     if not callable(getattr(mod, "quantize", None)):
         return None, f"qformats.{name} has no quantize()"
+    if getattr(mod, "SPEC", None) is None:
+        return None, f"qformats.{name} has no SPEC"
     return mod, ""
 
 
 def _block_of(mod, params: dict) -> int:
     """How many values along the last axis one block covers: in_features must be a multiple
-    (1: no constraint; nf4 blocks the flattened tensor, as bitsandbytes, so any shape works)."""
-    if getattr(mod, "FORMAT", None) == "nf4":
-        return 1
-    if params.get("granularity", "group") in ("row", "tensor", "channel", "per_row"):
-        return 1
-    for key in ("group_size", "blocksize", "block_size"):
-        v = params.get(key)
-        if isinstance(v, int) and v > 0:
-            return v
-    for attr in ("QK", "GROUP_SIZE", "BLOCK_SIZE", "BLOCKSIZE"):
-        v = getattr(mod, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return 1
+    (1: no constraint): the format's ``SPEC.block``."""
+    return int(mod.SPEC.block(params))
 
 
 # -- the comparison ---------------------------------------------------------------------------

@@ -38,7 +38,10 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-#: (format, params) candidates, any order (sorted by stored bits per layer).
+from ._core import format_spec
+
+#: (format, params) candidates, any order (sorted by stored bits per layer): a policy of the
+#: budget method (which formats it weighs by default), not a fact of the formats.
 DEFAULT_CANDIDATES = (
     ("int8", {"granularity": "row"}),
     ("int4", {"group_size": 128, "symmetric": False}),
@@ -232,9 +235,7 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
         gs = params.pop("group_size", None)
         fmt, params = resolve_spec(fmt, None, gs, **params)
         if meth == "signround":
-            ok = (fmt == "int4" and not params.get("symmetric", False)) or (
-                fmt == "mixed2bit" and float(params.get("outlier_ratio", 0.0)) == 0.0)
-            if not ok:
+            if not format_spec(fmt).trainable(params):
                 raise ValueError(f"candidates: signround trains int4 asymmetric and mixed2bit without "
                                  f"outliers only, got {fmt} {params}")
         cands.append((fmt, params, meth))
@@ -244,7 +245,7 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
     # per column over the calibration windows (one forward with hooks on the float model)
     sens: dict = {}
     if options.get("selection", "sensitivity") == "sensitivity" and any(
-            f == "mixed2bit" and float(p.get("ratio_4bit", 0.1)) > 0 and me == "rtn" for f, p, me in cands):
+            format_spec(f).calibrated(p) and me == "rtn" for f, p, me in cands):
         from .signround import model_second_moments, sensitivity_from_moments
 
         moments = model_second_moments(model, {name: m for name, m, _, _ in plan}, samples,
@@ -284,8 +285,8 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
                 q, secs = trained[(ci, name)]
             else:
                 t1 = time.perf_counter()
-                extra = ({"sensitivity": sens[name]} if fmt == "mixed2bit" and name in sens
-                         and float(params.get("ratio_4bit", 0.1)) > 0 else {})
+                extra = ({"sensitivity": sens[name]} if name in sens and format_spec(fmt).calibrated(params)
+                         else {})
                 q = QuantizedLinear.from_linear(m, fmt, **params, **extra)
                 secs = time.perf_counter() - t1
             _set_submodule(model, name, q)

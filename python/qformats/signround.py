@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._core import QuantizedTensor, validate
+from ._core import QuantizedTensor, format_spec, validate
 from .nn import QuantizedLinear
 
 __all__ = ["OPTIONS", "pop_options", "fake_quant_int4", "export_int4", "fake_quant_2bit",
@@ -787,10 +787,7 @@ def quantize_plan(model: nn.Module, plan: list, options: dict, progress: bool = 
         ValueError: bad options (iters < 0, selection, sensitivity_power, calibration data).
     """
     for name, m, fmt, qp in plan:
-        ok4 = fmt == "int4" and not qp.get("symmetric", False)
-        ok2 = (fmt == "mixed2bit" and float(qp.get("outlier_ratio", 0.0)) == 0.0
-               and qp.get("sensitivity") is None)
-        if not (ok4 or ok2):
+        if not format_spec(fmt).trainable(qp):
             raise NotImplementedError(
                 f"method='signround' supports int4 asymmetric groups (bits=4) and mixed2bit "
                 f"without outliers (bits=2, any ratio_4bit, outlier_ratio=0) only; layer {name} "
@@ -823,7 +820,7 @@ def quantize_plan(model: nn.Module, plan: list, options: dict, progress: bool = 
         # mixed2bit layers with 4-bit groups: their inputs' second moments, from the same
         # forward that computes the targets (the inputs the training sees)
         mixed = {rel: fblock.get_submodule(rel) for rel, (_, fmt, qp) in names
-                 if fmt == "mixed2bit" and float(qp.get("ratio_4bit", 0.1)) > 0}
+                 if format_spec(fmt).calibrated(qp)}
         moments: dict = {}
         if mixed and options.get("selection", "sensitivity") == "sensitivity":
             def run():
@@ -835,11 +832,13 @@ def quantize_plan(model: nn.Module, plan: list, options: dict, progress: bool = 
             targets = _forward_all(fblock, inputs, options["batch_size"])
         linears = {}
         for rel, (name, fmt, qp) in names:
-            gs = qp.get("group_size", 128 if fmt == "int4" else 16)
+            spec = format_spec(fmt)
+            full = spec.params(**qp)  # the format's defaults, then the layer's params
+            gs = full[spec.group_param]
             sb = qp.get("scale_block", 16)
             is4, ratio, selection = None, 0.0, "range"
             if rel in mixed:
-                ratio = float(qp.get("ratio_4bit", 0.1))
+                ratio = float(full["ratio_4bit"])
                 sens = None
                 if rel in moments:
                     sens = sensitivity_from_moments(moments[rel], options.get("sensitivity_power", 1.0))

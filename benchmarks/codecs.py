@@ -9,6 +9,7 @@ fp16 output for dequantize); "% copy" compares with a device-to-device copy of t
 measured in the same run. "quantize" is the public call (input validated, including the
 NaN/Inf scan); "quantize*" runs it inside qformats.skip_finite_check(). bitsandbytes'
 quantize_4bit / dequantize_4bit (nf4, blocksize 64) are measured alongside when installed.
+Every format runs at its default parameters (``qformats.<fmt>.SPEC.defaults``).
 """
 from __future__ import annotations
 
@@ -18,15 +19,8 @@ import statistics
 import torch
 
 import qformats
+from qformats._core import format_spec
 
-FORMAT_PARAMS = {
-    "q4_0": {},
-    "q8_1": {},
-    "int8": {"granularity": "row"},
-    "int4": {"group_size": 128},
-    "nf4": {"blocksize": 64},
-    "mixed2bit": {},
-}
 L2_BYTES = 60 * 2**20  # H200: 60 MB
 
 
@@ -78,7 +72,7 @@ def n_rotations(bytes_per_set: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
-    ap.add_argument("--formats", default=",".join(FORMAT_PARAMS))
+    ap.add_argument("--formats", default=",".join(qformats.FORMATS))
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args(argv)
     if not qformats.cuda_available():
@@ -103,15 +97,15 @@ def main(argv=None) -> int:
         rows.append((f"{m}x{k}", "copy", "d2d", copy_ms, copy_gbs, 100.0, (copy_ms,)))
         del dst
         for fmt in formats:
-            params = FORMAT_PARAMS.get(fmt, {})
             try:
-                mod = getattr(qformats, fmt)
-                qts = [mod.quantize(s[0], **params) for s in sets]
+                spec = format_spec(fmt)  # each format at its default parameters
+                params = dict(spec.defaults)
+                qts = [spec.quantize(s[0], **params) for s in sets]
             except Exception as e:  # a format without CUDA kernels in this build
                 rows.append((f"{m}x{k}", fmt, f"n/a: {type(e).__name__}: {str(e)[:60]}", 0, 0, 0, ()))
                 continue
             qbytes = qts[0].nbytes
-            quant = lambda x: mod.quantize(x, **params)  # noqa: E731
+            quant = lambda x: spec.quantize(x, **params)  # noqa: E731
             deq = lambda q: q.dequantize(dtype="float16")  # noqa: E731
             qsets = [(q,) for q in qts]
             api_q = time_ms(quant, sets, args.iters)

@@ -22,11 +22,13 @@ time; % copy = weight GB/s over the device-to-device copy bandwidth measured in 
 run's metadata (date, GPU, versions, command line), for the documentation's plots
 (docs/_ext/qf_results.py reads benchmarks/results/gemm_h200.json in this schema).
 
-Rows (ours): nf4, int4 (g128 asymmetric), q4_0 (weight-only), q4_0xq8_1 (llama.cpp's pair:
-x quantized to q8_1 by our kernel, then dp4a; the time includes both), mixed2bit (g16, 10%
-4-bit), int8 fused (int8_linear: int8 x int8 with the scale epilogue, fp16 out; x pre-quantized),
-int4xint4 (int4_matmul, int32 out; x pre-quantized). "+cuBLAS" rows: our dequantize to fp16 then
-cuBLAS, the large-N path of QuantizedLinear. Peers: fp16 (F.linear, cuBLAS), torch._int_mm
+Rows (ours): every format with a weight-only gemm (``SPEC.gemm``), at its default parameters
+(``SPEC.defaults``), in ``qformats.FORMATS`` order: q4_0 (weight-only), int4 (g128 asymmetric),
+nf4 (blocksize 64), mixed2bit (g16, 10% 4-bit); q4_0xq8_1 (llama.cpp's pair: x quantized to
+q8_1 by our kernel, then dp4a; the time includes both), int8 fused (int8_linear: int8 x int8
+with the scale epilogue, fp16 out; x pre-quantized), int4xint4 (int4_matmul, int32 out; x
+pre-quantized). "+cuBLAS" rows: our dequantize to fp16 then cuBLAS, the large-N path of
+QuantizedLinear. Peers: fp16 (F.linear, cuBLAS), torch._int_mm
 (int8, N > 16), bnb-nf4 (bitsandbytes.matmul_4bit, blocksize 64), bnb-int8 (Linear8bitLt,
 threshold 0).
 """
@@ -44,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 import qformats
-from qformats import int4, int8, mixed2bit, nf4, q4_0
+from qformats import int4, int8, q4_0
+from qformats._core import format_spec
 
 L2_BYTES = 60 * 2**20
 DIRECT_MAX_N = 64  # the register-decoding weight-only kernels are timed up to this N
@@ -113,6 +116,7 @@ def main(argv=None) -> int:
         bnb = bnbf = None
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ns = [int(v) for v in args.n.split(",")]
+    weight_only = [f for f in qformats.FORMATS if format_spec(f).gemm is not None]  # x fp16 . W^T
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  qformats {qformats.__version__}"
           f"  bitsandbytes {getattr(bnb, '__version__', 'absent')}")
     rows = []
@@ -135,10 +139,9 @@ def main(argv=None) -> int:
             q0 = fn(w16)
             reps = rotations(nbytes_of(weight_of(q0)))
             return [q0] + [fn(w16 * (1 + 0.001 * i)) for i in range(1, reps)]
-        ours["nf4"] = quant_sets("nf4", lambda w: nf4.quantize(w, blocksize=64))
-        ours["int4"] = quant_sets("int4", lambda w: int4.quantize(w, group_size=128))
-        ours["q4_0"] = quant_sets("q4_0", lambda w: q4_0.quantize(w))
-        ours["mixed2bit"] = quant_sets("mixed2bit", lambda w: mixed2bit.quantize(w))
+        for fmt in weight_only:
+            spec = format_spec(fmt)
+            ours[fmt] = quant_sets(fmt, lambda w: spec.quantize(w, **spec.defaults))
         w8 = [int8.quantize(w, "row") for w in ws16[: rotations(m * k)]]
         w4s = [int4.quantize(w, group_size=k, symmetric=True) for w in ws16[: rotations(m * k // 2)]]
         bnb_w = []
@@ -163,15 +166,16 @@ def main(argv=None) -> int:
             fp16_us = time_us(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws16)], args.iters)
             res["fp16 cuBLAS"] = (fp16_us, 2 * m * k)
             with qformats.skip_finite_check():
-                for fmt, mod in (("nf4", nf4), ("int4", int4), ("q4_0", q4_0), ("mixed2bit", mixed2bit)):
+                for fmt in weight_only:
+                    gemm = format_spec(fmt).gemm
                     qs = ours[fmt]
                     sets = [(q, xs[i % 4]) for i, q in enumerate(qs)]
                     if n <= DIRECT_MAX_N and want(fmt):
-                        res[fmt] = (time_us(lambda q, x: mod.gemm(x, q), sets, args.iters), qs[0].nbytes)
+                        res[fmt] = (time_us(lambda q, x: gemm(x, q), sets, args.iters), qs[0].nbytes)
                     if n >= 16 and want(f"{fmt}+cuBLAS"):
                         res[f"{fmt}+cuBLAS"] = (time_us(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,
                                                         args.iters), qs[0].nbytes)
-                qs = ours["q4_0"]
+                qs = ours[q4_0.FORMAT]  # q4_0.linear: the q4_0 weights with q8_1 activations
                 if want("q4_0xq8_1"):
                     res["q4_0xq8_1"] = (time_us(lambda q, x: q4_0.linear(x, q),
                                                 [(q, xs[i % 4]) for i, q in enumerate(qs)], args.iters), qs[0].nbytes)

@@ -20,7 +20,9 @@ than torch). Kernels:
   torch fp32 / bf16      x @ W.T with W float32 / bfloat16 (torch's own CPU kernels)
   q4_0.linear            llama.cpp's pair: x quantized to q8_1 in the call, integer q4_0 x q8_1
   q4_0 x q8_1 (gemm)     gemm_q4_0_q8_1 on already-quantized activations (W . A^T)
-  q4_0 / nf4 / int4 / int4 sym / mixed2bit .gemm   weight-only, float32 activations
+  <fmt>.gemm             weight-only, float32 activations: every format with one (SPEC.gemm),
+                         at its default parameters (SPEC.defaults), in qformats.FORMATS order
+  int4.gemm sym          int4.gemm on symmetric groups of 128
   int8_matmul            int8 x int8 -> int32 on already-quantized activations
   int8_linear (fp16)     the fused form: int32 product, scales, bias, float16 out
   int4_matmul            int4 x int4 -> int32 on packed symmetric codes
@@ -74,7 +76,11 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from qformats import int4, int8, mixed2bit, nf4, q4_0, q8_1
+    import qformats
+    from qformats import int4, int8, q4_0, q8_1
+    from qformats._core import format_spec
+
+    gemm_formats = [f for f in qformats.FORMATS if format_spec(f).gemm is not None]
 
     isa = q4_0._native.gemm_isa()
     print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs visible), GEMM ISA: {isa}, "
@@ -87,17 +93,15 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         w = (rng.standard_normal((M, K)) * 0.02).astype(np.float32)
         wt = torch.from_numpy(w)
-        # Weight operands, quantized once; copies are made per kernel below.
-        weights = {
-            "torch fp32": wt,
-            "torch bf16": wt.to(torch.bfloat16),
-            "q4_0": q4_0.quantize(w),
-            "nf4": nf4.quantize(w, blocksize=64),
-            "int4": int4.quantize(w, 128),
-            "int4 sym": int4.quantize(w, 128, symmetric=True),
-            "mixed2bit": mixed2bit.quantize(w),
-            "int8": int8.quantize(w, "row"),
-        }
+        # Weight operands, quantized once; copies are made per kernel below. Every format with a
+        # weight-only gemm at its defaults; then the operands of the format-specific kernels.
+        weights = {"torch fp32": wt, "torch bf16": wt.to(torch.bfloat16)}
+        for f in gemm_formats:
+            spec = format_spec(f)
+            weights[f] = spec.quantize(w, **spec.defaults)
+        weights["int4 sym"] = int4.quantize(w, 128, symmetric=True)
+        weights["int8 row"] = int8.quantize(w, "row")
+        w_q4_0 = weights[q4_0.FORMAT] if q4_0.FORMAT in weights else q4_0.quantize(w)
         del w
 
         def nbytes(obj) -> int:
@@ -129,24 +133,25 @@ def main(argv=None) -> int:
             xi4 = int4.quantize(x, 128, symmetric=True).buffers["qweight"]
             bias = torch.zeros(M, dtype=torch.float16).numpy()
             # name -> (weight operand, fn(weight) -> result)
+            w8 = weights["int8 row"]
             kernels = {
                 "torch fp32": (weights["torch fp32"], lambda W: xt @ W.T),
                 "torch bf16": (weights["torch bf16"], lambda W: xb @ W.T),
-                "q4_0.linear": (weights["q4_0"], lambda W: q4_0.linear(x, W)),
-                "q4_0 x q8_1 (gemm)": (weights["q4_0"].buffers["blocks"],
+                "q4_0.linear": (w_q4_0, lambda W: q4_0.linear(x, W)),
+                "q4_0 x q8_1 (gemm)": (w_q4_0.buffers["blocks"],
                                        lambda W: q4_0.gemm_q4_0_q8_1(W, aq, M, N, K)),
-                "q4_0.gemm": (weights["q4_0"], lambda W: q4_0.gemm(x, W)),
-                "nf4.gemm": (weights["nf4"], lambda W: nf4.gemm(x, W)),
-                "int4.gemm": (weights["int4"], lambda W: int4.gemm(x, W)),
+            }
+            for f in gemm_formats:
+                kernels[f"{f}.gemm"] = (weights[f], lambda W, gemm=format_spec(f).gemm: gemm(x, W))
+            kernels.update({
                 "int4.gemm sym": (weights["int4 sym"], lambda W: int4.gemm(x, W)),
-                "mixed2bit.gemm": (weights["mixed2bit"], lambda W: mixed2bit.gemm(x, W)),
-                "int8_matmul": ((weights["int8"].buffers["q"], weights["int8"].buffers["scale"]),
+                "int8_matmul": ((w8.buffers["q"], w8.buffers["scale"]),
                                 lambda W: int8.int8_matmul(xq.buffers["q"], W[0])),
-                "int8_linear (fp16)": ((weights["int8"].buffers["q"], weights["int8"].buffers["scale"]),
+                "int8_linear (fp16)": ((w8.buffers["q"], w8.buffers["scale"]),
                                        lambda W: int8.int8_linear(xq.buffers["q"], xq.buffers["scale"], W[0], W[1],
                                                                   bias=bias, out_dtype="float16")),
                 "int4_matmul": (weights["int4 sym"].buffers["qweight"], lambda W: int4.int4_matmul(xi4, W)),
-            }
+            })
             if only:
                 kernels = {k: v for k, v in kernels.items() if k in only or k.startswith("torch")}
             sets, times = {}, {}

@@ -55,33 +55,51 @@ PARTS = ("rtn", "calibrated", "signround", "budget", "minilm")
 DEFAULT_POINTS = ("int4:gs=128,mixed2bit:gs=32:r=0,mixed2bit:gs=16:r=0.1,mixed2bit:gs=32:r=0.25,"
                   "mixed2bit:gs=16:r=0.12")
 DEFAULT_BUDGET = "int4:gs=128,mixed2bit:gs=16:r=0.1:signround,mixed2bit:gs=32:r=0:signround"
+#: A point's parameters where it does not give them: the format's defaults, except that a point
+#: without ``r=`` has no 4-bit groups (plain 2-bit).
+POINT_DEFAULTS = {"ratio_4bit": 0.0}
+
+
+def format_spec(name: str):
+    """``qformats.<name>.SPEC`` (SystemExit for an unknown or unbuilt format)."""
+    from qformats._core import format_spec as spec_of
+
+    try:
+        return spec_of(name)
+    except (ImportError, ValueError) as e:
+        raise SystemExit(f"format {name!r}: {e}") from e
 
 
 def parse_points(spec: str) -> list:
-    """``"int4:gs=128,mixed2bit:gs=16:r=0.1[:signround]"`` -> ``[(format, params, method)]``."""
+    """``"int4:gs=128,mixed2bit:gs=16:r=0.1[:signround]"`` -> ``[(format, params, method)]``:
+    formats that trainable rounding applies to (``SPEC.trainable``); ``gs`` is the format's
+    group parameter, ``r`` mixed2bit's ``ratio_4bit``; the rest from :data:`POINT_DEFAULTS`,
+    then the format's defaults."""
+    from qformats import FORMATS
+
+    trainable = [f for f in FORMATS if format_spec(f).trainable(format_spec(f).defaults)]
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         fmt, *kv = item.split(":")
+        if fmt not in trainable:
+            raise SystemExit(f"bad point {item!r}: {' or '.join(trainable)}")
+        fs = format_spec(fmt)
         params, method = {}, "rtn"
         for t in kv:
             if t in ("signround", "rtn"):
                 method = t
                 continue
             k, v = t.split("=")
-            if k == "gs":
-                params["group_size"] = int(v)
+            if k == "gs" and fs.group_param is not None:
+                params[fs.group_param] = int(v)
             elif k == "r":
                 params["ratio_4bit"] = float(v)
             else:
                 raise SystemExit(f"bad point {item!r}: use gs=, r= and optionally :signround")
-        if fmt == "int4":
-            params.setdefault("group_size", 128)
-            params["symmetric"] = False
-        elif fmt == "mixed2bit":
-            params.setdefault("group_size", 16)
-            params.setdefault("ratio_4bit", 0.0)
-        else:
-            raise SystemExit(f"bad point {item!r}: int4 or mixed2bit")
+        for k, v in fs.defaults.items():
+            params.setdefault(k, POINT_DEFAULTS.get(k, v))
+        if not fs.trainable(params):
+            raise SystemExit(f"bad point {item!r}: parameters that trainable rounding does not apply to")
         out.append((fmt, params, method))
     return out
 
@@ -138,10 +156,14 @@ def log(msg: str) -> None:
 def part_rtn(ctx, points, emit):
     from qformats.compare import compare
 
-    fmts = ["q4_0", "q8_1", "int8", "int4", "nf4", "mixed2bit"]
-    for fmt, p, _ in points:
-        if fmt == "mixed2bit" and p != {"group_size": 16, "ratio_4bit": 0.1}:
-            fmts.append(f"mixed2bit:group_size={p['group_size']}:ratio_4bit={p['ratio_4bit']}")
+    from qformats import FORMATS
+
+    fmts = list(FORMATS)  # each at its defaults
+    for fmt, p, _ in points:  # points of formats that choose their 4-bit groups: here by range
+        fs = format_spec(fmt)
+        if fs.calibrated(fs.defaults) and p != dict(fs.defaults):
+            keys = list(fs.defaults) + [k for k in p if k not in fs.defaults]
+            fmts.append(fmt + "".join(f":{k}={p[k]}" for k in keys))
     t0 = time.perf_counter()
     res = compare(ctx.args.model, fmts, ctx.args.text, max_tokens=ctx.args.windows * 512,
                   threads=ctx.args.threads, progress=False)
@@ -161,11 +183,11 @@ def part_calibrated(ctx, points, emit):
 
     a = ctx.args
     for fmt, p, _ in points:
-        if fmt != "mixed2bit" or p["ratio_4bit"] <= 0:
+        if not format_spec(fmt).calibrated(p):
             continue
         t0 = time.perf_counter()
         model = copy.deepcopy(ctx.lm.model)
-        rep = qformats.quantize_model(model, format="mixed2bit", **p, calibration=ctx.calib_text,
+        rep = qformats.quantize_model(model, format=fmt, **p, calibration=ctx.calib_text,
                                       tokenizer=ctx.lm.tokenizer, nsamples=a.nsamples, seqlen=a.seqlen)
         ppl = ctx.ppl(model)
         params = pstr(p) + f", calibration=pydoc_data.topics {a.nsamples}x{a.seqlen}"
@@ -185,7 +207,7 @@ def part_signround(ctx, points, emit):
                                       seqlen=a.seqlen, batch_size=8, selection=a.selection)
         t_train = time.perf_counter() - t0
         ppl = ctx.ppl(model)
-        params = (pstr(p) + (f", selection={a.selection}" if p.get("ratio_4bit", 0) > 0 else "")
+        params = (pstr(p) + (f", selection={a.selection}" if format_spec(fmt).calibrated(p) else "")
                   + f", iters={a.iters}, calibration=pydoc_data.topics {a.nsamples}x{a.seqlen}")
         emit(ctx.row("signround", fmt, params, rep.avg_bits, ppl))
         log(f"signround {pstr(p)}: train {t_train:.0f} s, total {time.perf_counter() - t0:.0f} s")
@@ -208,7 +230,7 @@ def part_budget(ctx, points, emit):
     counts: dict = {}
     for c in b["choices"].values():
         key = f"{c['format']}:{c['method']}" + (f":g{c['params']['group_size']}" if "group_size" in c["params"] else "")
-        if c["format"] == "mixed2bit":
+        if "ratio_4bit" in c["params"]:
             key += f":r{c['params']['ratio_4bit']}"
         counts[key] = counts.get(key, 0) + 1
     params = (f"max_perplexity_increase={a.budget_pct}; candidates={a.budget_candidates}; budget windows "

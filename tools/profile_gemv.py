@@ -3,7 +3,8 @@
     ncu -k regex:weight_only --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
         python tools/profile_gemv.py int4 14336 4096 1
 
-Arguments: format (nf4, int4, q4_0, mixed2bit), M, K, N; --dtype float16 | bfloat16.
+Arguments: format (one with a weight-only gemm: ``SPEC.gemm``; q4_0, int4, nf4, mixed2bit), M, K,
+N; --dtype float16 | bfloat16. The weight is quantized at the format's defaults (``SPEC.defaults``).
 Prints the median time of --iters single calls (CUDA events, each after a GPU sleep so that
 launch gaps do not count) and the mean time per call back to back; weights rotated past L2.
 """
@@ -14,16 +15,15 @@ import argparse
 import torch
 
 import qformats
-from qformats import int4, mixed2bit, nf4, q4_0
+from qformats._core import format_spec
 
-QUANTIZE = {"nf4": lambda w: nf4.quantize(w, blocksize=64), "int4": lambda w: int4.quantize(w, group_size=128),
-            "q4_0": q4_0.quantize, "mixed2bit": mixed2bit.quantize}
-MODULE = {"nf4": nf4, "int4": int4, "q4_0": q4_0, "mixed2bit": mixed2bit}
+#: The formats with a weight-only product x . W^T.
+GEMM_FORMATS = [f for f in qformats.FORMATS if format_spec(f).gemm is not None]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("fmt", choices=sorted(QUANTIZE))
+    ap.add_argument("fmt", choices=sorted(GEMM_FORMATS))
     ap.add_argument("M", type=int)
     ap.add_argument("K", type=int)
     ap.add_argument("N", type=int)
@@ -32,9 +32,10 @@ def main() -> None:
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
     w = torch.randn(a.M, a.K, device="cuda", dtype=dt) * 0.02
-    ws = [QUANTIZE[a.fmt](w * (1 + 0.001 * i)) for i in range(8)]  # 8 x >= 30 MB: past the 60 MB L2
+    spec = format_spec(a.fmt)
+    ws = [spec.quantize(w * (1 + 0.001 * i), **spec.defaults) for i in range(8)]  # 8 x >= 30 MB: past the 60 MB L2
     x = torch.randn(a.N, a.K, device="cuda", dtype=dt)
-    gemm = MODULE[a.fmt].gemm
+    gemm = spec.gemm
     times = []
     with qformats.skip_finite_check():
         for i in range(a.iters):

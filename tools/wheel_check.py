@@ -5,11 +5,12 @@ mode (``python -I tools/wheel_check.py WHEEL``) from outside the source tree, so
 ``import qformats`` can only find the installed copy. It checks:
 
 * the wheel holds ``qformats/py.typed`` and, next to every extension ``_native*.so``, a
-  ``_native.pyi`` that parses and names every public function of the module;
+  ``_native.pyi`` that parses and names every public function and class of the module;
 * ``qformats`` and every submodule import (those that need torch or transformers, absent here,
-  are listed and skipped); the native modules were built without CUDA (``cuda_built()`` False;
-  ``--cuda-built`` expects a CUDA build instead, for checking such a wheel on a machine without
-  a GPU) and ``cuda_available()`` is False;
+  are listed and skipped); ``cuda_available()`` is False and no device is counted, whether the
+  native modules were built with CUDA kernels or not (a CUDA wheel must import and run its CPU
+  paths on a machine without a GPU). The build kind is printed; ``--cpu-built`` requires
+  ``cuda_built()`` False (a wheel built without nvcc), ``--cuda-built`` requires it True;
 * per format, on small numpy arrays: the native quantizer's bytes == the format's ``reference``
   codec, dequantize == the reference decoder, pack/unpack where offered, and the CPU GEMMs
   (integer ones exact, float ones within 1e-5 of the float64 product as tests/gemm does);
@@ -94,11 +95,11 @@ def check_wheel(path: str) -> None:
         pyi = os.path.dirname(ext) + "/_native.pyi"
         mod = pyi[:-len(".pyi")].replace("/", ".")
 
-        @check(f"{pyi}: present, parses, names every function of {mod}")
+        @check(f"{pyi}: present, parses, names every function and class of {mod}")
         def _():
             assert pyi in names, f"{pyi} missing"
             tree = ast.parse(zipfile.ZipFile(path).read(pyi).decode())
-            defs = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+            defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
             m = importlib.import_module(mod)
             public = {n for n in dir(m) if not n.startswith("_") and callable(getattr(m, n))}
             assert public, f"{mod} exports nothing"
@@ -107,7 +108,7 @@ def check_wheel(path: str) -> None:
 
 # -- imports and runtime ---------------------------------------------------------------------
 
-def check_imports(cuda_built: bool) -> None:
+def check_imports(cuda_built: bool | None) -> None:
     import qformats
 
     print(f"qformats {qformats.__version__} from {os.path.dirname(qformats.__file__)}")
@@ -135,13 +136,17 @@ def check_imports(cuda_built: bool) -> None:
             print(f"  FAIL  import {info.name}: {e!r}")
     print(f"  ok    every other submodule imports; skipped, needing an optional package: {', '.join(skipped) or 'none'}")
 
-    @check(f"built {'with' if cuda_built else 'without'} CUDA; cuda_available() is False")
+    want = {None: "either build", True: "a CUDA build required", False: "a CPU-only build required"}
+
+    @check(f"build kind ({want[cuda_built]}); cuda_available() is False, no device")
     def _():
         from qformats import _runtime
-        if cuda_built:
-            assert _runtime.cuda_built(), "expected a CUDA build"
-        else:
-            assert not _runtime.cuda_built(), "the extensions were compiled with CUDA: was nvcc visible?"
+        built = bool(_runtime.cuda_built())
+        print(f"  build: {'CUDA kernels compiled in (cuda_built() True)' if built else 'CPU only (cuda_built() False)'}")
+        if cuda_built is True:
+            assert built, "expected a CUDA build (cuda_built() is False)"
+        elif cuda_built is False:
+            assert not built, "the extensions were compiled with CUDA: was nvcc visible?"
         assert qformats.cuda_available() is False
         assert _runtime.cuda_device_count() == 0
 
@@ -319,11 +324,13 @@ def check_io() -> None:
 
 def main() -> int:
     args = sys.argv[1:]
-    cuda_built = "--cuda-built" in args
-    args = [a for a in args if a != "--cuda-built"]
-    if len(args) != 1:
-        print(f"usage: python -I {sys.argv[0]} WHEEL [--cuda-built]", file=sys.stderr)
+    flags = {"--cuda-built": True, "--cpu-built": False}
+    wanted = [flags[a] for a in args if a in flags]
+    args = [a for a in args if a not in flags]
+    if len(args) != 1 or len(wanted) > 1:
+        print(f"usage: python -I {sys.argv[0]} WHEEL [--cuda-built | --cpu-built]", file=sys.stderr)
         return 2
+    cuda_built = wanted[0] if wanted else None   # None: either build is accepted
     check_imports(cuda_built)
     check_wheel(args[0])
     print("formats (numpy, CPU kernels)")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does, in one call (the device tool runs it in the repo root):
 #   tools/gpu_check.sh [build] [test] [bench] [sanitize]      (default: all four)
-# build:    pip install --no-build-isolation . for sm_90 only (CI compiles sm_75..sm_90)
+# build:    pip install --no-build-isolation . with the default QFORMATS_CUDA=AUTO: the visible GPU's
+#           architecture only (sm_90 on the H200; CI compiles every architecture); prints the
+#           build log's "qformats: CUDA kernels ..." line
 # test:     the whole test suite; the GPU tests (tests/*/test_*_cuda.py) run here
 # bench:    benchmarks/codecs.py (median of CUDA events, rotated buffers, % of copy bandwidth)
 # gemm:     benchmarks/gemm.py (GEMV/GEMM table against cuBLAS fp16, _int_mm, bitsandbytes)
@@ -25,8 +27,9 @@ for stage in $stages; do
   case $stage in
     build)
       t0=$(date +%s)
-      python3 -m pip install --no-build-isolation --no-deps -q . -Cbuild-dir=build/gpu \
-        -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 "-Ccmake.define.QFORMATS_FORMATS=${QF_FORMATS:-}" >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      python3 -m pip install --no-build-isolation --no-deps -v . -Cbuild-dir=build/gpu \
+        "-Ccmake.define.QFORMATS_FORMATS=${QF_FORMATS:-}" >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      grep -m1 "qformats: CUDA kernels" "$OUT/build.log" | sed 's/^[ -]*//'
       echo "built in $(( $(date +%s) - t0 )) s"
       python3 -c "import qformats; print('cuda_available:', qformats.cuda_available())" ;;
     test)

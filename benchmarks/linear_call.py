@@ -6,9 +6,9 @@ per call: module call, checks, allocation, launch.
     python benchmarks/linear_call.py [--device cuda|cpu] [--shape 4096x4096] [--rows 1]
                                      [--dtype float16] [--calls 2000] [--repeats 7] [--bias 1]
 
-Rows: ``torch.nn.Linear`` (the reference), ``qformats.nn.QuantizedLinear`` for each 4-bit format
-and mixed2bit, and the peers present in the environment: bitsandbytes ``Linear4bit`` (nf4,
-blocksize 64, fp16 compute) and torch's tinygemm int4 (``aten._weight_int4pack_mm``, group 128,
+Rows: ``torch.nn.Linear`` (the reference), ``qformats.nn.QuantizedLinear`` for each format with a
+native linear kernel (``SPEC.make_linear``; at ``SPEC.defaults``), and the peers present in the
+environment: bitsandbytes ``Linear4bit`` (nf4, blocksize 64, fp16 compute) and torch's tinygemm int4 (``aten._weight_int4pack_mm``, group 128,
 bf16, the kernel behind torchao's int4 weight-only layout). Each row: median over ``repeats``
 loops of ``calls`` calls of (loop time / calls), under ``torch.no_grad()``, synchronized at
 the end of each loop; the ratio column divides by ``nn.Linear``'s time in the same run.
@@ -26,7 +26,8 @@ import torch.nn as nn
 import qformats
 from qformats.nn import QuantizedLinear
 
-FORMATS = {"int4": {"group_size": 128}, "nf4": {"blocksize": 64}, "q4_0": {}, "mixed2bit": {}}
+#: The formats with a native linear kernel, each at its SPEC.defaults (int4: groups of 128).
+FORMATS = [f for f in qformats.FORMATS if qformats.format_spec(f).make_linear is not None]
 
 
 class TinyGemmInt4(nn.Module):
@@ -42,9 +43,11 @@ class TinyGemmInt4(nn.Module):
         scale = ((hi - lo) / 15).clamp(min=1e-6)
         zero = lo + scale * 8
         q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(M, K)
+        q = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two codes a byte, even element high
         self.group_size = group_size
         self.packed = torch.ops.aten._convert_weight_to_int4pack(q, inner_k_tiles)
-        self.sz = torch.stack([scale.reshape(M, -1), zero.reshape(M, -1)], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        sz = torch.stack([scale.reshape(M, -1), zero.reshape(M, -1)], -1)
+        self.sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
         self.bias = None if lin.bias is None else lin.bias.detach().to(torch.bfloat16)
         self.out_features = M
 
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     x = torch.randn(args.rows, K, device=dev, dtype=dtype)
     rows = [("nn.Linear", args.dtype, per_call_us(lin, x, args.calls, args.repeats, sync))]
     for fmt in [f for f in args.formats.split(",") if f]:
-        q = QuantizedLinear.from_linear(lin, fmt, **FORMATS[fmt])
+        q = QuantizedLinear.from_linear(lin, fmt, **qformats.format_spec(fmt).defaults)
         rows.append((f"QuantizedLinear {fmt}", args.dtype, per_call_us(q, x, args.calls, args.repeats, sync)))
     if dev.type == "cuda":
         try:

@@ -42,7 +42,7 @@ struct PackedLinear {
   void operator()(const Array& x, const Array& out, const std::optional<Array>& bias, uintptr_t stream) const {
     Device d = device_of(x, stream, "x");
     if (d.cuda != dev.cuda || (d.cuda && d.id != dev.id))
-      throw std::invalid_argument("x: not on the weight's device");
+      throw std::invalid_argument("x: all arrays of a call must be on the same device (x is not on the weight's)");
     require_contiguous_on(x, "x", d);
     if (x.ndim() < 1 || static_cast<int64_t>(x.shape(x.ndim() - 1)) != K)
       throw std::invalid_argument("x: expected shape [..., " + std::to_string(K) + "]");
@@ -90,6 +90,9 @@ struct PackedLinear {
 template <class Impl>
 void bind_linear(nb::module_& m, const char* doc) {
   using L = PackedLinear<Impl>;
+  // Layers kept by module-level objects (a model in a script's globals) are still alive when the
+  // interpreter exits; nanobind would report each bound weight as a leak then.
+  nb::set_leak_warnings(false);
   nb::class_<L>(m, "Linear", doc)
       .def("__call__", &L::call, nb::arg("x"), nb::arg("out"), nb::arg("bias").none() = nb::none(),
            nb::arg("stream") = 0)

@@ -8,8 +8,9 @@ per call: module call, checks, allocation, launch.
 
 Rows: ``torch.nn.Linear`` (the reference), ``qformats.nn.QuantizedLinear`` for each format with a
 native linear kernel (``SPEC.make_linear``; at ``SPEC.defaults``), and the peers present in the
-environment: bitsandbytes ``Linear4bit`` (nf4, blocksize 64, fp16 compute) and torch's tinygemm int4 (``aten._weight_int4pack_mm``, group 128,
-bf16, the kernel behind torchao's int4 weight-only layout). Each row: median over ``repeats``
+environment: bitsandbytes ``Linear4bit`` (nf4, blocksize 64, fp16 compute) and torch's tinygemm
+int4 (``aten._weight_int4pack_mm``, group 128, bf16, the kernel behind torchao's int4 weight-only
+layout). Each row: median over ``repeats``
 loops of ``calls`` calls of (loop time / calls), under ``torch.no_grad()``, synchronized at
 the end of each loop; the ratio column divides by ``nn.Linear``'s time in the same run.
 """

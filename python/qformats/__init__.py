@@ -18,7 +18,8 @@ from ._spec import FormatSpec, LinearKernel
 from .io import load, save
 
 __version__ = "0.1.0"
-__all__ = ["FORMATS", "FormatSpec", "LinearKernel", "format_spec", "QuantizedTensor", "save", "load", "cuda_available", "skip_finite_check", "__version__", *FORMATS,
+__all__ = ["FORMATS", "FormatSpec", "LinearKernel", "format_spec", "QuantizedTensor", "save", "load",
+           "cuda_available", "skip_finite_check", "__version__", *FORMATS,
            "quantize_model", "QuantizationReport", "save_quantized", "load_quantized", "nn", "ops"]
 # Model-level API (needs torch), imported on first use: name -> submodule.
 _LAZY = {"quantize_model": "model", "QuantizationReport": "model", "save_quantized": "saving",

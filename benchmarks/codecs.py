@@ -135,7 +135,8 @@ def main(argv=None) -> int:
         del sets
 
     print()
-    print(f"| {'shape':<11} | {'format':<9} | {'op':<10} | {'kernel us':>9} | {'GB/s':>6} | {'% copy':>7} | {'API us':>17} |")
+    print(f"| {'shape':<11} | {'format':<9} | {'op':<10} | {'kernel us':>9} | {'GB/s':>6} | {'% copy':>7} "
+          f"| {'API us':>17} |")
     print(f"|{'-' * 13}|{'-' * 11}|{'-' * 12}|{'-' * 11}|{'-' * 8}|{'-' * 9}|{'-' * 19}|")
     for shape, fmt, op, ms, gbs, pct, api in rows:
         if op.startswith("n/a"):

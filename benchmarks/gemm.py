@@ -215,7 +215,8 @@ def main(argv=None) -> int:
            "|-------------|-----:|-----------------|----------:|--------:|------------:|-------:|-------:|")
     print("\n" + hdr)
     for shape, n, name, us, tf, gbs, pct, ratio in rows:
-        print(f"| {shape:<11} | {n:4d} | {name:<15} | {us:9.1f} | {tf:7.1f} | {gbs:11.0f} | {pct:5.1f}% | {ratio:5.2f}x |")
+        print(f"| {shape:<11} | {n:4d} | {name:<15} | {us:9.1f} | {tf:7.1f} | {gbs:11.0f} | {pct:5.1f}% "
+              f"| {ratio:5.2f}x |")
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("shape,N,kernel,time_us,tflops,weight_gbs,pct_copy,x_fp16\n")

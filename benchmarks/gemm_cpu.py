@@ -177,7 +177,8 @@ def main(argv=None) -> int:
                         times[name].append(time.perf_counter() - t0)
             med = {k: statistics.median(v) for k, v in times.items()}
             print(f"\nM x K = {M} x {K}, N = {N}")
-            print(f"  {'kernel':<20} {'ms':>9} {'min ms':>9} {'GB/s':>8} {'x fp32':>8} {'x bf16':>8}  {'weight MiB':>10}")
+            print(f"  {'kernel':<20} {'ms':>9} {'min ms':>9} {'GB/s':>8} {'x fp32':>8} {'x bf16':>8}  "
+                  f"{'weight MiB':>10}")
             for name, t in med.items():
                 b = sets[name][2]
                 row = {"M": M, "K": K, "N": N, "kernel": name, "ms": t * 1e3, "min_ms": min(times[name]) * 1e3,
@@ -185,7 +186,8 @@ def main(argv=None) -> int:
                        "vs_fp32": med["torch fp32"] / t, "vs_bf16": med["torch bf16"] / t,
                        "weight_bytes": b, "repeats": args.repeats, "threads": args.threads, "isa": isa}
                 rows.append(row)
-                print(f"  {name:<20} {row['ms']:>9.3f} {row['min_ms']:>9.3f} {row['gbps']:>8.2f} {row['vs_fp32']:>8.2f} "
+                print(f"  {name:<20} {row['ms']:>9.3f} {row['min_ms']:>9.3f} {row['gbps']:>8.2f} "
+                      f"{row['vs_fp32']:>8.2f} "
                       f"{row['vs_bf16']:>8.2f}  {b / 2**20:>10.2f}")
             del sets
             sys.stdout.flush()

@@ -41,7 +41,6 @@ import argparse
 import copy
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import shlex
@@ -330,7 +329,8 @@ def main(argv=None) -> int:
         if command not in cmds:
             cmds.append(command)
         m.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": f"{platform.node() or 'host'}: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
+                  "machine": f"{platform.node() or 'host'}: {os.cpu_count()} CPU cores "
+                             f"({platform.processor() or platform.machine()}), "
                              f"{args.threads} threads, torch {torch.__version__}",
                   "command": " ; ".join(cmds)})
         if fp32 is not None:

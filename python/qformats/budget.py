@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Optional
 
 import torch
 import torch.nn as nn

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from ._core import FORMATS, format_spec
 from .evaluate import (EvalError, checkpoint_dtypes, cosine_stats, default_model_path,

@@ -47,7 +47,7 @@ def test_state_dict_roundtrip_weights_only(tmp_path):
 
 
 def test_from_state_dict_rejects_mismatch():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     sd = _qt().state_dict()
     sd["buffers"]["blocks"] = sd["buffers"]["blocks"][:, :1]
     with pytest.raises(ValueError, match="blocks"):

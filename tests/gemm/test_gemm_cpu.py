@@ -502,7 +502,8 @@ def test_native_adapters_refuse_bad_sizes():
         q4_0._native.linear(x, w.buffers["blocks"], np.empty((2, 4), F32), 4, 2, 48)
     a = np.zeros((2, 16), np.int8)
     with pytest.raises(ValueError, match="x_scale"):
-        int8._native.int8_linear(a, np.ones(3, F32), a, np.ones(2, F32), None, False, 1.0, np.empty((2, 2), F32), 2, 2, 16)
+        int8._native.int8_linear(a, np.ones(3, F32), a, np.ones(2, F32), None, False, 1.0, np.empty((2, 2), F32),
+                                 2, 2, 16)
     with pytest.raises(ValueError, match="bias"):
         int8._native.int8_linear(a, np.ones(2, F32), a, np.ones(2, F32), np.ones(3, F32), False, 1.0,
                                  np.empty((2, 2), F32), 2, 2, 16)
@@ -511,4 +512,5 @@ def test_native_adapters_refuse_bad_sizes():
                                  np.empty((2, 2), np.int32), 2, 2, 16)
     qn = nf4.quantize(np.ones((4, 64), F32))
     with pytest.raises(ValueError, match="x"):
-        nf4._native.gemm(np.ones((2, 32), F32), qn.buffers["packed"], qn.buffers["absmax"], np.empty((2, 4), F32), 4, 64, 64)
+        nf4._native.gemm(np.ones((2, 32), F32), qn.buffers["packed"], qn.buffers["absmax"], np.empty((2, 4), F32),
+                         4, 64, 64)

@@ -201,7 +201,8 @@ def test_bulk_random_discriminates_rounding_variants():
         u = _unit_view(x, g, gs)
         absmax = np.abs(u).max(axis=-1, keepdims=True)
         by_div = np.clip(np.rint(u / (absmax / np.float32(127))), -127, 127)
-        half_away = np.clip(np.trunc(u * (np.float32(127) / absmax) + np.copysign(0.5, u).astype(np.float32)), -127, 127)
+        half_away = np.clip(np.trunc(u * (np.float32(127) / absmax) + np.copysign(0.5, u).astype(np.float32)),
+                            -127, 127)
         assert (by_div.astype(np.int8) != _unit_view(rq, g, gs)).any()
         assert (half_away.astype(np.int8) != _unit_view(rq, g, gs)).any()
 

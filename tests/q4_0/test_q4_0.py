@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from qformats import q4_0, q8_1
 from qformats import _arrays as A
-from strategies import assert_bytes_equal, float_inputs, to_dtype
+from strategies import assert_bytes_equal, float_inputs
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

@@ -72,7 +72,8 @@ BUFFER_NAMES = reference.BUFFER_NAMES
 PARAM_NAMES = ("group_size", "ratio_4bit", "outlier_ratio", "scale_block", "selection", "n4", "n_out")
 _MAX_INT32 = 2**31 - 1
 
-__all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "gemm", "gemm_cuda_supported", "pack_2bit", "unpack_2bit", "nmse",
+__all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "gemm", "gemm_cuda_supported", "pack_2bit",
+           "unpack_2bit", "nmse",
            "FORMAT", "BUFFER_NAMES", "reference"]
 
 

@@ -231,7 +231,8 @@ def quantize(w, group_size: int = 16, ratio_4bit: float = 0.1, sensitivity=None,
         m_eff = (dm * mc.astype(np.float32)).astype(np.float32)
         codes = _encode(g[sel], s_eff, m_eff, qmax)
         bufs["codes" + key] = _pack(codes, bits).reshape(codes.shape[0], gs * bits // 32)
-        bufs["scales" + key] = (sc | (mc << 4)).astype(np.uint8) if key == "2" else np.stack([sc, mc], axis=1).reshape(-1, 2)
+        bufs["scales" + key] = ((sc | (mc << 4)).astype(np.uint8) if key == "2"
+                                else np.stack([sc, mc], axis=1).reshape(-1, 2))
         bufs["so" + key] = so.reshape(-1, 2)
     with np.errstate(over="ignore"):
         oval = w.reshape(-1)[a.outlier_idx].astype(np.float16)

@@ -155,13 +155,13 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--layers", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="CPU: torch and qformats threads (0: as set)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU: torch's threads (0: as set); qformats' kernels take QFORMATS_NUM_THREADS")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     dev = args.device
     if args.threads:
-        torch.set_num_threads(args.threads)
-        qformats._runtime.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)  # qformats' CPU kernels: QFORMATS_NUM_THREADS
     fdtype = torch.float16 if dev == "cuda" else torch.float32
     base_name = "fp16" if dev == "cuda" else "fp32"
     kernels = [f for f in qformats.FORMATS if format_spec(f).linear_rows.get(dev)]

@@ -46,7 +46,8 @@ struct PackedLinear {
     require_contiguous_on(x, "x", d);
     if (x.ndim() < 1 || static_cast<int64_t>(x.shape(x.ndim() - 1)) != K)
       throw std::invalid_argument("x: expected shape [..., " + std::to_string(K) + "]");
-    const int64_t N = K ? numel(x) / K : 0;
+    int64_t N = 1;  // x's rows: the product of its leading dimensions (K may be 0)
+    for (size_t i = 0; i + 1 < x.ndim(); ++i) N *= static_cast<int64_t>(x.shape(i));
     require_numel(out, N * M, "out");
     if (bias) {
       require_contiguous_on(*bias, "bias", d);

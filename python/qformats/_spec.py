@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["FormatSpec", "LinearKernel"]
+__all__ = ["FormatSpec", "LinearKernel", "WEIGHT_ONLY_ROWS", "fixed_blocks"]
+
+#: The ``linear_rows`` of the formats whose weight-only kernels run in QuantizedLinear: up to 16
+#: activation rows on CUDA (H200: the tensor-core kernel against dequantize + cuBLAS, e.g.
+#: 14336x4096 at 16 rows 46-56 us against 76-82 us, at 64 rows 124-174 against 77) and 32 on the
+#: CPU (2 cores: faster than dequantize + F.linear at 16 rows on 2048x2048 and 5632x2048, slower
+#: at 64 rows on 2048x2048); benchmarks/README.md has the tables.
+WEIGHT_ONLY_ROWS = MappingProxyType({"cuda": 16, "cpu": 32})
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,17 @@ class LinearKernel:
 
 def _no_group_size(params: dict, group_size: int) -> dict:
     raise ValueError("this format has no group parameter")
+
+
+def fixed_blocks(name: str, qk: int) -> Callable[[dict, int], dict]:
+    """``with_group_size`` of a format with fixed blocks of ``qk`` values (the GGML blocks):
+    accepts ``group_size == qk`` only."""
+    def fold(params: dict, group_size: int) -> dict:
+        if group_size != qk:
+            raise ValueError(f"{name} has fixed blocks of {qk} values; group_size={group_size} is not possible")
+        return dict(params)
+
+    return fold
 
 
 @dataclass(frozen=True)

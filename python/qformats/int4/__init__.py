@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import FormatSpec, LinearKernel
+from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from . import _native, reference
 
 FORMAT = "int4"
@@ -293,7 +293,7 @@ SPEC = FormatSpec(
     dequantize=dequantize,
     expected_buffers=expected_buffers,
     gemm=gemm,
-    linear_rows={"cuda": 16, "cpu": 32},
+    linear_rows=WEIGHT_ONLY_ROWS,
     make_linear=_make_linear,
     trainable=lambda p: not p.get("symmetric", False),
 )

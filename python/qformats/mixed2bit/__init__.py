@@ -60,7 +60,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import FormatSpec, LinearKernel
+from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from . import _native, reference
 
 FORMAT = "mixed2bit"
@@ -390,7 +390,7 @@ SPEC = FormatSpec(
     dequantize=dequantize,
     expected_buffers=expected_buffers,
     gemm=gemm,
-    linear_rows={"cuda": 16, "cpu": 32},
+    linear_rows=WEIGHT_ONLY_ROWS,
     make_linear=_make_linear,
     trainable=lambda p: float(p.get("outlier_ratio", 0.0)) == 0.0 and p.get("sensitivity") is None,
     calibrated=lambda p: float(p.get("ratio_4bit", DEFAULT_RATIO_4BIT)) > 0,

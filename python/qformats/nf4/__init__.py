@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import FormatSpec, LinearKernel
+from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
@@ -315,6 +315,6 @@ SPEC = FormatSpec(
     dequantize=dequantize,
     expected_buffers=expected_buffers,
     gemm=gemm,
-    linear_rows={"cuda": 16, "cpu": 32},
+    linear_rows=WEIGHT_ONLY_ROWS,
     make_linear=_make_linear,
 )

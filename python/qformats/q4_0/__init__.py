@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import FormatSpec, LinearKernel
+from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel, fixed_blocks
 from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
@@ -263,12 +263,6 @@ def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None
     return LinearKernel(_native.make_linear(blocks, M, K, q8_1_activations=not A.is_cuda(blocks)))
 
 
-def _fixed_blocks(params: dict, group_size: int) -> dict:
-    if group_size != QK:
-        raise ValueError(f"{FORMAT} has fixed blocks of {QK} values; group_size={group_size} is not possible")
-    return dict(params)
-
-
 SPEC = FormatSpec(
     name=FORMAT,
     summary="GGML blocks of 32: fp16 d + 16 bytes of nibbles (4.5 bits)",
@@ -276,11 +270,11 @@ SPEC = FormatSpec(
     defaults={},
     group_param=None,
     block=lambda p: QK,
-    with_group_size=_fixed_blocks,
+    with_group_size=fixed_blocks(FORMAT, QK),
     quantize=quantize,
     dequantize=dequantize,
     expected_buffers=expected_buffers,
     gemm=gemm,
-    linear_rows={"cuda": 16, "cpu": 32},
+    linear_rows=WEIGHT_ONLY_ROWS,
     make_linear=_make_linear,
 )

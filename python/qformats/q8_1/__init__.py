@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import FormatSpec
+from .._spec import FormatSpec, fixed_blocks
 from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
@@ -91,12 +91,6 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
 
 # -- the format's face --------------------------------------------------------------------------
 
-def _fixed_blocks(params: dict, group_size: int) -> dict:
-    if group_size != QK:
-        raise ValueError(f"{FORMAT} has fixed blocks of {QK} values; group_size={group_size} is not possible")
-    return dict(params)
-
-
 SPEC = FormatSpec(
     name=FORMAT,
     summary="GGML blocks of 32: fp16 d, fp16 s = d * sum(q), 32 int8 (9 bits)",
@@ -104,7 +98,7 @@ SPEC = FormatSpec(
     defaults={},
     group_param=None,
     block=lambda p: QK,
-    with_group_size=_fixed_blocks,
+    with_group_size=fixed_blocks(FORMAT, QK),
     quantize=quantize,
     dequantize=dequantize,
     expected_buffers=expected_buffers,

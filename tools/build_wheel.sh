@@ -49,7 +49,7 @@ if ! QFORMATS_CUDA=ON PIP_DISABLE_PIP_VERSION_CHECK=1 \
   echo "build-wheel: FAILED: pip wheel (log above)" >&2
   exit 1
 fi
-grep -m1 "qformats: CUDA kernels" "$log" | sed 's/^ */build-wheel: /'
+grep -m1 "qformats: CUDA kernels" "$log" | sed 's/^[ -]*/build-wheel: /'
 grep -q "qformats: CUDA kernels ON" "$log" || {
   echo "build-wheel: FAILED: the build did not report 'CUDA kernels ON'" >&2; exit 1; }
 ncu=$(grep -c "Building CUDA object" "$log" || true)

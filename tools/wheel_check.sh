@@ -85,7 +85,7 @@ else
     echo "wheel-check: FAILED: pip wheel (log above)" >&2
     exit 1
   fi
-  grep -m1 "qformats: CUDA kernels" "$work/build.log" | sed 's/^ */wheel-check: build: /'
+  grep -m1 "qformats: CUDA kernels" "$work/build.log" | sed 's/^[ -]*/wheel-check: build: /'
   if ! grep -q "qformats: CUDA kernels OFF" "$work/build.log"; then
     echo "wheel-check: FAILED: the build did not report 'CUDA kernels OFF' with nvcc hidden" >&2
     exit 1

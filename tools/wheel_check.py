@@ -134,7 +134,8 @@ def check_imports(cuda_built: bool | None) -> None:
         except Exception as e:  # noqa: BLE001
             failures.append(f"import {info.name}")
             print(f"  FAIL  import {info.name}: {e!r}")
-    print(f"  ok    every other submodule imports; skipped, needing an optional package: {', '.join(skipped) or 'none'}")
+    print("  ok    every other submodule imports; skipped, needing an optional package: "
+          f"{', '.join(skipped) or 'none'}")
 
     want = {None: "either build", True: "a CUDA build required", False: "a CPU-only build required"}
 
@@ -142,7 +143,8 @@ def check_imports(cuda_built: bool | None) -> None:
     def _():
         from qformats import _runtime
         built = bool(_runtime.cuda_built())
-        print(f"  build: {'CUDA kernels compiled in (cuda_built() True)' if built else 'CPU only (cuda_built() False)'}")
+        kind = "CUDA kernels compiled in (cuda_built() True)" if built else "CPU only (cuda_built() False)"
+        print(f"  build: {kind}")
         if cuda_built is True:
             assert built, "expected a CUDA build (cuda_built() is False)"
         elif cuda_built is False:

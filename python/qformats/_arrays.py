@@ -74,7 +74,8 @@ def _check_cpu_contiguous(x: Any, name: str) -> None:
         if x.device.type == "cuda" and not cuda_built():
             raise NotImplementedError(
                 f"{name} is on {x.device}, but this build of qformats has no CUDA kernels "
-                f"(it was built without nvcc); move it with .cpu()"
+                f"(no GPU was visible when it was built: QFORMATS_CUDA=ON pip install ... builds them); "
+                f"move it with .cpu()"
             )
         if x.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(f"{name} is on {x.device}: only CPU and CUDA are supported")

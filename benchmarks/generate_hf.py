@@ -25,7 +25,9 @@ way transformers documents it). Each measurement: a warm-up ``generate()`` (whic
 compiles), then three greedy ``generate()`` calls of ``new_tokens`` tokens after a
 ``prompt``-token random prompt, each timed with synchronization; tokens/s = batch * new_tokens /
 the median time (the prefill of the short prompt included). Peak memory:
-``torch.cuda.max_memory_allocated`` on CUDA, the process's max RSS on the CPU.
+``torch.cuda.max_memory_allocated`` on CUDA less the float model's allocation while another
+variant runs (the float model stays on the GPU to copy the next variant from, so the figure is
+the variant's own); the process's max RSS on the CPU (which includes the float model).
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ import torch.nn as nn
 
 import qformats
 from qformats._core import format_spec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from linear_call import TinyGemmInt4, bnb_linear4bit  # noqa: E402  (the peers, as linear_call builds them)
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "7b": (4096, 11008, 32, 32, 32, 32000),
@@ -97,15 +102,9 @@ def variant(base, name: str, device: str):
         return model
     model = copy.deepcopy(base)
     if name == "bnb-nf4":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from linear_call import bnb_linear4bit
-
         replace_linears(model, bnb_linear4bit)
         return model
     if name == "tinygemm-int4":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from linear_call import TinyGemmInt4
-
         model = model.to(torch.bfloat16)
         replace_linears(model, TinyGemmInt4)
         return model
@@ -113,9 +112,10 @@ def variant(base, name: str, device: str):
     return model
 
 
-def peak_bytes(device: str) -> int:
+def peak_bytes(device: str, held: int = 0) -> int:
+    """Peak memory of the run just measured, less ``held`` bytes that belong to another model."""
     if device == "cuda":
-        return torch.cuda.max_memory_allocated()
+        return torch.cuda.max_memory_allocated() - held
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     batches = [int(b) for b in args.batch.split(",")]
     base = build_model(args.size, dev, fdtype, args.layers)
+    base_bytes = torch.cuda.memory_allocated() if dev == "cuda" else 0
     vocab = base.config.vocab_size
     cfg = base.config
     where = torch.cuda.get_device_name() if dev == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
                 except Exception as e:  # reported in the table, not hidden
                     tps, err = math.nan, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 rows.append({"variant": v, "mode": mode, "batch": b, "tokens_per_s": tps,
-                             "peak_gb": peak_bytes(dev) / 1e9, "error": err})
+                             "peak_gb": peak_bytes(dev, 0 if model is base else base_bytes) / 1e9,
+                             "error": err})
                 print(f"  {v:<14} {mode:<8} batch {b:3d}: {tps:8.2f} tok/s {err}", flush=True)
         if model is not base:
             del model

@@ -277,10 +277,10 @@ class QuantizedLinear(nn.Module):
         grad = torch.is_grad_enabled()
         if grad and x.requires_grad:
             return None
-        if self._kernel_device >= 0 and (self._kernel_device != torch.cuda.current_device()
-                                         or not ops.kernel_rows_on("cuda")):
+        cuda = self._kernel_device >= 0
+        if not ops.kernels_on("cuda" if cuda else "cpu"):
             return None
-        if self._kernel_device < 0 and not ops.kernel_rows_on("cpu"):
+        if cuda and self._kernel_device != torch.cuda.current_device():
             return None
         if self._stale():  # a buffer or the bias replaced or modified in place
             self.prepare()

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ._core import QuantizedTensor, format_module, format_spec
 
 __all__ = ["linear", "linear_packed", "dequantize", "dequantize_packed", "weight_meta", "run_linear",
-           "register_linear_kernel", "use_builtin_kernels", "kernel_rows", "kernel_rows_on", "FLOAT_DTYPES"]
+           "register_linear_kernel", "use_builtin_kernels", "kernel_rows", "kernels_on", "FLOAT_DTYPES"]
 
 #: Activation / output dtypes the operators take.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -126,15 +126,17 @@ _BUILTIN_ON = {"cpu": True, "cuda": True}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def kernel_rows_on(device_type: str) -> bool:
-    """Whether the formats' native kernels are switched on for ``device_type``."""
+def kernels_on(device_type: str) -> bool:
+    """Whether the formats' native kernels are switched on for ``device_type`` (``"cpu"``,
+    ``"cuda"``; :func:`use_builtin_kernels`). Any other device type: False."""
     return _BUILTIN_ON.get(device_type, False)
 
 
 def kernel_rows(spec, device_type: str) -> int:
-    """The most activation rows for which weights of ``spec``'s format go to its native kernel
-    on ``device_type`` (0: never; dequantize + ``F.linear`` then)."""
-    return spec.linear_rows.get(device_type, 0) if _BUILTIN_ON.get(device_type, False) else 0
+    """The most activation rows for which weights of ``spec``'s format (a
+    :class:`~qformats.FormatSpec`) go to its native kernel on ``device_type``: its
+    ``linear_rows[device_type]`` while :func:`kernels_on`, else 0 (dequantize + ``F.linear``)."""
+    return spec.linear_rows.get(device_type, 0) if kernels_on(device_type) else 0
 
 
 def _stream(device: torch.device) -> int:
@@ -150,7 +152,8 @@ def run_linear(run: Callable, x: torch.Tensor, bias: Optional[torch.Tensor], M: 
     x's dtype: on CUDA the kernel writes it (bias cast to x's dtype, added in the kernel's
     epilogue exactly as ``y + bias`` in that dtype would); on the CPU the float32 product plus
     a float32 bias, cast to x's dtype. Launches on torch's current stream of x's device, which
-    must be the current device."""
+    must be the current device. ``run`` checks what it is given: ValueError for a device,
+    shape or size that does not fit the bound weight, TypeError for a dtype."""
     if not x.is_contiguous():
         x = x.contiguous()
     if x.is_cuda:

@@ -9,6 +9,7 @@
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/int4/int4.h"
+#include "formats/int4/int4_gemm_cuda.h"
 #include "gemm/int4_int4.h"
 #include "gemm/weight_only_formats.h"
 
@@ -140,7 +141,7 @@ struct Int4Linear {
 };
 
 // The int4 weight [M, K] as a Linear (checked here, once). CUDA: group_size = 32 * 2^j
-// (gemm/weight_only_formats.h); CPU: any multiple of 8 dividing K.
+// (formats/int4/int4_gemm_cuda.h); CPU: any multiple of 8 dividing K.
 PackedLinear<Int4Linear> make_linear(const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
                                      int64_t M, int64_t K, int64_t group_size) {
   if (M < 0 || K < 0) throw std::invalid_argument("bad M, K");

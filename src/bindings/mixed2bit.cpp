@@ -3,11 +3,13 @@
 // dims), then call the CPU or CUDA kernels without the GIL. The Python layer allocates all
 // outputs (n4 and n_out are known from the parameters before the call, so every buffer size is)
 // and, for CUDA calls, the kernels' scratch workspace (sized by *_workspace_bytes) as torch
-// tensors on the caller's stream. The GEMM runs on both (gemm/weight_only_formats.h).
+// tensors on the caller's stream. The GEMM runs on both (gemm/weight_only_formats.h; CUDA:
+// formats/mixed2bit/mixed2bit_gemm_cuda.h).
 #include "bindings/bind_args.h"
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/mixed2bit/mixed2bit.h"
+#include "formats/mixed2bit/mixed2bit_gemm_cuda.h"
 #include "gemm/weight_only_formats.h"
 
 using namespace qf;
@@ -173,7 +175,7 @@ struct Mixed2Linear {
 };
 
 // A mixed2bit weight [rows, K] (the nine buffers of mixed2bit.h and its dims) as a Linear, checked
-// here once. CUDA: n4_before = row_index()'s chunk index (gemm/weight_only_formats.h) and the
+// here once. CUDA: n4_before = row_index()'s chunk index (mixed2bit_gemm_cuda.h) and the
 // parameters gemm_cuda_supports() accepts.
 PackedLinear<Mixed2Linear> make_linear(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
                                        int64_t n_out, const Array& group_map, const Array& codes2,
@@ -213,7 +215,7 @@ void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_siz
 }
 
 // n4_before: int64 [rows * ceil(groups_per_row / 32) + 1] on the device of group_map, filled
-// with the chunk index of gemm/weight_only_formats.h (per row and 32-group chunk: the 4-bit
+// with the chunk index of mixed2bit_gemm_cuda.h (per row and 32-group chunk: the 4-bit
 // groups before it in the low 32 bits, its map bits in the high 32; the last entry is the total).
 // CUDA only (the CPU GEMM indexes itself).
 void row_index(const Array& group_map, int64_t rows, int64_t groups_per_row, const Array& n4_before,

@@ -9,6 +9,7 @@
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/nf4/nf4.h"
+#include "formats/nf4/nf4_gemm_cuda.h"
 #include "gemm/weight_only_formats.h"
 
 using namespace qf;
@@ -127,7 +128,7 @@ struct Nf4Linear {
 };
 
 // An nf4 weight [M, K] (packed uint8 [ceil(M K / 2)], absmax float32 [ceil(M K / blocksize)]) as a
-// Linear, checked here once. CUDA needs K % 32 == 0 (gemm/weight_only_formats.h).
+// Linear, checked here once. CUDA needs K % 32 == 0 (nf4_gemm_cuda.h).
 PackedLinear<Nf4Linear> make_linear(const Array& packed, const Array& absmax, int64_t M, int64_t K,
                                     int64_t blocksize) {
   check_blocksize(blocksize);

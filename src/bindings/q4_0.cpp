@@ -4,6 +4,7 @@
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/q4_0/q4_0.h"
+#include "formats/q4_0/q4_0_gemm_cuda.h"
 #include "gemm/q4_0_q8_1.h"
 #include "gemm/weight_only_formats.h"
 

@@ -38,57 +38,7 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
 void mixed2bit_row_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims, int64_t* n4_before,
                          int64_t* out_before);
 
-// --- CUDA (weight_only_formats_cuda.cu; gemm/weight_only_cuda.cuh) -------------------------------
-// The same products on the GPU: X [N, K] of T (float, half_t or bf16_t), Y [N, M] of T (the
-// activations' dtype), device pointers, launched on `stream` (a cudaStream_t) of the current
-// device. X and Y 16-byte aligned, K a multiple of 32 (16 for mixed2bit). Summation in float32
-// (FMA) with each unit's scale applied to the unit's sum (see weight_only_cuda.cuh), one rounding
-// to T at the end; bias [M] of T (or nullptr) is added to the rounded result in float32 and
-// rounded again, as a separate `y += bias` in T would. Formats' extra conditions
-// (std::invalid_argument otherwise): nf4 none; int4 group_size = 32 * 2^j; mixed2bit group_size =
-// 16 * 2^j <= 512, power-of-two scale_block, no outliers, fewer than 2^32 16-value units (mixed2bit_gemm_cuda_supports), plus the chunk index of
-// mixed2bit_row_index_cuda. With 16-bit activations on sm_80+ the products run on tensor cores
-// with each weight rounded to the activations' type first (weight_only_mma_cuda.cuh).
-template <class T>
-void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
-                   int64_t blocksize, T* Y, const T* bias, void* stream);
-template <class T>
-void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, void* stream);
-template <class T>
-void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, const T* bias,
-                    void* stream);
-// log2(v) for a power of two v >= 1, else -1.
-inline int log2_exact(int64_t v) {
-  if (v < 1 || (v & (v - 1))) return -1;
-  int s = 0;
-  while ((int64_t(1) << s) < v) ++s;
-  return s;
-}
-// The parameters the CUDA kernels take (the Python layers ask before choosing them).
-inline bool int4_gemm_cuda_supports(int64_t group_size) {
-  return group_size % 32 == 0 && log2_exact(group_size / 32) >= 0;
-}
-inline bool mixed2bit_gemm_cuda_supports(const mixed2bit::Dims& d) {
-  const int us = d.group_size % 16 ? -1 : log2_exact(d.group_size / 16);
-  return us >= 0 && us <= 5 && log2_exact(d.scale_block) >= 0 && d.n_out == 0 &&
-         d.rows * (d.K / 16) < (int64_t(1) << 32);  // 16-value units (so also groups) index in 32 bits
-}
-// The chunk index of a mixed2bit weight on the GPU: a row's groups in chunks of 32, C =
-// ceil(groups_per_row / 32) per row, and entry r * C + c (uint64) = the 4-bit groups before
-// chunk c of row r in the low 32 bits (an exclusive prefix over the whole map, so the index of
-// the chunk's first 4-bit group in codes4) | the chunk's 32 group_map bits in the high 32 (bit
-// i = group 32 c + i; 0 past the row's end). A final entry r * C = rows * C holds the total,
-// which the caller compares with dims.n4 to reject inconsistent buffers. With it, any unit finds
-// its group's slot in either list with one load and a popcount.
-inline int64_t mixed2bit_chunk_index_size(int64_t rows, int64_t groups_per_row) {
-  return rows * ((groups_per_row + 31) / 32) + 1;
-}
-void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t groups_per_row, uint64_t* index,
-                              void* stream);
-template <class T>
-void mixed2bit_gemm_cuda(const T* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
-                         const uint64_t* index, T* Y, const T* bias, void* stream);
+// --- CUDA: each format's own formats/<fmt>/<fmt>_gemm_cuda.h (contract: gemm/weight_only_cuda.h) ---
 
 // x [n] of float, half_t or bf16_t -> float32 (exact), threaded for large n.
 template <class T>

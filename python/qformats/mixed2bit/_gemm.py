@@ -68,7 +68,7 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         dtype first (``q * s_eff - m_eff`` with s_eff, m_eff in that dtype: one rounding per
         weight, as dequantize + matmul rounds it) and float32 products and sums; float32 ``x``
         (or an older GPU) combines each 16-value unit's ``sum(q * x)`` and ``sum(x)`` as
-        ``s_eff * sum(q x) - m_eff * sum(x)`` in float32 (``src/gemm/weight_only_formats_cuda.cu``).
+        ``s_eff * sum(q x) - m_eff * sum(x)`` in float32 (``src/formats/mixed2bit/mixed2bit_gemm_cuda.cu``).
         Weights the CUDA kernel does not
         take (:func:`gemm_cuda_supported` False: outliers, other group sizes) are dequantized on
         the GPU and multiplied with torch.

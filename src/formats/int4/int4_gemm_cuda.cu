@@ -1,0 +1,109 @@
+// int4's weight-only GEMM on the GPU (declared in formats/int4/int4_gemm_cuda.h): the policy of
+// the shared drivers (gemm/weight_only_policy_cuda.cuh) that loads and decodes a unit of one
+// weight row to the values of int4's dequantize (int4.h), split as w = v * scale, and its
+// launcher.
+#include <stdexcept>
+#include <type_traits>
+
+#include "formats/int4/int4_gemm_cuda.h"
+#include "gemm/weight_only_policy_cuda.cuh"
+
+namespace qf::gemm {
+namespace {
+
+using cuda_wo::hi_hi;
+using cuda_wo::kMagic;
+using cuda_wo::lo_lo;
+using cuda_wo::magic_u4;
+using cuda_wo::nibbles_lo_first;
+using cuda_wo::NoShared;
+using cuda_wo::word_of;
+using cuda_wo::xpair_lo_first;
+
+// int4 (formats/int4): element 2b in the LOW nibble; asymmetric w = (q - zero) * scale, symmetric
+// codes are two's-complement nibbles, turned into q + 8 by flipping bit 3 (zero = 8).
+// group_size = 32 * 2^gshift, so a unit of 32 lies in one group.
+struct Int4 {
+  static constexpr int kUnit = 32;
+  static constexpr bool kOffset = false;
+  const uint8_t* qweight;
+  const float* scales;
+  const uint8_t* zeros;  // nullptr: symmetric
+  int64_t K;
+  int gshift;
+  using Shared = NoShared;
+  struct RowState {
+    const uint4* q;  // the row's codes, 16 bytes per unit
+    int64_t g0;      // index of the row's first group
+  };
+  struct Unit {
+    uint4 q;
+    float scale;
+    uint32_t zero;  // the stored zero point (asymmetric)
+  };
+  __device__ void init(Shared&) const {}
+  __device__ RowState row(int64_t m, int64_t) const {
+    return {reinterpret_cast<const uint4*>(qweight + m * K / 2), m * (K >> (gshift + 5))};
+  }
+  __device__ Unit load(RowState& r, int64_t, int64_t u, bool) const {
+    const int64_t g = r.g0 + (u >> gshift);
+    return {__ldg(r.q + u), __ldg(scales + g), zeros ? __ldg(zeros + g) : 0u};
+  }
+  __device__ float scale(const Unit& un) const { return un.scale; }
+  __device__ float offset(const Unit&) const { return 0.0f; }
+  // Word j with the codes as unsigned nibbles, and the zero point.
+  __device__ uint32_t word(const Unit& un, int j) const { return word_of(un.q, j) ^ (zeros ? 0u : 0x88888888u); }
+  __device__ float zero(const Unit& un) const { return zeros ? static_cast<float>(un.zero) : 8.0f; }
+  __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
+    nibbles_lo_first(word(un, j), kMagic + zero(un), v);
+  }
+  // Tensor-core path: nibbles i and i + 4 of word j (elements 8j+i, 8j+i+4) in one magic pair.
+  static constexpr bool kLut = false;
+  static constexpr int kMmaMinRows = 1;
+  template <class Ops>
+  __host__ __device__ static constexpr bool odd_x16() {
+    return Ops::kX16;
+  }
+  template <class Ops>
+  __device__ void pairs(const uint32_t (*)[32], int, const Unit& un, int j, uint32_t (&p)[4]) const {
+    Ops::nibble_pairs(word(un, j), Ops::nibble_consts(zero(un), Ops::splat(un.scale)), p);
+  }
+  static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) { return xpair_lo_first(x, p); }
+  // A lane's two units (u even) share their group when group_size >= 64 (then units per row are
+  // even too): one scale and one zero load for both; measured faster on the H200 at N = 1 than a
+  // load per unit (benchmarks/README.md, "Design measurements behind kernel choices").
+  static constexpr bool kPairLoad = true;
+  static constexpr bool kContiguousSteps = false;
+  bool pair_load_ok() const { return gshift >= 1; }
+  struct Pair {
+    uint4 q[2];
+    float scale;
+    uint32_t zero;
+  };
+  __device__ Pair load_pair(RowState& r, int64_t u) const {
+    const int64_t g = r.g0 + (u >> gshift);
+    return {{__ldg(r.q + u), __ldg(r.q + u + 1)}, __ldg(scales + g), zeros ? __ldg(zeros + g) : 0u};
+  }
+  template <class Ops>
+  __device__ void pairs_in_pair(const Pair& pr, int i, int j, uint32_t (&p)[4]) const {
+    pairs<Ops>(nullptr, 0, Unit{pr.q[i], pr.scale, pr.zero}, j, p);
+  }
+};
+
+}  // namespace
+
+template <class T>
+void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
+                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, void* stream) {
+  if (!int4_gemm_cuda_supports(gs) || K % gs)
+    throw std::invalid_argument("int4 CUDA GEMM: group_size must be 32 * 2^j dividing K");
+  cuda_wo::launch_weight_only_any(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, bias, stream);
+}
+
+#define QF_INSTANTIATE(T)                                                                                            \
+  template void int4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*, const uint8_t*, \
+                                  int64_t, T*, const T*, void*);
+QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
+#undef QF_INSTANTIATE
+
+}  // namespace qf::gemm

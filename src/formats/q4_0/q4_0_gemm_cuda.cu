@@ -1,0 +1,118 @@
+// q4_0's weight-only GEMM on the GPU (declared in formats/q4_0/q4_0_gemm_cuda.h): the policy of
+// the shared drivers (gemm/weight_only_policy_cuda.cuh) that loads and decodes a block of one
+// weight row to the values of q4_0's dequantize (q4_0.h), split as w = v * scale, and its
+// launcher.
+#include <stdexcept>
+#include <type_traits>
+
+#include "formats/q4_0/q4_0.h"
+#include "formats/q4_0/q4_0_gemm_cuda.h"
+#include "gemm/weight_only_policy_cuda.cuh"
+
+namespace qf::gemm {
+namespace {
+
+using cuda_wo::hi_hi;
+using cuda_wo::kMagic;
+using cuda_wo::lo_lo;
+using cuda_wo::magic_u4;
+using cuda_wo::nibbles_lo_first;
+using cuda_wo::NoShared;
+using cuda_wo::word_of;
+using cuda_wo::xpair_lo_first;
+
+// q4_0 (llama.cpp block_q4_0, 18 bytes: fp16 d, 16 bytes qs): element i in the low nibble of
+// qs[i], element i + 16 in the high nibble; w = (q - 8) * d. Blocks are only 2-byte aligned,
+// so a lane reads its block as 9 halfwords (consecutive lanes, consecutive blocks).
+struct Q4_0 {
+  static constexpr int kUnit = 32;
+  static constexpr bool kOffset = false;
+  const uint16_t* blocks;
+  int64_t nb;  // blocks per row (K / 32)
+  using Shared = NoShared;
+  struct RowState {
+    const uint16_t* b;  // the row's first block
+  };
+  struct Unit {
+    uint32_t h[9];  // the block's halfwords, zero-extended: d, then qs as 8 halfwords
+  };
+  __device__ void init(Shared&) const {}
+  __device__ RowState row(int64_t m, int64_t) const { return {blocks + m * nb * 9}; }
+  __device__ Unit load(RowState& rs, int64_t, int64_t u, bool) const {
+    const uint16_t* b = rs.b + u * 9;
+    Unit r;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) r.h[i] = __ldg(b + i);
+    return r;
+  }
+  __device__ float scale(const Unit& un) const { return fp16_bits_to_fp32(static_cast<uint16_t>(un.h[0])); }
+  __device__ float offset(const Unit&) const { return 0.0f; }
+  // qs[4j .. 4j+3] as a little-endian word
+  static __device__ uint32_t qs_word(const Unit& un, int j) { return un.h[1 + 2 * j] | un.h[2 + 2 * j] << 16; }
+  __device__ void decode8(const Shared&, const Unit& un, int j, float (&v)[8]) const {
+    // j = 0, 1: low nibbles of qs[8j .. 8j+7]; j = 2, 3: high nibbles of qs[8(j-2) ..]
+    const uint32_t w0 = qs_word(un, 2 * (j & 1)), w1 = qs_word(un, 2 * (j & 1) + 1);
+    const int sh = j >= 2 ? 4 : 0;
+    const uint32_t a = (w0 >> sh) & 0x0F0F0F0Fu, b = (w1 >> sh) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = magic_u4(a, i) - (kMagic + 8.0f);
+      v[4 + i] = magic_u4(b, i) - (kMagic + 8.0f);
+    }
+  }
+  // Tensor-core path: word j holds qs[4j .. 4j+3]; (w >> 4i) & 0x000F000F pairs the nibbles of
+  // bytes 0 and 2 (or 1 and 3): elements (4j, 4j+2), (4j+16, 4j+18), (4j+1, 4j+3), (4j+17, 4j+19).
+  static constexpr bool kLut = false;
+  static constexpr int kMmaMinRows = 1;
+  template <class Ops>
+  __host__ __device__ static constexpr bool odd_x16() {
+    return Ops::kX16;
+  }
+  template <class Ops>
+  __device__ void pairs(const uint32_t (*)[32], int, const Unit& un, int j, uint32_t (&p)[4]) const {
+    Ops::nibble_pairs(qs_word(un, j), Ops::nibble_consts(8.0f, Ops::scale_fp16(un.h[0])), p);
+  }
+  static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) {
+    const int j = p / 4, i = p % 4, r = (i & 1) ? 8 + 2 * j : 2 * j;  // i = 1, 3: the high-nibble half
+    return i >= 2 ? hi_hi(x[r], x[r + 1]) : lo_lo(x[r], x[r + 1]);
+  }
+  // Two consecutive blocks (36 bytes) start 4-byte aligned when the row's first block does and
+  // u is even: with an even number of blocks per row and a 4-byte aligned W, every row's does.
+  // Then a lane reads its two units as 9 words instead of 18 halfwords.
+  static constexpr bool kPairLoad = true;
+  static constexpr bool kContiguousSteps = false;
+  bool pair_load_ok() const { return nb % 2 == 0 && (reinterpret_cast<uintptr_t>(blocks) & 3u) == 0; }
+  struct Pair {
+    uint32_t w[9];  // block u: d = low half of w[0], qs = bytes 2..17; block u+1: d = high half of w[4], qs = w[5..8]
+  };
+  __device__ Pair load_pair(RowState& rs, int64_t u) const {
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(rs.b + u * 9);
+    Pair r;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) r.w[i] = __ldg(p + i);
+    return r;
+  }
+  template <class Ops>
+  __device__ void pairs_in_pair(const Pair& pr, int i, int j, uint32_t (&p)[4]) const {
+    const uint32_t w = i == 0 ? __byte_perm(pr.w[j], pr.w[j + 1], 0x5432) : pr.w[5 + j];
+    const uint32_t d = i == 0 ? pr.w[0] : pr.w[4] >> 16;
+    Ops::nibble_pairs(w, Ops::nibble_consts(8.0f, Ops::scale_fp16(d & 0xFFFFu)), p);
+  }
+};
+
+}  // namespace
+
+template <class T>
+void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, const T* bias,
+                    void* stream) {
+  if (K % q4_0::QK) throw std::invalid_argument("q4_0 CUDA GEMM: K must be a multiple of 32");
+  cuda_wo::launch_weight_only_any(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, bias,
+                                  stream);
+}
+
+#define QF_INSTANTIATE(T) \
+  template void q4_0_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const q4_0::block_q4_0*, T*, const T*, void*);
+QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
+#undef QF_INSTANTIATE
+
+}  // namespace qf::gemm

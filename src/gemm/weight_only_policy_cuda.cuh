@@ -1,0 +1,62 @@
+// What a format's CUDA weight-only GEMM (src/formats/<fmt>/<fmt>_gemm_cuda.cu) builds on: the two
+// drivers (gemm/weight_only_cuda.cuh, float32 FMA; gemm/weight_only_mma_cuda.cuh, tensor cores),
+// the decode helpers that several formats' policies share, and launch_weight_only_any, which
+// picks the driver. A format supplies only its policy struct (how a unit of one weight row is
+// loaded and decoded: the interfaces are written above weight_only_kernel and
+// weight_only_mma_kernel) and its launcher; the contract every launcher keeps is in
+// gemm/weight_only_cuda.h.
+//
+// Units hold the loaded registers only: whatever depends on them (zero points, XORs, fp16
+// scales) is computed when the unit is decoded, because an instruction that reads a register
+// with a load in flight stalls the warp, and the loads of the next steps must stay in flight.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+#include "common/cuda_utils.cuh"
+#include "gemm/weight_only_cuda.cuh"
+#include "gemm/weight_only_mma_cuda.cuh"
+
+namespace qf::gemm::cuda_wo {
+
+// Fmt::Shared of a policy without per-CTA tables.
+struct NoShared {};
+
+// Element 2b of a word's byte b in the LOW nibble, 2b+1 in the high one (int4, mixed2bit): v[]
+// gets the codes in element order as exact floats (2^23 + c) - zf.
+__device__ __forceinline__ void nibbles_lo_first(uint32_t w, float zf, float (&v)[8]) {
+  const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    v[2 * b] = magic_u4(lo, b) - zf;
+    v[2 * b + 1] = magic_u4(hi, b) - zf;
+  }
+}
+
+// Word j (0..3) of a 16-byte unit.
+__device__ __forceinline__ uint32_t word_of(const uint4& q, int j) {
+  return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;  // j is a constant after unrolling
+}
+
+// Fmt::xpair of the policies whose pairs are nibbles i and i + 4 of word j (elements 8j+i,
+// 8j+i+4: int4's low-nibble-first bytes, and mixed2bit's tensor-core decode).
+__device__ __forceinline__ uint32_t xpair_lo_first(const uint32_t (&x)[16], int p) {
+  const int j = p / 4, i = p % 4;
+  const uint32_t a = x[4 * j + i / 2], b = x[4 * j + 2 + i / 2];
+  return i & 1 ? hi_hi(a, b) : lo_lo(a, b);
+}
+
+// 16-bit activations on sm_80+: the tensor-core kernel (one decode serves up to 16 rows), from
+// N = Fmt::kMmaMinRows. Otherwise (float32 activations, an older GPU, nf4 at N = 1) the float32
+// kernel; for nf4 at one row it measured faster on the H200 (the tensor-core kernel builds its
+// pair table in every CTA; benchmarks/README.md, "Design measurements behind kernel choices").
+template <class Fmt, class T>
+void launch_weight_only_any(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, const T* bias,
+                            void* stream) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma()) return launch_weight_only_mma(f, X, N, K, M, Y, bias, stream);
+  }
+  launch_weight_only(f, X, N, K, M, Y, bias, stream);
+}
+
+}  // namespace qf::gemm::cuda_wo

@@ -405,7 +405,8 @@ void pack_2bit_cpu(const uint8_t* values, int64_t n_words, uint32_t* out);
 void unpack_2bit_cpu(const uint32_t* packed, int64_t n, uint8_t* out);
 
 // ---------------------------------------------------------------------------------------------
-// CUDA kernels (mixed2bit_cuda.cu): every pointer on the current device, launched on `stream`
+// CUDA kernels (mixed2bit_quantize_cuda.cu, mixed2bit_dequantize_cuda.cu, mixed2bit_pack_cuda.cu;
+// the GEMM: mixed2bit_gemm_cuda.h): every pointer on the current device, launched on `stream`
 // (a cudaStream_t). The quantizer and dequantizer need a device workspace of at least
 // *_workspace_bytes_cuda(dims) bytes (the caller allocates it, e.g. as a torch uint8 tensor,
 // on the same stream; any alignment); the size queries need the device current.

@@ -1,0 +1,174 @@
+// mixed2bit CUDA codec: the steps of mixed2bit.h as a short pipeline of kernels on one stream.
+// Every per-group rule is the QF_HOST_DEVICE function the CPU calls (one thread per group, so
+// sums and min/max run in the CPU's order); the global steps (selection, list slots, block
+// maxima) are exact integer computations (or order-free maxima of non-negative floats) whose
+// result does not depend on the launch shape.
+//
+// This header: what the codec's kernels share (included by mixed2bit_quantize_cuda.cu,
+// mixed2bit_dequantize_cuda.cu and mixed2bit_pack_cuda.cu): launch constants, the control words
+// at the start of the workspace, warp and CTA scans, the "last CTA" pattern, and the workspace
+// helpers of the host code.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common/cuda_utils.cuh"
+#include "formats/mixed2bit/mixed2bit.h"
+
+namespace qf::mixed2bit {
+namespace {
+
+namespace cu = ::qf::cuda;
+using ull = unsigned long long;
+
+constexpr int kThreads = 256;  // threads per CTA
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = kThreads;   // groups per tile: one per thread
+constexpr int kTilesPerCta = 16;  // tiles per CTA of the counting kernels
+constexpr unsigned kFull = 0xFFFFFFFFu;
+constexpr int kRadix = 256;         // outlier radix select: 8 bits per pass ...
+constexpr int kSelectPasses = 8;    // ... over 64-bit composite keys
+constexpr int kMaxHistCtas = 1024;  // grid of an outlier histogram pass
+constexpr int64_t kAlign = 256;     // alignment of every workspace region
+
+// Group selection digits: bits 31..21, 20..10, 9..0 of the 32-bit key.
+constexpr int kBits1 = 11, kShift1 = 21, kBits2 = 11, kShift2 = 10, kBits3 = 10, kShift3 = 0;
+
+// The control words at the start of the workspace (uint32, cleared by one memset per call).
+// clang-format off
+enum : int {
+  kFlagTooLarge = 0, kFlagInternal = 1, kFlagBad = 2,  // error flags, copied back by quantize
+  kDone1 = 4, kDone2 = 5, kDone3 = 6, kDone4 = 7,       // "last CTA" counters, one per kernel
+  kPrefix1 = 8, kNeed1 = 9, kPrefix2 = 10, kNeed2 = 11, kKstar = 12, kNeed3 = 13,
+  kHist1 = 16, kHist2 = kHist1 + (1 << kBits1), kHist3 = kHist2 + (1 << kBits2),
+  kCtlWords = kHist3 + (1 << kBits3),
+  kCtlWordsDequantize = 16,
+};
+// clang-format on
+
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31u); }
+__device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
+__device__ __forceinline__ unsigned lanes_below() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// a / b for 0 <= a, 1 <= b, in 32 bits when both fit (a 64-bit division is a long subroutine).
+__device__ __forceinline__ int64_t div_index(int64_t a, int64_t b) {
+  if (((a | b) >> 32) == 0) return static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+  return a / b;
+}
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ uint32_t min32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+
+// Division by the scale block B (>= 1): a shift when B is a power of two.
+struct DivB {
+  int64_t B;
+  int shift;  // log2(B), or -1
+  __device__ __forceinline__ int64_t div(int64_t a) const { return shift >= 0 ? a >> shift : div_index(a, B); }
+};
+
+// Exclusive prefix sum over the CTA (every thread calls it); *total = the CTA's sum.
+template <class V>
+__device__ V cta_exclusive_sum(V v, V* total) {
+  __shared__ V warp_sums[kWarps];
+  const V incl = cu::warp_inclusive_sum(v);
+  if (lane_id() == 31) warp_sums[warp_id()] = incl;
+  __syncthreads();
+  V before = 0, all = 0;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) {
+    const V s = warp_sums[i];
+    if (i < warp_id()) before += s;
+    all += s;
+  }
+  __syncthreads();
+  *total = all;
+  return before + incl - v;
+}
+
+// Exclusive prefix sum of a[0..n) in place by one CTA (16 items per thread per round, all
+// loads in flight at once); returns the total.
+template <class V>
+__device__ V cta_scan_in_place(V* a, int64_t n) {
+  constexpr int kPer = 16;
+  V carry = 0;
+  for (int64_t base = 0; base < n; base += int64_t(kThreads) * kPer) {
+    const int64_t i0 = base + int64_t(threadIdx.x) * kPer;
+    V v[kPer], s = 0;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const bool in = i0 + k < n;
+      v[k] = __ldcg(a + (in ? i0 + k : n - 1));  // unconditional: all loads in flight (n >= 1)
+      if (!in) v[k] = 0;
+      s += v[k];
+    }
+    V tot;
+    V run = carry + cta_exclusive_sum(s, &tot);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      if (i0 + k < n) a[i0 + k] = run;
+      run += v[k];
+    }
+    carry += tot;
+  }
+  return carry;
+}
+
+// The "last CTA" pattern (as cooperative groups' grid sync): every CTA publishes its results
+// (stores, atomics); after a CTA barrier one thread fences and counts the CTA done; the CTA that
+// counts last fences again and then sees everything the others published (read with __ldcg).
+__device__ inline bool cta_is_last(uint32_t* counter) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (last) __threadfence();
+  }
+  __syncthreads();
+  return last;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workspace layouts: offsets from the 256-byte aligned start of the caller's buffer.
+// ---------------------------------------------------------------------------------------------
+
+struct Carver {
+  int64_t off = 0;
+  int64_t take(int64_t bytes) {
+    const int64_t o = off;
+    off += (bytes + kAlign - 1) / kAlign * kAlign;
+    return o;
+  }
+};
+
+inline int64_t n_tiles_of(const Dims& d) { return (d.n_groups() + kTile - 1) / kTile; }
+inline int64_t n_count_ctas(int64_t n_tiles) { return (n_tiles + kTilesPerCta - 1) / kTilesPerCta; }
+
+inline uint8_t* workspace_base(void* ws, int64_t ws_bytes, int64_t need) {
+  if (ws == nullptr || ws_bytes < need)
+    throw std::invalid_argument("workspace: expected at least " + std::to_string(need) + " bytes, got " +
+                                std::to_string(ws == nullptr ? 0 : ws_bytes));
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ws);
+  return reinterpret_cast<uint8_t*>((p + kAlign - 1) / kAlign * kAlign);
+}
+
+inline void check_cuda_dims(const Dims& d) {
+  check_dims(d);
+  if (d.n_groups() > int64_t(UINT32_MAX)) throw std::invalid_argument("mixed2bit (CUDA): at most 2^32 - 1 groups");
+}
+
+inline DivB make_div(int64_t B) {
+  int shift = -1;
+  if ((B & (B - 1)) == 0 && B < (int64_t(1) << 31))
+    for (shift = 0; (int64_t(1) << shift) < B; ++shift) {
+    }
+  return DivB{B, shift};
+}
+
+}  // namespace
+}  // namespace qf::mixed2bit

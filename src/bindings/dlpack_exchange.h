@@ -1,8 +1,8 @@
 // Tensor arguments imported through the DLPack C exchange API (DLPack 1.3, dlpack.h
 // `DLPackExchangeAPI`; torch >= 2.10 publishes it on its tensor type as
 // `__dlpack_c_exchange_api__`): one C call describes a tensor, where the Python `__dlpack__`
-// protocol that nanobind's ndarray import uses costs ~3 us per torch tensor (measured on the
-// 2-core development machine). Types without the API (numpy arrays, older torch) go through
+// protocol that nanobind's ndarray import uses costs microseconds per torch tensor
+// (benchmarks/README.md, "Design measurements behind kernel choices"). Types without the API (numpy arrays, older torch) go through
 // nanobind's import, with its errors. The per-call path of bindings/linear.h uses this: a decode
 // step makes hundreds of such calls.
 #pragma once

@@ -44,7 +44,8 @@ blockwise_dequantize_kernel(const uint8_t* __restrict__ x, int64_t n_blocks, T* 
   __shared__ __align__(16) uint8_t stage[kBlocksPerCta * sizeof(Block)];
   // Decoded values are staged too: a thread's QK outputs are contiguous, so direct stores
   // would be strided by QK * sizeof(T) across the warp; through shared memory the CTA writes
-  // its contiguous slice with whole 16-byte stores (measured: 51% -> see benchmarks/README).
+  // its contiguous slice with whole 16-byte stores (measured much faster: benchmarks/README.md,
+  // "Design measurements behind kernel choices").
   __shared__ __align__(16) T out_stage[kBlocksPerCta * Codec::QK];
   const int64_t first = int64_t(blockIdx.x) * kBlocksPerCta;
   const int64_t nb = n_blocks - first < kBlocksPerCta ? n_blocks - first : kBlocksPerCta;

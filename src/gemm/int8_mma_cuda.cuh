@@ -30,10 +30,10 @@ template <bool kScaled>
 constexpr int kBN = kScaled ? 64 : 128;
 constexpr int kBM = 128;
 // K bytes per stage and stages in flight. int8: 128-byte stages (four k32 mma steps per barrier),
-// three in flight (2 x 108 KB of shared memory per SM); measured on the H200 against 64-byte
-// stages, four in flight: +7-18% at N = 512 and 2048 (4096x14336, N = 2048: 501 -> 557 TOPS;
-// with the copy addressing below, 630). kScaled keeps 64-byte stages: with 128 its per-block
-// scales spill (80 bytes) and it measured 20-30% slower.
+// three in flight (2 x 108 KB of shared memory per SM): measured faster on the H200 than 64-byte
+// stages, four in flight. kScaled keeps 64-byte stages: with 128 its per-block scales spill (80
+// bytes) and it measured slower (benchmarks/README.md, "Design measurements behind kernel
+// choices").
 template <bool kScaled>
 constexpr int kBK = kScaled ? 64 : 128;
 template <bool kScaled>

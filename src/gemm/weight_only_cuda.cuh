@@ -201,8 +201,9 @@ void launch_weight_only(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t 
   if (grid.y > 65535) throw std::invalid_argument("weight-only GEMM: too many activation rows for one launch");
   // Split K over up to kMaxWarpsPerCta warps until the device has about 2048 of them (a wave of
   // ~16 per SM at ~120 registers on a 132-SM H200), leaving each warp at least two steps (so that
-  // its double buffer has something to overlap). Measured on the H200 at N = 1 against no split:
-  // nf4 4096x14336 25.0 -> 21.7 us, the other shapes unchanged; 8192 and 16384 warps were slower.
+  // its double buffer has something to overlap). Measured on the H200 at N = 1: faster than no
+  // split for nf4's long rows, the other shapes unchanged; 8192 and 16384 warps were slower
+  // (benchmarks/README.md, "Design measurements behind kernel choices").
   const int64_t steps = (K / Fmt::kUnit + 31) / 32;
   int warps = 1;
   while (warps < kMaxWarpsPerCta && int64_t(grid.x) * grid.y * warps < 2048 && warps * 4 <= steps) warps *= 2;

@@ -29,10 +29,9 @@
 // with one 16-byte LDS instead of loading the unit's activations from global memory and
 // permuting them with 2 PRMT per mma; zeros past K, so lanes past the end need no test). The
 // weights of the warp's first step are requested before that fill, so the two latencies
-// overlap. Measured on the H200 (int4 g128, N = 1): the x loads right before their PRMT were the
-// largest stall of the kernel (a third of the warp-stall samples, Nsight Compute source view);
-// with the table, int4 14336x4096 went from 19.5 to 18.2 us and 4096x4096 from 9.7 to 8.9
-// (q4_0: -2% to +10% by shape, within the device's noise on one; mixed2bit 0-3%).
+// overlap. Why: on the H200 (int4 g128, N = 1) the x loads right before their PRMT were the
+// largest stall of the kernel (Nsight Compute source view), and the table made int4 faster
+// (benchmarks/README.md, "Design measurements behind kernel choices").
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,4 +1,7 @@
 // Helpers for the GEMM adapters of src/bindings (included by them only: it needs nanobind).
+// Every adapter uses the GEMM terms of docs/developer.md ("GEMM conventions"): N activation rows,
+// K the reduction, M weight rows; x / a [N, K], the weight [M, K], out [N, M] (gemm_q4_0_q8_1:
+// [M, N] unless out_nm). The comment above each adapter gives its arrays' shapes.
 #pragma once
 #include <string>
 #include <type_traits>

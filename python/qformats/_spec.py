@@ -14,10 +14,9 @@ from typing import Any, Callable, Mapping, Optional
 __all__ = ["FormatSpec", "LinearKernel", "WEIGHT_ONLY_ROWS", "fixed_blocks"]
 
 #: The ``linear_rows`` of the formats whose weight-only kernels run in QuantizedLinear: up to 16
-#: activation rows on CUDA (H200: the tensor-core kernel against dequantize + cuBLAS, e.g.
-#: 14336x4096 at 16 rows 46-56 us against 76-82 us, at 64 rows 124-174 against 77) and 32 on the
-#: CPU (2 cores: faster than dequantize + F.linear at 16 rows on 2048x2048 and 5632x2048, slower
-#: at 64 rows on 2048x2048); benchmarks/README.md has the tables.
+#: activation rows on CUDA and 32 on the CPU: where the kernels measured faster than dequantize +
+#: cuBLAS / F.linear (past them the dequantizing path is faster on some shapes); benchmarks/
+#: README.md has the measurements.
 WEIGHT_ONLY_ROWS = MappingProxyType({"cuda": 16, "cpu": 32})
 
 

@@ -82,6 +82,11 @@ class FormatSpec:
             ``derived`` reuses tensors a previous call made (no allocation then).
         trainable: ``trainable(params) -> bool``: whether trainable rounding (signround)
             applies to a layer with these params.
+        rounding: ``rounding(weight, params, sensitivity=None) -> Rounding``: the format's
+            fake quantization for trainable rounding of one layer (torch; the interface is
+            :class:`qformats._rounding.Rounding`, made in the format's ``rounding`` module),
+            given where :attr:`trainable` can be true; ``sensitivity`` (float ``[in]``) feeds
+            a calibrated choice made before training (see :attr:`calibrated`), or None.
         calibrated: ``calibrated(params) -> bool``: whether :attr:`quantize` takes a
             ``sensitivity=`` argument for these params (calibrated group selection).
     """
@@ -100,6 +105,7 @@ class FormatSpec:
     make_linear: Optional[Callable[..., Optional[LinearKernel]]] = None
     with_group_size: Optional[Callable[[dict, int], dict]] = None
     trainable: Callable[[Mapping[str, Any]], bool] = lambda params: False
+    rounding: Optional[Callable[..., Any]] = None
     calibrated: Callable[[Mapping[str, Any]], bool] = lambda params: False
 
     def __post_init__(self):

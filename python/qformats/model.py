@@ -53,7 +53,7 @@ class QuantizationReport:
 
     Attributes:
         method: ``"rtn"``, ``"signround"`` or ``"budget"``.
-        layers: a :class:`LayerReport` per ``nn.Linear`` found, in module order.
+        layers: a :class:`~qformats.plan.LayerReport` per ``nn.Linear`` found, in module order.
         calibration: with ``method="rtn"`` and ``calibration=``, what mixed2bit's
             sensitivities were measured on (``layers``, ``windows`` [count, max tokens],
             ``sensitivity_power``, ``seconds``), else None.
@@ -61,7 +61,7 @@ class QuantizationReport:
             ``holds``, ``ppl``, ``ppl_reference``, ``ppl_increase_percent``, ``kl``,
             ``avg_bits``, per-layer ``choices``...), else None.
         warnings: messages for layers kept in float (also issued with ``warnings.warn``).
-        size: :func:`model_size` of the model afterwards.
+        size: :func:`~qformats.sizes.model_size` of the model afterwards.
         seconds: total wall time.
     """
 
@@ -106,7 +106,7 @@ class QuantizationReport:
     @property
     def total_bytes(self) -> int:
         """The model's stored bytes: packed weights + every other parameter and persistent
-        buffer at its dtype (see :func:`model_size`)."""
+        buffer at its dtype (see :func:`~qformats.sizes.model_size`)."""
         return int(self.size.get("total_bytes", 0))
 
     def to_dict(self) -> dict:
@@ -207,9 +207,12 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
             ``sensitivity_power``, ``signround`` (options of signround candidates); format /
             bits only decide which layers are eligible (default bits=4); the outcome is in
             ``report.budget``).
+            Each method's options are the fields of its config, with the defaults in one
+            place: :class:`~qformats.config.RTNConfig`, :class:`~qformats.config.SignRoundConfig`,
+            :class:`~qformats.config.BudgetConfig`.
             ``"autoround"`` raises NotImplementedError (``"signround"`` is that method).
-        ignore: module-name patterns to keep in float (see :func:`matches`); default
-            :data:`DEFAULT_IGNORE` (``lm_head``, embeddings) plus the model's
+        ignore: module-name patterns to keep in float (see :func:`qformats.plan.matches`); default
+            :data:`qformats.plan.DEFAULT_IGNORE` (``lm_head``, embeddings) plus the model's
             ``get_output_embeddings()``. A list replaces the default: ``ignore=[]`` quantizes
             every Linear, lm_head included.
         overrides: ``{pattern: {"format" or "bits", "group_size", params...}}`` per layer. Every

@@ -28,6 +28,7 @@ _LAZY = {"quantize_model": "model", "QuantizationReport": "model", "save_quantiz
 
 def cuda_available() -> bool:
     """True when the native code was built with CUDA and the CUDA runtime sees a device."""
+    # on first use: `import qformats` loads no native module (see _arrays.cuda_built)
     from ._runtime import cuda_built, cuda_device_count
 
     return bool(cuda_built()) and cuda_device_count() > 0

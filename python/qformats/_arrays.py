@@ -62,6 +62,8 @@ def check_type(x: Any, name: str) -> None:
 
 
 def cuda_built() -> bool:
+    # imported on first use: `import qformats` loads no native module (the formats load theirs
+    # when first used), so a broken or partial build still imports
     from ._runtime import cuda_built as built
 
     return bool(built())

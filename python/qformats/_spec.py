@@ -14,10 +14,9 @@ from typing import Any, Callable, Mapping, Optional
 __all__ = ["FormatSpec", "LinearKernel", "WEIGHT_ONLY_ROWS", "fixed_blocks"]
 
 #: The ``linear_rows`` of the formats whose weight-only kernels run in QuantizedLinear: up to 16
-#: activation rows on CUDA (H200: the tensor-core kernel against dequantize + cuBLAS, e.g.
-#: 14336x4096 at 16 rows 46-56 us against 76-82 us, at 64 rows 124-174 against 77) and 32 on the
-#: CPU (2 cores: faster than dequantize + F.linear at 16 rows on 2048x2048 and 5632x2048, slower
-#: at 64 rows on 2048x2048); benchmarks/README.md has the tables.
+#: activation rows on CUDA and 32 on the CPU: where the kernels measured faster than dequantize +
+#: cuBLAS / F.linear (past them the dequantizing path is faster on some shapes); benchmarks/
+#: README.md has the measurements.
 WEIGHT_ONLY_ROWS = MappingProxyType({"cuda": 16, "cpu": 32})
 
 
@@ -83,6 +82,11 @@ class FormatSpec:
             ``derived`` reuses tensors a previous call made (no allocation then).
         trainable: ``trainable(params) -> bool``: whether trainable rounding (signround)
             applies to a layer with these params.
+        rounding: ``rounding(weight, params, sensitivity=None) -> Rounding``: the format's
+            fake quantization for trainable rounding of one layer (torch; the interface is
+            :class:`qformats._rounding.Rounding`, made in the format's ``rounding`` module),
+            given where :attr:`trainable` can be true; ``sensitivity`` (float ``[in]``) feeds
+            a calibrated choice made before training (see :attr:`calibrated`), or None.
         calibrated: ``calibrated(params) -> bool``: whether :attr:`quantize` takes a
             ``sensitivity=`` argument for these params (calibrated group selection).
     """
@@ -101,6 +105,7 @@ class FormatSpec:
     make_linear: Optional[Callable[..., Optional[LinearKernel]]] = None
     with_group_size: Optional[Callable[[dict, int], dict]] = None
     trainable: Callable[[Mapping[str, Any]], bool] = lambda params: False
+    rounding: Optional[Callable[..., Any]] = None
     calibrated: Callable[[Mapping[str, Any]], bool] = lambda params: False
 
     def __post_init__(self):

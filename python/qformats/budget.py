@@ -33,93 +33,37 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Mapping, Union
 
 import torch
 import torch.nn as nn
 
 from ._core import format_spec
+from .calibration import calibration_samples, model_second_moments, sensitivity_from_moments
+from .config import BudgetConfig, SignRoundConfig
+from .nn import QuantizedLinear
+from .plan import block, resolve_spec, set_submodule
+from .progress import progress_bar
+from .signround import quantize_plan
 
-#: (format, params) candidates, any order (sorted by stored bits per layer): a policy of the
-#: budget method (which formats it weighs by default), not a fact of the formats.
-DEFAULT_CANDIDATES = (
-    ("int8", {"granularity": "row"}),
-    ("int4", {"group_size": 128, "symmetric": False}),
-    ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.1}),
-    ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.0}),
-)
-OPTIONS = ("calibration", "tokenizer", "max_perplexity_increase", "max_per_token_kl_divergence",
-           "candidates", "nsamples", "seqlen", "batch_size", "selection", "sensitivity_power",
-           "signround")
-DEFAULTS = {"calibration": None, "tokenizer": None, "max_perplexity_increase": None,
-            "max_per_token_kl_divergence": None, "candidates": DEFAULT_CANDIDATES, "nsamples": 16,
-            "seqlen": 512, "batch_size": 8, "selection": "sensitivity", "sensitivity_power": 1.0,
-            "signround": None}
-#: How a candidate is quantized: round to nearest, or trained with :mod:`qformats.signround`.
-CANDIDATE_METHODS = ("rtn", "signround")
+# Defined in qformats.config, first defined here: still importable from here.
+from .config import CANDIDATE_METHODS, DEFAULT_CANDIDATES  # noqa: E402,F401
 
+__all__ = ["quantize_budget", "OPTIONS", "DEFAULTS"]
 
-def pop_options(params: dict) -> dict:
-    """Remove the budget method's options (:data:`OPTIONS`) from ``params`` (in place) and
-    return them with :data:`DEFAULTS` filled in.
-
-    Raises:
-        ValueError: neither budget given, a budget that is not a finite number >= 0
-            (``max_perplexity_increase`` in percent, ``max_per_token_kl_divergence`` in nats
-            per predicted token), no calibration, an empty candidate list, a candidate that is
-            not ``(format, params)`` or ``(format, params, method)`` with method in
-            :data:`CANDIDATE_METHODS`, a bad ``selection`` / ``sensitivity_power``, or
-            unknown ``signround`` options.
-    """
-    out = dict(DEFAULTS)
-    for k in OPTIONS:
-        if k in params:
-            out[k] = params.pop(k)
-    p, kl = out["max_perplexity_increase"], out["max_per_token_kl_divergence"]
-    if p is None and kl is None:
-        raise ValueError("method='budget' needs max_perplexity_increase= (percent) and/or "
-                         "max_per_token_kl_divergence= (nats per token)")
-    for name, v in (("max_perplexity_increase", p), ("max_per_token_kl_divergence", kl)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
-                              or not math.isfinite(v)):
-            raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
-    if out["calibration"] is None:
-        raise ValueError("method='budget' needs calibration data to evaluate on: calibration= "
-                         "token-id windows, or a text with tokenizer=")
-    cands = list(out["candidates"])
-    if not cands:
-        raise ValueError("candidates: expected at least one (format, params) pair")
-    norm = []
-    for c in cands:
-        if not isinstance(c, (tuple, list)) or len(c) not in (2, 3) or not isinstance(c[1], dict):
-            raise ValueError(f"candidates: expected (format, params) or (format, params, method) "
-                             f"with params a dict, got {c!r}")
-        meth = c[2] if len(c) == 3 else "rtn"
-        if meth not in CANDIDATE_METHODS:
-            raise ValueError(f"candidates: method must be one of {CANDIDATE_METHODS}, got {meth!r} in {c!r}")
-        norm.append((c[0], dict(c[1]), meth))
-    out["candidates"] = norm
-    from .signround import check_selection
-
-    check_selection(out["selection"], out["sensitivity_power"])
-    sro = out["signround"]
-    if sro is not None and not isinstance(sro, dict):
-        raise ValueError(f"signround: expected a dict of signround options, got {sro!r}")
-    if sro:
-        from .signround import OPTIONS as SR_OPTIONS
-
-        bad = sorted(set(sro) - set(SR_OPTIONS))
-        if bad:
-            raise ValueError(f"signround: unknown option(s) {bad}; known: {sorted(SR_OPTIONS)}")
-    return out
+#: The budget method's keyword arguments of quantize_model and their defaults: the fields of
+#: :class:`qformats.config.BudgetConfig` (where :data:`DEFAULT_CANDIDATES` is defined too).
+OPTIONS = BudgetConfig.names()
+DEFAULTS = BudgetConfig.defaults()
 
 
 class _Metric:
     """The budgeted quantity of the model on the windows: mean NLL per predicted token, and/or
     mean per-token KL(reference || model) against log-probs of the float model taken once."""
 
-    def __init__(self, model, samples, options):
-        # batches of equal-length samples ([1, L] tensors from signround.calibration_samples)
-        bs = max(1, int(options["batch_size"]))
+    def __init__(self, model, samples, config: BudgetConfig):
+        # batches of equal-length samples ([1, L] tensors from calibration.calibration_samples)
+        bs = max(1, int(config.batch_size))
         self.batches = []
         for s in samples:
             last = self.batches[-1] if self.batches else None
@@ -129,16 +73,16 @@ class _Metric:
                 self.batches.append([s])
         self.batches = [torch.cat(b) for b in self.batches]
         self.model = model
-        self.use_kl = options["max_per_token_kl_divergence"] is not None
-        self.use_ppl = options["max_perplexity_increase"] is not None
+        self.use_kl = config.max_per_token_kl_divergence is not None
+        self.use_ppl = config.max_perplexity_increase is not None
         self.evaluations = 0
         self.ref_logp = None
         nll0, kl0, ref = self._run(keep=self.use_kl)
         self.ref_logp = ref if self.use_kl else None
         self.nll0 = nll0
-        self.limit_nll = (nll0 + math.log1p(options["max_perplexity_increase"] / 100.0)
+        self.limit_nll = (nll0 + math.log1p(config.max_perplexity_increase / 100.0)
                           if self.use_ppl else math.inf)
-        self.limit_kl = options["max_per_token_kl_divergence"] if self.use_kl else math.inf
+        self.limit_kl = config.max_per_token_kl_divergence if self.use_kl else math.inf
 
     @torch.inference_mode()
     def _run(self, keep=False):
@@ -185,7 +129,8 @@ class _Metric:
         return max(c)
 
 
-def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool = False):
+def quantize_budget(model: nn.Module, plan: list, options: Union[BudgetConfig, Mapping],
+                    progress: bool = False):
     """The budget method (module docstring) over the layers of ``plan``; called by
     :func:`qformats.quantize_model`, which validated the plan.
 
@@ -194,11 +139,12 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
             ``[B, L, vocab]`` (or an object with ``.logits``), on any device.
         plan: ``[(name, nn.Linear, fmt, params)]``: the eligible layers (fmt / params unused:
             the candidates replace them).
-        options: :func:`pop_options`'s dict. ``calibration`` is cut by
-            :func:`qformats.signround.calibration_samples` into ``nsamples`` windows of at most
+        options: a :class:`qformats.config.BudgetConfig` (or a dict of its fields).
+            ``calibration`` is cut by
+            :func:`qformats.calibration.calibration_samples` into ``nsamples`` windows of at most
             ``seqlen`` tokens; ``batch_size`` windows per forward; ``selection`` /
             ``sensitivity_power`` for calibrated mixed2bit; ``signround`` (a dict of
-            :data:`qformats.signround.OPTIONS`) for signround candidates: by default they
+            :class:`qformats.config.SignRoundConfig` fields) for signround candidates: by default they
             train on the budget's own calibration windows, ``nsamples`` / ``seqlen`` /
             ``batch_size`` / ``selection`` / ``sensitivity_power`` as the budget's; the dict
             overrides any of them, ``calibration`` (+ ``tokenizer``) included.
@@ -219,16 +165,12 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
             signround candidate that is not int4 asymmetric or mixed2bit without outliers), or
             calibration data calibration_samples rejects.
     """
-    from .evaluate import progress_bar
-    from .model import _block, _set_submodule, resolve_spec
-    from .nn import QuantizedLinear
-    from .signround import calibration_samples
-
+    config = options if isinstance(options, BudgetConfig) else BudgetConfig(**options)
     t0 = time.perf_counter()
-    samples = calibration_samples(options["calibration"], options["tokenizer"], int(options["nsamples"]),
-                                  int(options["seqlen"]))
+    samples = calibration_samples(config.calibration, config.tokenizer, int(config.nsamples),
+                                  int(config.seqlen))
     cands = []  # (fmt, params, method)
-    for c in options["candidates"]:
+    for c in config.candidates:
         fmt, params = c[0], dict(c[1])
         meth = c[2] if len(c) == 3 else "rtn"
         gs = params.pop("group_size", None)
@@ -238,34 +180,28 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
                 raise ValueError(f"candidates: signround trains int4 asymmetric and mixed2bit without "
                                  f"outliers only, got {fmt} {params}")
         cands.append((fmt, params, meth))
-    metric = _Metric(model, samples, options)
+    metric = _Metric(model, samples, config)
 
     # calibrated mixed2bit: the 4-bit groups of RTN candidates chosen by the mean squared input
     # per column over the calibration windows (one forward with hooks on the float model)
     sens: dict = {}
-    if options.get("selection", "sensitivity") == "sensitivity" and any(
+    if config.selection == "sensitivity" and any(
             format_spec(f).calibrated(p) and me == "rtn" for f, p, me in cands):
-        from .signround import model_second_moments, sensitivity_from_moments
-
         moments = model_second_moments(model, {name: m for name, m, _, _ in plan}, samples,
-                                       int(options["batch_size"]))
-        sens = {n: sensitivity_from_moments(v, options.get("sensitivity_power", 1.0))
-                for n, v in moments.items()}
+                                       int(config.batch_size))
+        sens = {n: sensitivity_from_moments(v, config.sensitivity_power) for n, v in moments.items()}
 
-    # signround candidates: one training run over every layer that fits, per candidate
+    # signround candidates: one training run over every layer that fits, per candidate; by
+    # default on the budget's own windows, which config.signround may replace
     trained: dict = {}  # (candidate index, layer name) -> (QuantizedLinear, seconds)
     for ci, (fmt, params, meth) in enumerate(cands):
         if meth != "signround":
             continue
-        from .signround import DEFAULTS as SR_DEFAULTS, quantize_plan
-
-        sub = [(name, m, fmt, params) for name, m, _, _ in plan if m.in_features % _block(fmt, params) == 0]
-        sro = dict(SR_DEFAULTS)
-        sro.update({"nsamples": options["nsamples"], "seqlen": options["seqlen"],
-                    "batch_size": options["batch_size"], "selection": options.get("selection", "sensitivity"),
-                    "sensitivity_power": options.get("sensitivity_power", 1.0)})
-        sro["calibration"], sro["tokenizer"] = samples, None
-        sro.update(options.get("signround") or {})  # may bring its own calibration data
+        sub = [(name, m, fmt, params) for name, m, _, _ in plan if m.in_features % block(fmt, params) == 0]
+        sro = SignRoundConfig(calibration=samples, tokenizer=None, nsamples=config.nsamples,
+                              seqlen=config.seqlen, batch_size=config.batch_size,
+                              selection=config.selection, sensitivity_power=config.sensitivity_power)
+        sro = sro.replace(**(config.signround or {}))  # may bring its own calibration data
         new_layers, _ = quantize_plan(model, sub, sro, progress=progress)
         for name, q, secs in new_layers:
             trained[(ci, name)] = (q, secs)
@@ -278,7 +214,7 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
         opts = []
         for ci, (fmt, params, meth) in enumerate(cands):
             bar.update(1)
-            if m.in_features % _block(fmt, params):
+            if m.in_features % block(fmt, params):
                 continue
             if meth == "signround":
                 q, secs = trained[(ci, name)]
@@ -288,9 +224,9 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
                          else {})
                 q = QuantizedLinear.from_linear(m, fmt, **params, **extra)
                 secs = time.perf_counter() - t1
-            _set_submodule(model, name, q)
+            set_submodule(model, name, q)
             cost = metric.cost(*metric())
-            _set_submodule(model, name, m)
+            set_submodule(model, name, m)
             opts.append((q.avg_bits, q, max(cost, 0.0), secs, meth))
         if not opts:
             raise ValueError(f"layer {name}: no budget candidate fits in_features={m.in_features}")
@@ -331,7 +267,7 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
     # 3. the assembled model, evaluated; undo the weakest moves while over budget
     def assemble():
         for (name, _, opts), c in zip(layers, choice):
-            _set_submodule(model, name, opts[c][1])
+            set_submodule(model, name, opts[c][1])
 
     assemble()
     nll, kl = metric()
@@ -344,14 +280,14 @@ def quantize_budget(model: nn.Module, plan: list, options: dict, progress: bool 
         assemble()
         nll, kl = metric()
     for name, m, _ in layers:  # quantize_model swaps the chosen ones in
-        _set_submodule(model, name, m)
+        set_submodule(model, name, m)
 
     new = [(name, opts[c][1], opts[c][3]) for (name, _, opts), c in zip(layers, choice)]
     n_w = sum(m.weight.numel() for _, m, _ in layers)
     avg_bits = sum(opts[c][0] * m.weight.numel() for (_, m, opts), c in zip(layers, choice)) / max(n_w, 1)
     stats = {
-        "budget": {"max_perplexity_increase": options["max_perplexity_increase"],
-                   "max_per_token_kl_divergence": options["max_per_token_kl_divergence"]},
+        "budget": {"max_perplexity_increase": config.max_perplexity_increase,
+                   "max_per_token_kl_divergence": config.max_per_token_kl_divergence},
         "ppl_reference": math.exp(metric.nll0),
         "ppl": math.exp(nll),
         "ppl_increase_percent": 100.0 * (math.exp(nll - metric.nll0) - 1.0),

@@ -14,9 +14,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import struct
 import sys
 import textwrap
+import warnings
+from pathlib import Path
 from typing import Sequence
+
+from . import __version__, _runtime
+from ._core import FORMATS, format_spec
+from .compare import DEFAULT_MAX_SENTENCES, DEFAULT_MAX_TOKENS, CompareError, _parse_value, compare
+from .config import METHODS, BudgetConfig, SignRoundConfig, check_method
+from .evaluate import (_ST_BYTES, EvalError, kl_divergence, lm_windows, load_model, load_text,
+                       perplexity)
+from .progress import progress_bar
+
+# qformats.model (quantize_model, resolve_spec) and qformats.saving need torch, an optional
+# dependency (the demo extra): the subcommands that use them import them when they run, so that
+# `qformats --help` and `qformats compare` start without loading them.
 
 __all__ = ["main", "build_parser"]
 
@@ -41,8 +58,6 @@ def _compare_epilog() -> str:
     """The compare subcommand's epilog: the examples, then what is measured and each format's
     default parameters, read from the formats' specs (consecutive formats with the same
     defaults share one entry)."""
-    from ._core import FORMATS, format_spec
-
     groups: list = []  # [([names], "k=v, ..." or "none")]
     for f in FORMATS:
         try:
@@ -78,12 +93,8 @@ def _positive(s: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``qformats`` command (subcommands ``compare``, ``quantize``
     and ``eval``)."""
-    from ._core import FORMATS
-    from .compare import DEFAULT_MAX_SENTENCES, DEFAULT_MAX_TOKENS
-
     parser = argparse.ArgumentParser(
         prog="qformats", description="Low-bit weight formats: tools around the qformats package.")
-    from . import __version__
     parser.add_argument("--version", action="version", version=f"qformats {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -146,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(mixed2bit, 2-bit groups of 16)")
     q.add_argument("--group-size", type=_positive, metavar="G",
                    help="values per group along in_features (nf4: blocksize)")
-    q.add_argument("--method", default="rtn", choices=("rtn", "signround", "budget"),
+    q.add_argument("--method", default="rtn", choices=METHODS,
                    help="rtn (round to nearest), signround (trainable rounding, block by block "
                         "against the float model; int4 asymmetric and 2-bit only; needs "
                         "--calibration) or budget (per-layer formats chosen to meet "
@@ -157,12 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="budget: largest perplexity increase on the calibration windows, percent")
     q.add_argument("--max-kl", type=float, metavar="NATS",
                    help="budget: largest mean per-token KL divergence from the float model")
-    q.add_argument("--iters", type=_positive, default=200, metavar="N",
-                   help="signround: optimization steps per block (default 200)")
-    q.add_argument("--nsamples", type=_positive, default=128, metavar="N",
-                   help="signround / budget: calibration windows (default 128)")
-    q.add_argument("--seqlen", type=_positive, default=2048, metavar="N",
-                   help="signround / budget: tokens per calibration window (default 2048)")
+    sr, bu = SignRoundConfig, BudgetConfig  # the methods' defaults
+    q.add_argument("--iters", type=_positive, default=sr.iters, metavar="N",
+                   help=f"signround: optimization steps per block (default {sr.iters})")
+    q.add_argument("--nsamples", type=_positive, metavar="N",
+                   help=f"signround / budget: calibration windows (default {sr.nsamples} for "
+                        f"signround, {bu.nsamples} for budget)")
+    q.add_argument("--seqlen", type=_positive, metavar="N",
+                   help=f"signround / budget: tokens per calibration window (default "
+                        f"{sr.seqlen} for signround, {bu.seqlen} for budget)")
     q.add_argument("--ignore", nargs="*", metavar="PAT",
                    help="module-name patterns (fnmatch, whole name or dotted suffix) to keep in "
                         "float; replaces the default (lm_head, embeddings); --ignore with no "
@@ -221,8 +235,6 @@ examples:
 def _parse_spec(spec: str) -> dict:
     """``F[:k=v...]`` -> ``{"format": F, k: v}``; ``B`` (an int) -> ``{"bits": B}``;
     ``skip`` -> ``{"skip": True}``. Raises ValueError for a malformed ``k=v``."""
-    from .compare import _parse_value
-
     spec = spec.strip()
     if spec == "skip":
         return {"skip": True}
@@ -247,11 +259,7 @@ class _Threads:
         self.n = n
 
     def __enter__(self):
-        import os
-
-        import torch
-
-        from . import _runtime
+        import torch  # optional (the demo extra)
 
         n = int(self.n or os.cpu_count() or 1)
         self.old = (torch.get_num_threads(), _runtime.num_threads())
@@ -261,8 +269,6 @@ class _Threads:
 
     def __exit__(self, *exc):
         import torch
-
-        from . import _runtime
 
         torch.set_num_threads(self.old[0])
         _runtime.set_num_threads(self.old[1])
@@ -276,8 +282,6 @@ def _error(cmd: str, e: BaseException) -> int:
 
 
 def _cmd_quantize(args) -> int:
-    from .evaluate import EvalError, load_model, load_text, progress_bar
-
     try:
         if args.format is not None:
             spec = _parse_spec(args.format)
@@ -298,19 +302,20 @@ def _cmd_quantize(args) -> int:
             if not sep or not pat or not sp:
                 raise ValueError(f"--override expects PATTERN=SPEC, got {item!r}")
             overrides[pat] = _parse_spec(sp)
-        import warnings
-
-        from .model import check_method, quantize_model, resolve_spec
+        from .model import quantize_model  # needs torch: see the note at the top
+        from .plan import resolve_spec
         from .saving import save_quantized
 
         # Check the choice before the (slower) model load.
         check_method(args.method)
-        method_options = {}  # signround's own options: not format parameters
+        method_options = {}  # the method's own options (qformats.config): not format parameters
         if args.method in ("signround", "budget"):
             if not args.calibration:
                 raise ValueError(f"--method {args.method} needs --calibration FILE (a text file)")
-            method_options = dict(calibration=load_text(args.calibration)[0], nsamples=args.nsamples,
-                                  seqlen=args.seqlen)
+            method_options = dict(calibration=load_text(args.calibration)[0])
+            for k in ("nsamples", "seqlen"):  # when not given: the method's default
+                if getattr(args, k) is not None:
+                    method_options[k] = getattr(args, k)
             if args.method == "signround":
                 method_options["iters"] = args.iters
             else:
@@ -352,10 +357,8 @@ def _cmd_quantize(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from .evaluate import EvalError, kl_divergence, lm_windows, load_model, load_text, perplexity
-
     try:
-        from .saving import is_quantized_dir, read_quantization_config
+        from .saving import is_quantized_dir, read_quantization_config  # needs torch (see the top)
 
         text, _ = load_text(args.text)
         with _Threads(args.threads):
@@ -363,8 +366,6 @@ def _cmd_eval(args) -> int:
             if quantized:
                 model, tokenizer, cfg = _load_quantized_for_eval(args.model)
             else:
-                from pathlib import Path
-
                 if (Path(args.model) / "quantization_config.json").is_file():
                     read_quantization_config(args.model)  # raises: another tool's model
                 lm = load_model(args.model)
@@ -408,13 +409,6 @@ def _stored_size(path, cfg) -> dict:
     """Sizes of a quantized folder as stored, from its safetensors header (exact, whatever
     dtype the model was loaded in): quantized_bytes (packed buffers of the listed layers),
     other_bytes, total_bytes, quantized_layers, avg_bits."""
-    import json
-    import math
-    import struct
-    from pathlib import Path
-
-    from .evaluate import _ST_BYTES
-
     f = Path(path) / cfg.get("weights", "qformats_model.safetensors")
     with open(f, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
@@ -437,10 +431,7 @@ def _stored_size(path, cfg) -> dict:
 
 def _load_quantized_for_eval(path):
     """(model in float32 compute, tokenizer, quantization config) of a quantized folder."""
-    import os
-
-    from .evaluate import EvalError
-    from .saving import load_quantized, read_quantization_config
+    from .saving import load_quantized, read_quantization_config  # needs torch (see the top)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = read_quantization_config(path)
@@ -457,10 +448,6 @@ def _load_quantized_for_eval(path):
 
 
 def _cmd_compare(args) -> int:
-    import os
-
-    from .compare import CompareError, compare
-
     # `--formats q4_0 nf4 MODEL` swallows MODEL into --formats: take it back.
     if args.model is None and args.formats and os.path.isdir(args.formats[-1]):
         args.model = args.formats.pop()

@@ -24,10 +24,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import _runtime
 from ._core import FORMATS, format_spec
 from .evaluate import (EvalError, checkpoint_dtypes, cosine_stats, default_model_path,
                        dtype_bytes, embed, encoder_sentences, lm_windows, load_model,
-                       load_text, perplexity, progress_bar)
+                       load_text, perplexity)
+from .progress import progress_bar
 
 __all__ = ["CompareError", "Row", "CompareResult", "default_params", "DEFAULT_MAX_TOKENS",
            "DEFAULT_MAX_SENTENCES", "parse_formats", "compare", "format_table"]
@@ -328,9 +330,7 @@ def compare(
     else:
         text_str, text_desc = load_text(text)
 
-    import torch
-
-    from . import _runtime
+    import torch  # torch is optional (the demo extra): this module imports without it
 
     n_threads = int(threads or os.cpu_count() or 1)
     old_torch_threads, old_qf_threads = torch.get_num_threads(), _runtime.num_threads()

@@ -13,11 +13,12 @@ import math
 import os
 import re
 import struct
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
+
+from .progress import progress_bar
 
 __all__ = [
     "EvalError",
@@ -60,50 +61,6 @@ def _require_demo():
     except ImportError as e:
         raise EvalError(f"{e.name or e} is not installed; `pip install 'qformats[demo]'` "
                         "installs what `qformats compare` needs") from e
-
-
-def progress_bar(iterable: Iterable | None = None, *, enabled: bool = True, **kw):
-    """A tqdm progress bar on stderr (a silent pass-through when ``enabled`` is False or tqdm
-    is not installed). Keyword arguments go to tqdm (``total``, ``desc``, ``leave``, ...)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the demo extra
-        enabled = False
-    if not enabled:
-        return _NullBar(iterable)
-    kw.setdefault("file", sys.stderr)
-    kw.setdefault("dynamic_ncols", True)
-    if not getattr(kw["file"], "isatty", lambda: False)():
-        kw.setdefault("mininterval", 5.0)  # a log file: a line every few seconds is enough
-    return tqdm(iterable, **kw)
-
-
-class _NullBar:
-    """The part of tqdm's interface that compare uses, doing nothing."""
-
-    def __init__(self, iterable=None):
-        self._it = iterable
-
-    def __iter__(self):
-        return iter(self._it if self._it is not None else ())
-
-    def update(self, n=1):
-        pass
-
-    def set_postfix_str(self, *a, **k):
-        pass
-
-    def set_description_str(self, *a, **k):
-        pass
-
-    def close(self):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -- inputs -------------------------------------------------------------------------------------
@@ -485,8 +442,10 @@ def size_report(model) -> dict:
     other parameter and persistent buffer at its current dtype (``other_bytes``), each tied
     tensor once; ``total_bytes``, ``size_mb`` (10^6 bytes), ``quantized_layers``,
     ``quantized_values`` and ``avg_bits`` (stored bits per quantized weight value; NaN when no
-    layer is quantized). See :func:`qformats.model.model_size`."""
-    from .model import model_size
+    layer is quantized). See :func:`qformats.sizes.model_size`."""
+    # qformats.sizes needs torch (through qformats.nn); this module imports without it (the
+    # demo extra), so the import waits for the first call.
+    from .sizes import model_size
 
     return model_size(model)
 

@@ -31,7 +31,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from . import __version__
+from ._core import float_dtype
 from .nn import QuantizedLinear
+from .plan import set_submodule
+from .sizes import model_size
 
 __all__ = ["save_quantized", "load_quantized", "read_quantization_config", "is_quantized_dir",
            "empty_weights", "CONFIG_NAME", "WEIGHTS_NAME", "TOKENIZER_FILES"]
@@ -122,9 +126,6 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
         OSError: the folder cannot be written.
     """
     from safetensors.torch import save_file
-
-    from . import __version__
-    from .model import model_size
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -307,8 +308,6 @@ def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtyp
     if not wfile.is_file():
         raise ValueError(f"{directory}: the weights file {wfile.name} is missing")
     if dtype is not None:
-        from ._core import float_dtype
-
         try:
             dtype = getattr(torch, float_dtype(dtype))
         except TypeError as e:
@@ -326,8 +325,6 @@ def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtyp
             raise TypeError(f"model(): expected an nn.Module, got {type(model).__name__}")
 
     # 2. the QuantizedLinear layers, empty, on the meta device
-    from .model import _set_submodule
-
     for name, lcfg in cfg["layers"].items():
         try:
             old = model.get_submodule(name) if name else None
@@ -344,7 +341,7 @@ def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtyp
             raise ValueError(f"{CONFIG_NAME}: layer {name!r} is [{new.out_features}, "
                              f"{new.in_features}] but the model's is [{old.out_features}, "
                              f"{old.in_features}]")
-        _set_submodule(model, name, new)
+        set_submodule(model, name, new)
 
     # 3. the tensors
     aliases = cfg.get("aliases", {})

@@ -16,6 +16,8 @@ from qformats import int4, mixed2bit  # noqa: E402
 from qformats._core import validate  # noqa: E402
 from qformats.nn import QuantizedLinear  # noqa: E402
 from qformats import signround as sr  # noqa: E402
+from qformats.int4 import rounding as int4_rounding  # noqa: E402
+from qformats.mixed2bit import rounding as m2_rounding  # noqa: E402
 from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -80,9 +82,9 @@ def test_initial_parameters_are_int4_rtn_bit_for_bit():
     v = torch.zeros_like(w)
     one = torch.ones(w.shape[0], w.shape[1] // gs)
     rtn = int4.quantize(w, group_size=gs)
-    fq = sr.fake_quant_int4(w, v, one, one, gs)
+    fq = int4_rounding.fake_quant_int4(w, v, one, one, gs)
     assert torch.equal(fq.view(torch.int32), rtn.dequantize("float32").view(torch.int32))
-    qt = sr.export_int4(w, v, one, one, gs)
+    qt = int4_rounding.export_int4(w, v, one, one, gs)
     for name in ("qweight", "scales", "zeros"):
         assert torch.equal(qt.buffers[name], rtn.buffers[name]), name
 
@@ -92,8 +94,8 @@ def test_export_equals_trained_fake_quant(seed):
     w = _weight(seed=seed)
     gs = 32
     v, a, b = _random_params(w, gs, seed)
-    fq = sr.fake_quant_int4(w, v, a, b, gs)
-    qt = sr.export_int4(w, v, a, b, gs, dtype="float16")
+    fq = int4_rounding.fake_quant_int4(w, v, a, b, gs)
+    qt = int4_rounding.export_int4(w, v, a, b, gs, dtype="float16")
     validate(qt)
     assert qt.params == {"group_size": gs, "symmetric": False} and qt.dtype == "float16"
     deq = int4.dequantize(qt, dtype="float32")
@@ -115,11 +117,11 @@ def test_2bit_initial_parameters_are_mixed2bit_rtn_bit_for_bit(scale_block):
     v = torch.zeros_like(w)
     one = torch.ones(w.shape[0], w.shape[1] // gs)
     rtn = mixed2bit.quantize(w, group_size=gs, ratio_4bit=0.0, scale_block=scale_block)
-    qt = sr.export_2bit(w, v, one, one, gs, scale_block)
+    qt = m2_rounding.export_2bit(w, v, one, one, gs, scale_block)
     assert qt.params == rtn.params
     for name in rtn.buffers:
         assert torch.equal(qt.buffers[name], rtn.buffers[name]), name
-    fq = sr.fake_quant_2bit(w, v, one, one, gs, scale_block)
+    fq = m2_rounding.fake_quant_2bit(w, v, one, one, gs, scale_block)
     assert torch.equal(fq.view(torch.int32), rtn.dequantize("float32").view(torch.int32))
 
 
@@ -128,8 +130,8 @@ def test_2bit_export_equals_trained_fake_quant(seed):
     w = _weight(24, 96, seed=seed)
     gs, sb = 16, 16 if seed == 0 else 7
     v, a, b = _random_params(w, gs, seed)
-    fq = sr.fake_quant_2bit(w, v, a, b, gs, sb)
-    qt = sr.export_2bit(w, v, a, b, gs, sb, dtype="float16")
+    fq = m2_rounding.fake_quant_2bit(w, v, a, b, gs, sb)
+    qt = m2_rounding.export_2bit(w, v, a, b, gs, sb, dtype="float16")
     validate(qt)
     deq = mixed2bit.dequantize(qt, dtype="float32")
     assert torch.equal(deq.view(torch.int32), fq.view(torch.int32))  # bitwise
@@ -145,16 +147,16 @@ def test_mixed_initial_parameters_are_calibrated_mixed2bit_rtn_bit_for_bit(ratio
     w[3, :16] = -0.0
     gs = 16
     sens = torch.rand(96, generator=torch.Generator().manual_seed(7)) * 3
-    is4 = sr.select_4bit(w, gs, ratio, sens, sb)
+    is4 = m2_rounding.select_4bit(w, gs, ratio, sens, sb)
     rtn = mixed2bit.quantize(w, group_size=gs, ratio_4bit=ratio, sensitivity=sens, scale_block=sb)
     assert int(is4.sum()) == rtn.params["n4"] > 0
     v = torch.zeros_like(w)
     one = torch.ones(w.shape[0], w.shape[1] // gs)
-    qt = sr.export_mixed2bit(w, v, one, one, gs, sb, is4, ratio, "sensitivity")
+    qt = m2_rounding.export_mixed2bit(w, v, one, one, gs, sb, is4, ratio, "sensitivity")
     assert qt.params == rtn.params
     for name in rtn.buffers:
         assert torch.equal(qt.buffers[name], rtn.buffers[name]), name
-    fq = sr.fake_quant_mixed2bit(w, v, one, one, gs, sb, is4)
+    fq = m2_rounding.fake_quant_mixed2bit(w, v, one, one, gs, sb, is4)
     assert torch.equal(fq.view(torch.int32), rtn.dequantize("float32").view(torch.int32))
 
 
@@ -162,9 +164,9 @@ def test_mixed_initial_parameters_are_calibrated_mixed2bit_rtn_bit_for_bit(ratio
 def test_mixed_export_equals_trained_fake_quant(seed, ratio, gs, sb):
     w = _weight(24, 96, seed=seed)
     v, a, b = _random_params(w, gs, seed)
-    is4 = sr.select_4bit(w, gs, ratio, None, sb)
-    fq = sr.fake_quant_mixed2bit(w, v, a, b, gs, sb, is4)
-    qt = sr.export_mixed2bit(w, v, a, b, gs, sb, is4, ratio, "range", dtype="float16")
+    is4 = m2_rounding.select_4bit(w, gs, ratio, None, sb)
+    fq = m2_rounding.fake_quant_mixed2bit(w, v, a, b, gs, sb, is4)
+    qt = m2_rounding.export_mixed2bit(w, v, a, b, gs, sb, is4, ratio, "range", dtype="float16")
     validate(qt)
     assert qt.params["n4"] == int(is4.sum()) > 0 and qt.params["selection"] == "range"
     deq = mixed2bit.dequantize(qt, dtype="float32")
@@ -176,7 +178,7 @@ def test_mixed_export_equals_trained_fake_quant(seed, ratio, gs, sb):
     x = torch.randn(5, w.shape[1])
     torch.testing.assert_close(lin(x), F.linear(x, fq, bias), rtol=1.3e-6, atol=1e-5)
     with pytest.raises(ValueError, match="ratio_4bit"):
-        sr.export_mixed2bit(w, v, a, b, gs, sb, is4, 0.0, "range")
+        m2_rounding.export_mixed2bit(w, v, a, b, gs, sb, is4, 0.0, "range")
 
 
 def test_clipping_changes_the_exported_scales():
@@ -185,8 +187,8 @@ def test_clipping_changes_the_exported_scales():
     v = torch.zeros_like(w)
     one = torch.ones(w.shape[0], 2)
     half = torch.full((w.shape[0], 2), 0.5)
-    s1 = sr.export_int4(w, v, one, one, gs).buffers["scales"]
-    s2 = sr.export_int4(w, v, half, half, gs).buffers["scales"]
+    s1 = int4_rounding.export_int4(w, v, one, one, gs).buffers["scales"]
+    s2 = int4_rounding.export_int4(w, v, half, half, gs).buffers["scales"]
     # scale = (alpha * hi - beta * lo) / 15: halved by alpha = beta = 1/2
     torch.testing.assert_close(s2, s1 / 2, rtol=1e-6, atol=0)
 
@@ -197,14 +199,21 @@ def test_straight_through_gradients_reach_every_parameter(fmt, gs, ratio):
     lin = nn.Linear(64, 16)
     with torch.no_grad():
         lin.weight.copy_(w)
-    is4 = sr.select_4bit(w, gs, ratio) if ratio else None
-    m = sr.SignRoundLinear(lin, gs, fmt, 16, is4, ratio)
+    is4 = m2_rounding.select_4bit(w, gs, ratio) if ratio else None
+    m = sr.SignRoundLinear(lin, _rounding(lin, gs, fmt, is4, ratio))
     with torch.no_grad():
         m.alpha.fill_(0.9)
         m.beta.fill_(0.8)
     m(torch.randn(8, 64)).pow(2).sum().backward()
     for p in (m.v, m.alpha, m.beta):
         assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def _rounding(lin, gs, fmt, is4, ratio):
+    """The format's trainable rounding of ``lin`` (scale_block 16 for mixed2bit)."""
+    if fmt == "int4":
+        return int4_rounding.Int4Rounding(gs)
+    return m2_rounding.Mixed2bitRounding(tuple(lin.weight.shape), gs, 16, is4, ratio)
 
 
 # -- block training -----------------------------------------------------------------------------
@@ -218,8 +227,8 @@ def _setup_block(net, ids, gs=32, fmt="int4", ratio=0.0):
     linears = {}
     for rel in ("up", "down"):
         lin = getattr(fb, rel)
-        is4 = sr.select_4bit(lin.weight, gs, ratio) if ratio else None
-        linears[rel] = sr.SignRoundLinear(lin, gs, fmt, 16, is4, ratio)
+        is4 = m2_rounding.select_4bit(lin.weight, gs, ratio) if ratio else None
+        linears[rel] = sr.SignRoundLinear(lin, _rounding(lin, gs, fmt, is4, ratio))
         setattr(fb, rel, linears[rel])
     return fb, linears, inputs, targets
 
@@ -316,7 +325,7 @@ def test_quantize_model_mixed_groups_selected_by_block_inputs():
     assert up.params["selection"] == "sensitivity" and up.params["n4"] == 128  # 1/4 of 128 rows x 4 groups
     x = torch.cat([ref.embed(i) for i in ids]).reshape(-1, 64).double()
     sens = sr.sensitivity_from_moments(x.square().mean(0))
-    want = sr.select_4bit(ref.layers[0].up.weight, 16, 0.25, sens)
+    want = m2_rounding.select_4bit(ref.layers[0].up.weight, 16, 0.25, sens)
     gm = up.group_map.to(torch.int64)
     got = ((gm.reshape(-1, 1) >> torch.arange(8)) & 1).reshape(-1)[:want.numel()].bool()
     assert torch.equal(got, want)

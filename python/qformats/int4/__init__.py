@@ -282,6 +282,14 @@ def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None
     return LinearKernel(_native.make_linear(qweight, scales, zeros, *q.shape, gs))
 
 
+def _rounding(weight, params, sensitivity=None):
+    """``SPEC.rounding``: :func:`qformats.int4.rounding.for_layer`. That module needs torch, so it
+    is imported here on first use: ``qformats.int4`` itself imports with numpy alone."""
+    from .rounding import for_layer
+
+    return for_layer(weight, params, sensitivity)
+
+
 SPEC = FormatSpec(
     name=FORMAT,
     summary="4-bit integer codes, two per byte, float32 scale (+ uint8 zero point) per group",
@@ -296,4 +304,5 @@ SPEC = FormatSpec(
     linear_rows=WEIGHT_ONLY_ROWS,
     make_linear=_make_linear,
     trainable=lambda p: not p.get("symmetric", False),
+    rounding=_rounding,
 )

@@ -379,6 +379,14 @@ def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None
     return LinearKernel(_native.make_linear(*args, index), {"chunk_index": index})
 
 
+def _rounding(weight, params, sensitivity=None):
+    """``SPEC.rounding``: :func:`qformats.mixed2bit.rounding.for_layer`. That module needs torch, so it
+    is imported here on first use: ``qformats.mixed2bit`` itself imports with numpy alone."""
+    from .rounding import for_layer
+
+    return for_layer(weight, params, sensitivity)
+
+
 SPEC = FormatSpec(
     name=FORMAT,
     summary="2-bit and 4-bit groups in separate arrays, second-order scales, fp16 outliers",
@@ -393,5 +401,6 @@ SPEC = FormatSpec(
     linear_rows=WEIGHT_ONLY_ROWS,
     make_linear=_make_linear,
     trainable=lambda p: float(p.get("outlier_ratio", 0.0)) == 0.0 and p.get("sensitivity") is None,
+    rounding=_rounding,
     calibrated=lambda p: float(p.get("ratio_4bit", DEFAULT_RATIO_4BIT)) > 0,
 )

@@ -1,0 +1,306 @@
+"""mixed2bit's fake quantization for trainable rounding (:mod:`qformats.signround`): groups
+without outliers with a trainable rounding offset ``V`` and clipping factors ``alpha`` /
+``beta``, second-order quantization included.
+
+2-bit groups (:func:`fake_quant_2bit`): per group ``lo = min(min(w), 0) * beta``,
+``hi = max(w) * alpha``, ``scale = (hi - lo) / 3``, ``m = -lo``; per block of ``scale_block``
+groups the fp16 fields ``d = max(scale) / 15``, ``dm = max(m) / 15`` (fp16 rounding with a
+straight-through gradient), 4-bit codes ``sc = rint(scale / d)``, ``mc = rint(m / dm)``;
+``q = clamp(rint((w + dm*mc) / (d*sc) + V), 0, 3)``, ``w' = q * (d*sc) - dm*mc``. The export
+(:func:`export_2bit`) writes those codes and fields, so mixed2bit's ``dequantize`` equals ``w'``
+bit for bit; at ``V = 0``, ``alpha = beta = 1`` the buffers equal
+:func:`qformats.mixed2bit.quantize`'s (``ratio_4bit=0``).
+
+With 4-bit groups (``ratio_4bit > 0``): the 4-bit groups are chosen first and kept fixed during
+training, by the format's own selection rule (:func:`select_4bit` calls
+:func:`qformats.mixed2bit.quantize`): the groups with the largest ``sum(sensitivity * w**2)``
+(``sensitivity``: the calibrated mean squared input per column, see
+:mod:`qformats.calibration`), or by range without one. The 4-bit groups train with
+``qmax = 15`` and their own second-order list (8-bit codes ``sc, mc`` in ``0..255`` against
+``d = max(scale) / 255``, ``dm = max(m) / 255`` per block of ``scale_block`` 4-bit groups in id
+order). The export (:func:`export_mixed2bit`) writes the group map, both code arrays and both
+second-order lists, so the packed layer decodes to the trained ``w'`` bit for bit.
+
+Needs torch; reached through ``qformats.mixed2bit.SPEC.rounding``.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .._core import QuantizedTensor, validate
+from .._rounding import round_ste, ste
+from . import DEFAULT_SCALE_BLOCK, FORMAT, SPEC, expected_buffers, quantize
+from .reference import n4_count
+
+__all__ = ["fake_quant_2bit", "export_2bit", "fake_quant_mixed2bit", "export_mixed2bit", "select_4bit",
+           "Mixed2bitRounding", "for_layer"]
+
+
+def _m2_parts(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+              group_size: int, scale_block: int, is4: Optional[torch.Tensor] = None):
+    """mixed2bit groups without outliers (``mixed2bit.h`` steps 4-6) with clipping.
+
+    Per group (read with -0 as +0) ``lo = min(min(v), 0) * beta``, ``hi = max(v) * alpha``,
+    ``scale = (hi - lo) / qmax`` (qmax 3, or 15 for the groups where ``is4``), ``m = 0 - lo``;
+    the 2-bit groups in id order and the 4-bit groups in id order form two lists, each cut
+    into blocks of ``scale_block`` groups with ``d16 = fp16(max(0, scale_i) / S)``,
+    ``dm16 = fp16(max(0, m_i) / S)`` (S = 15 or 255; fp16 rounding with a straight-through
+    gradient); ``sc = clamp(rint(scale / d16), 0, S)`` (0 if d16 = 0), likewise ``mc``;
+    ``s_eff = d16 * sc``, ``m_eff = dm16 * mc``; ``q = clamp(rint((w + m_eff) / s_eff + V), 0, qmax)``
+    (0 if s_eff = 0).
+
+    Args:
+        w, v: float32 ``[out, in]``; alpha, beta: float32 ``[out, in // group_size]``.
+        is4: bool ``[n_groups]`` (row-major group ids) or None (all 2-bit).
+    Returns:
+        float32 ``(q [n, gs], s_eff [n, 1], m_eff [n, 1], sc [n, 1], mc [n, 1],
+        fields2 (d16 [nb2], dm16 [nb2]), fields4 (d16 [nb4], dm16 [nb4]))``, n = n_groups.
+    Raises:
+        ValueError: a second-order field that is inf in fp16 ("values too large ...").
+    """
+    g = w.reshape(-1, group_size) + 0.0        # -0 read as +0, as the format does
+    vg = v.reshape(-1, group_size)
+    n = g.shape[0]
+    if is4 is None:
+        is4 = torch.zeros(n, dtype=torch.bool, device=w.device)
+    is4 = is4.reshape(-1)
+    if is4.numel() != n:
+        raise ValueError(f"is4: expected {n} group flags, got {is4.numel()}")
+    qmax = torch.where(is4, 15.0, 3.0).to(torch.float32).reshape(-1, 1)
+    smax = torch.where(is4, 255.0, 15.0).to(torch.float32).reshape(-1, 1)
+    mn = g.min(dim=1, keepdim=True).values
+    mx = g.max(dim=1, keepdim=True).values
+    lo = torch.clamp(mn, max=0.0) * beta.reshape(-1, 1)
+    hi = mx * alpha.reshape(-1, 1)
+    scale = (hi - lo) / qmax
+    m = 0.0 - lo
+
+    def block_fields(val, sel, S):
+        """fp16 fields (float32 values) of the blocks of the groups ``sel`` (ids ascending),
+        and the per-group field [len(sel)]."""
+        k = int(sel.numel())
+        nb = -(-k // scale_block)
+        if k == 0:
+            return val.new_zeros(0), val.new_zeros(0)
+        vv = torch.clamp(val.reshape(-1)[sel], min=0.0)
+        pad = nb * scale_block - k
+        if pad:
+            vv = torch.cat([vv, vv.new_zeros(pad)])
+        bmax = vv.reshape(nb, scale_block).max(dim=1).values / S
+        b16 = ste(bmax, bmax.to(torch.float16).to(torch.float32))
+        if not torch.isfinite(b16).all():
+            raise ValueError("values too large for mixed2bit's fp16 second-order scales")
+        return b16, b16.repeat_interleave(scale_block)[:k]
+
+    ids2 = torch.nonzero(~is4).reshape(-1)
+    ids4 = torch.nonzero(is4).reshape(-1)
+    d2, dg2 = block_fields(scale, ids2, 15.0)
+    dm2, dmg2 = block_fields(m, ids2, 15.0)
+    d4, dg4 = block_fields(scale, ids4, 255.0)
+    dm4, dmg4 = block_fields(m, ids4, 255.0)
+    dg = scale.new_zeros(n).index_put((ids2,), dg2).index_put((ids4,), dg4).reshape(-1, 1)
+    dmg = scale.new_zeros(n).index_put((ids2,), dmg2).index_put((ids4,), dmg4).reshape(-1, 1)
+
+    def code(val, dd):
+        ok = dd > 0
+        safe = torch.where(ok, dd, torch.ones_like(dd))
+        c = torch.minimum(torch.clamp(round_ste(val / safe), min=0.0), smax)
+        return torch.where(ok, c, torch.zeros_like(c))
+
+    sc = code(scale, dg)
+    mc = code(m, dmg)
+    s_eff = dg * sc
+    m_eff = dmg * mc
+    ok = s_eff > 0
+    safe = torch.where(ok, s_eff, torch.ones_like(s_eff))
+    q = torch.minimum(torch.clamp(round_ste((g + m_eff) / safe + vg), min=0.0), qmax)
+    q = torch.where(ok, q, torch.zeros_like(q))
+    return q, s_eff, m_eff, sc, mc, (d2, dm2), (d4, dm4)
+
+
+def fake_quant_2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                    group_size: int, scale_block: int = 16) -> torch.Tensor:
+    """The fake-quantized float32 weight ``q * s_eff - m_eff`` ``[out, in]`` of plain 2-bit
+    mixed2bit groups (see :func:`_m2_parts`): mixed2bit's dequantize, bit for bit."""
+    return fake_quant_mixed2bit(w, v, alpha, beta, group_size, scale_block, None)
+
+
+def fake_quant_mixed2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                         group_size: int, scale_block: int = 16,
+                         is4: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fake-quantized weight of mixed2bit groups with trainable rounding and clipping.
+
+    Args:
+        w: float32 ``[out, in]``, ``in`` a multiple of ``group_size`` (a multiple of 16).
+        v: float32 ``[out, in]``, rounding offsets in ``[-0.5, 0.5]``.
+        alpha, beta: float32 ``[out, in // group_size]``, clipping factors of the group's max
+            and min, in ``[0.5, 1]``.
+        group_size, scale_block: mixed2bit's parameters.
+        is4: bool ``[out * in // group_size]``: the 4-bit groups (row-major group ids), or None
+            for plain 2-bit. See :func:`select_4bit`.
+    Returns:
+        float32 ``[out, in]``: ``q * s_eff - m_eff`` per element (module docstring), equal bit
+        for bit to ``mixed2bit.dequantize`` of :func:`export_mixed2bit`'s tensor; differentiable
+        in v, alpha, beta through straight-through estimators.
+    Raises:
+        ValueError: fp16 second-order fields that overflow, or ``is4`` of the wrong size.
+    """
+    q, s_eff, m_eff, *_ = _m2_parts(w, v, alpha, beta, group_size, scale_block, is4)
+    return (q * s_eff - m_eff).reshape(w.shape)
+
+
+def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words of codes ``q`` [n, gs] (float or int), 32 // bits per word, value i of a
+    word in bits ``bits * i`` (bit 31 included: negative words)."""
+    per = 32 // bits
+    n, gs = q.shape
+    qi = q.to(torch.int64).reshape(n, gs // per, per)
+    shifts = bits * torch.arange(per, device=q.device, dtype=torch.int64)
+    words = (qi << shifts).sum(dim=2)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    return words.to(torch.int32).contiguous()
+
+
+def export_mixed2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                     group_size: int, scale_block: int = 16, is4: Optional[torch.Tensor] = None,
+                     ratio_4bit: float = 0.0, selection: str = "range",
+                     dtype: str = "float32") -> QuantizedTensor:
+    """The mixed2bit QuantizedTensor (no outliers) of trained parameters.
+
+    Args:
+        w, v, alpha, beta, group_size, scale_block, is4: as :func:`fake_quant_mixed2bit`.
+        ratio_4bit: the format parameter recorded in the params; ``floor(ratio_4bit *
+            n_groups + 0.5)`` must equal the number of True flags in ``is4``.
+        selection: recorded in the params: ``"sensitivity"`` or ``"range"`` (how ``is4`` was
+            chosen).
+        dtype: the recorded original weight dtype.
+    Returns:
+        a validated QuantizedTensor with torch buffers on w's device: ``group_map`` from
+        ``is4``, 2-bit codes 16 per int32 word, 4-bit codes 8 per word, ``scales2 = sc | mc << 4``,
+        ``scales4 = [sc, mc]``, fp16 ``so2`` / ``so4`` ``[d, dm]`` per block. Its dequantize
+        equals :func:`fake_quant_mixed2bit` bit for bit.
+    Raises:
+        ValueError: ``is4`` inconsistent with ``ratio_4bit``, or the checks of
+            :func:`qformats._core.validate`.
+    """
+    out_f, in_f = w.shape
+    n = out_f * (in_f // group_size)
+    dev = w.device
+    flags = torch.zeros(n, dtype=torch.bool, device=dev) if is4 is None else is4.reshape(-1).to(torch.bool)
+    n4 = int(flags.sum())
+    if n4 != n4_count(ratio_4bit, n):
+        raise ValueError(f"is4 holds {n4} 4-bit groups but ratio_4bit={ratio_4bit} of {n} groups "
+                         f"gives {n4_count(ratio_4bit, n)}")
+    with torch.no_grad():
+        q, _, _, sc, mc, (d2, dm2), (d4, dm4) = _m2_parts(w.float(), v, alpha, beta, group_size,
+                                                          scale_block, flags)
+    params = {"group_size": int(group_size), "ratio_4bit": float(ratio_4bit), "outlier_ratio": 0.0,
+              "scale_block": int(scale_block), "selection": selection, "n4": n4, "n_out": 0}
+    shapes = expected_buffers((out_f, in_f), params)
+    bufs = {name: torch.zeros(shape, dtype=getattr(torch, dt), device=dev)
+            for name, (dt, shape) in shapes.items()}
+    nbytes = shapes["group_map"][1][0]
+    bits = torch.zeros(nbytes * 8, dtype=torch.int64, device=dev)
+    bits[:n] = flags.to(torch.int64)
+    bufs["group_map"] = (bits.reshape(-1, 8) << torch.arange(8, device=dev)).sum(1).to(torch.uint8)
+    ids2, ids4 = ~flags, flags
+    bufs["codes2"] = _pack_codes(q[ids2], 2).reshape(shapes["codes2"][1])
+    bufs["codes4"] = _pack_codes(q[ids4], 4).reshape(shapes["codes4"][1])
+    sc, mc = sc.reshape(-1).to(torch.int64), mc.reshape(-1).to(torch.int64)
+    bufs["scales2"] = (sc[ids2] | (mc[ids2] << 4)).to(torch.uint8).contiguous()
+    scales4 = torch.stack([sc[ids4], mc[ids4]], dim=1).to(torch.uint8)
+    bufs["scales4"] = scales4.reshape(shapes["scales4"][1]).contiguous()
+    bufs["so2"] = torch.stack([d2, dm2], dim=1).to(torch.float16).reshape(shapes["so2"][1]).contiguous()
+    bufs["so4"] = torch.stack([d4, dm4], dim=1).to(torch.float16).reshape(shapes["so4"][1]).contiguous()
+    qt = QuantizedTensor(FORMAT, (out_f, in_f), dtype, params, bufs)
+    validate(qt)
+    return qt
+
+
+def export_2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                group_size: int, scale_block: int = 16, dtype: str = "float32") -> QuantizedTensor:
+    """The mixed2bit QuantizedTensor (ratio_4bit = 0, no outliers) of the trained parameters:
+    :func:`export_mixed2bit` with ``is4=None``."""
+    return export_mixed2bit(w, v, alpha, beta, group_size, scale_block, None, 0.0, "range", dtype)
+
+
+def select_4bit(w: torch.Tensor, group_size: int, ratio_4bit: float, sensitivity: Any = None,
+                scale_block: int = 16) -> torch.Tensor:
+    """mixed2bit's 4-bit groups of ``w`` as the format chooses them (its step 2, run by
+    :func:`qformats.mixed2bit.quantize` itself, so the choice is the format's, bit for bit).
+
+    Args:
+        w: float ``[out, in]`` tensor.
+        group_size, ratio_4bit, scale_block: mixed2bit's parameters.
+        sensitivity: float ``[in]`` (>= 0, finite) or None (by range).
+    Returns:
+        bool ``[out * in // group_size]`` on w's device, True for the 4-bit groups.
+    Raises:
+        ValueError / TypeError: as :func:`qformats.mixed2bit.quantize`.
+    """
+    n = w.shape[0] * (w.shape[1] // group_size)
+    qt = quantize(w.detach().float().contiguous().cpu(), group_size=group_size,
+                            ratio_4bit=ratio_4bit, sensitivity=sensitivity, scale_block=scale_block)
+    gm = qt.buffers["group_map"].to(torch.int64)
+    bits = ((gm.reshape(-1, 1) >> torch.arange(8)) & 1).reshape(-1)[:n]
+    return bits.to(torch.bool).to(w.device)
+
+
+class Mixed2bitRounding:
+    """Trainable rounding of the mixed2bit groups of a weight of ``shape`` ``[out, in]`` (the
+    interface of :class:`qformats._rounding.Rounding`).
+
+    Args:
+        shape: the weight's ``(out, in)``; ``in`` a multiple of ``group_size``.
+        group_size, scale_block: mixed2bit's parameters.
+        is4: bool ``[out * in // group_size]`` flags of the 4-bit groups (see
+            :func:`select_4bit`), or None (plain 2-bit).
+        ratio_4bit, selection: the recorded parameters (``is4`` must hold
+            ``floor(ratio_4bit * n_groups + 0.5)`` groups).
+    Raises:
+        ValueError: ``is4`` with the wrong size or count.
+    """
+
+    def __init__(self, shape, group_size: int, scale_block: int = 16, is4: Optional[torch.Tensor] = None,
+                 ratio_4bit: float = 0.0, selection: str = "range"):
+        out_f, in_f = (int(s) for s in shape)
+        self.group_size, self.scale_block = int(group_size), int(scale_block)
+        self.ratio_4bit, self.selection = float(ratio_4bit), selection
+        ng = out_f * (in_f // self.group_size)
+        if is4 is not None:
+            is4 = is4.reshape(-1).to(torch.bool)
+            if is4.numel() != ng:
+                raise ValueError(f"is4: expected {ng} mixed2bit group flags, got {is4.numel()} ({FORMAT})")
+            if int(is4.sum()) != n4_count(self.ratio_4bit, ng):
+                raise ValueError(f"is4 holds {int(is4.sum())} 4-bit groups, ratio_4bit={ratio_4bit} "
+                                 f"gives {n4_count(self.ratio_4bit, ng)}")
+        self.is4 = is4
+
+    def _flags(self, w: torch.Tensor) -> Optional[torch.Tensor]:
+        return None if self.is4 is None else self.is4.to(w.device)
+
+    def fake_quant(self, w, v, alpha, beta):
+        return fake_quant_mixed2bit(w, v, alpha, beta, self.group_size, self.scale_block, self._flags(w))
+
+    def export(self, w, v, alpha, beta, dtype: str = "float32") -> QuantizedTensor:
+        return export_mixed2bit(w, v, alpha, beta, self.group_size, self.scale_block, self._flags(w),
+                                self.ratio_4bit, self.selection, dtype)
+
+
+def for_layer(weight: torch.Tensor, params: Mapping[str, Any],
+              sensitivity: Optional[torch.Tensor] = None) -> Mixed2bitRounding:
+    """``SPEC.rounding``: the trainable rounding of one layer ``weight`` ``[out, in]`` with
+    mixed2bit ``params`` (no outliers). With 4-bit groups (``ratio_4bit > 0``) they are chosen
+    here, once, by :func:`select_4bit`: by ``sensitivity`` (float ``[in]``) when given, else by
+    range; the choice is recorded as the ``selection`` parameter."""
+    full = SPEC.params(**params)
+    gs = int(full["group_size"])
+    sb = int(params.get("scale_block", DEFAULT_SCALE_BLOCK))
+    if not SPEC.calibrated(full):
+        return Mixed2bitRounding(weight.shape, gs, sb)
+    ratio = float(full["ratio_4bit"])
+    is4 = select_4bit(weight, gs, ratio, sensitivity, sb)
+    return Mixed2bitRounding(weight.shape, gs, sb, is4, ratio,
+                             "range" if sensitivity is None else "sensitivity")

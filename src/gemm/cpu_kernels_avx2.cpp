@@ -201,6 +201,114 @@ QF_AVX2 void decode_m2(const M2Group* groups, int64_t n, int64_t gs, float* out)
   }
 }
 
+// ---- fused small-N weight-only GEMM of the 4-bit nibble formats ---------------------------------
+
+// Per 32 values of a row: two 8-byte loads widened to 8 int32 lanes each (VPMOVZXBD from
+// memory), each split into its low and high nibbles by a mask and a shift: the values of x
+// positions 0-7, 16-23 (first 8 bytes) and 8-15, 24-31 (the next 8), in the order
+// nibble_split_order gives x. The codes become the format's dequantized values with the same
+// float32 roundings as its dequantize (the exact small integer q - zero, or nf4's table entry,
+// times the scale) and are multiplied with every activation row while still in registers. Each
+// output has its own accumulator, so its sum order depends on K only (not on MR, N or threads).
+template <Nibble F>
+QF_AVX2_INLINE __m256 nib_value(__m256i c, __m256 s, __m256 z, __m256 lut_lo, __m256 lut_hi) {
+  if constexpr (F == Nibble::nf4) {
+    return _mm256_mul_ps(lookup16(c, lut_lo, lut_hi), s);
+  } else if constexpr (F == Nibble::int4_sym) {  // the signed nibble: (u ^ 8) - 8
+    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_xor_si256(c, _mm256_set1_epi32(8))), z), s);
+  } else {  // int4 asymmetric: q - zero; q4_0: q - 8 (z holds the offset); exact in float32
+    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(c), z), s);
+  }
+}
+
+template <Nibble F, int MR, int NR>
+QF_AVX2 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, float* Y, int64_t ldy) {
+  const int64_t K = w.K;
+  __m256 lut_lo = _mm256_setzero_ps(), lut_hi = _mm256_setzero_ps();
+  if constexpr (F == Nibble::nf4) {
+    lut_lo = _mm256_loadu_ps(nf4::kCode);
+    lut_hi = _mm256_loadu_ps(nf4::kCode + 8);
+  }
+  const __m256i m4 = _mm256_set1_epi32(0x0F);
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  constexpr bool kInt4 = F == Nibble::int4_asym || F == Nibble::int4_sym;
+  const int64_t gpr = kInt4 ? K / w.group : 0;  // int4: groups per row
+  int64_t kg = 0, kr = 0;                       // int4: group of k within the row, and k's offset in it
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int i = 0; i < MR; ++i) {
+      const int64_t m = m0 + i;
+      const uint8_t* p;
+      __m256 s, z = _mm256_set1_ps(8.0f);
+      if constexpr (F == Nibble::nf4) {
+        const int64_t base = m * K + k;
+        p = w.codes + (base >> 1);
+        s = _mm256_broadcast_ss(w.scales + (base >> w.group));
+      } else if constexpr (F == Nibble::q4_0) {
+        const auto* blk = reinterpret_cast<const block_q4_0*>(w.codes) + m * (K / 32) + k / 32;
+        p = blk->qs;
+        s = _mm256_set1_ps(fp16_to_f32(blk->d.bits));
+      } else {
+        p = w.codes + ((m * K + k) >> 1);
+        s = _mm256_broadcast_ss(w.scales + m * gpr + kg);
+        if constexpr (F == Nibble::int4_asym) z = _mm256_set1_ps(static_cast<float>(w.zeros[m * gpr + kg]));
+      }
+      const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+      const __m256i lo0 = _mm256_and_si256(c0, m4), hi0 = _mm256_srli_epi32(c0, 4);
+      const __m256i lo1 = _mm256_and_si256(c1, m4), hi1 = _mm256_srli_epi32(c1, 4);
+      constexpr bool kHiFirst = F == Nibble::nf4;  // nf4: element 2t is the high nibble
+      const __m256 v[4] = {nib_value<F>(kHiFirst ? hi0 : lo0, s, z, lut_lo, lut_hi),
+                           nib_value<F>(kHiFirst ? hi1 : lo1, s, z, lut_lo, lut_hi),
+                           nib_value<F>(kHiFirst ? lo0 : hi0, s, z, lut_lo, lut_hi),
+                           nib_value<F>(kHiFirst ? lo1 : hi1, s, z, lut_lo, lut_hi)};
+      for (int j = 0; j < NR; ++j)
+        for (int q = 0; q < 4; ++q) acc[i][j] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(X + j * K + k + 8 * q), acc[i][j]);
+    }
+    if constexpr (kInt4) {
+      if ((kr += 32) == w.group) { kr = 0; ++kg; }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) Y[j * ldy + i] = hsum(acc[i][j]);
+}
+
+template <Nibble F, int NR>
+QF_AVX2 void nib_rows(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, float* Y, int64_t ldy) {
+  constexpr int64_t R = NR == 1 ? 8 : 4;
+  for (int64_t i = 0; i < MR; i += R) {
+    switch (std::min<int64_t>(R, MR - i)) {
+#define QF_CASE(Q) case Q: if constexpr (Q <= R) nib_micro<F, Q, NR>(w, m0 + i, X, Y + i, ldy); break;
+      QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
+#undef QF_CASE
+      default: break;
+    }
+  }
+}
+
+template <Nibble F>
+QF_AVX2 void nib_format(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
+                        int64_t ldy) {
+  switch (N) {
+    case 1: nib_rows<F, 1>(w, m0, MR, X, Y, ldy); break;
+    case 2: nib_rows<F, 2>(w, m0, MR, X, Y, ldy); break;
+    case 3: nib_rows<F, 3>(w, m0, MR, X, Y, ldy); break;
+    case 4: nib_rows<F, 4>(w, m0, MR, X, Y, ldy); break;
+    default: break;
+  }
+}
+
+QF_AVX2 void nibble_gemm(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
+                         int64_t ldy) {
+  switch (w.fmt) {
+    case Nibble::nf4: nib_format<Nibble::nf4>(w, m0, MR, X, N, Y, ldy); break;
+    case Nibble::int4_asym: nib_format<Nibble::int4_asym>(w, m0, MR, X, N, Y, ldy); break;
+    case Nibble::int4_sym: nib_format<Nibble::int4_sym>(w, m0, MR, X, N, Y, ldy); break;
+    case Nibble::q4_0: nib_format<Nibble::q4_0>(w, m0, MR, X, N, Y, ldy); break;
+  }
+}
+
 // ---- q4_0 x q8_1 ---------------------------------------------------------------------------------
 
 // Per block: the 32 weight codes as u8 (low nibbles = elements 0..15, high = 16..31),
@@ -375,7 +483,7 @@ QF_AVX2 void i4_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, 
 
 const CpuKernels& kernels() {
   static const CpuKernels k{Isa::avx2, f32_panel, decode_nf4, decode_int4, decode_q4_0, decode_m2, nullptr,
-                            nullptr, q4q8_panel, i8_panel,  i4_panel};
+                            nibble_gemm, q4q8_panel, i8_panel,  i4_panel};
   return k;
 }
 

@@ -244,6 +244,7 @@ QF_AVX2 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, float
       if constexpr (F == Nibble::nf4) {
         const int64_t base = m * K + k;
         p = w.codes + (base >> 1);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + MR * K / 2, _MM_HINT_T0);  // as nib_int_micro
         s = _mm256_broadcast_ss(w.scales + (base >> w.group));
       } else if constexpr (F == Nibble::q4_0) {
         const auto* blk = reinterpret_cast<const block_q4_0*>(w.codes) + m * (K / 32) + k / 32;
@@ -274,12 +275,84 @@ QF_AVX2 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, float
     for (int j = 0; j < NR; ++j) Y[j * ldy + i] = hsum(acc[i][j]);
 }
 
+// The integer-code formats (int4, q4_0), whose value is s * (q - z) with one s and z per group
+// (q4_0: per 32-block, z = 8): per group and output, d = sum q x over the group (the codes
+// converted to float, one FMA each), then acc += s * (d - z * sum x) with sum x taken once per
+// group for all rows. Two vector operations per 8 weights instead of four; the float32 rounding
+// differs from dequantize + a float product only by the order of the sums (within fp32
+// rounding of the exact product, relative to sum |q| |x| + z sum |x| per group).
+template <Nibble F, int MR, int NR>
+QF_AVX2 void nib_int_micro(const NibbleWeights& w, int64_t m0, const float* X, float* Y, int64_t ldy) {
+  const int64_t K = w.K, G = F == Nibble::q4_0 ? 32 : w.group, gpr = K / G;
+  const int64_t row_bytes = F == Nibble::q4_0 ? gpr * int64_t(sizeof(block_q4_0)) : K / 2;
+  const __m256i m4 = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < gpr; ++g) {
+    __m256 d[MR][NR][2], sx[NR];  // two partial sums per output: two FMA chains
+    for (int j = 0; j < NR; ++j) {
+      sx[j] = _mm256_setzero_ps();
+      for (int i = 0; i < MR; ++i) d[i][j][0] = d[i][j][1] = _mm256_setzero_ps();
+    }
+    for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+      for (int j = 0; j < NR; ++j) {
+        const float* x = X + j * K + k;
+        sx[j] = _mm256_add_ps(sx[j], _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                                                   _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24))));
+      }
+      for (int i = 0; i < MR; ++i) {
+        const uint8_t* p = F == Nibble::q4_0
+                               ? reinterpret_cast<const block_q4_0*>(w.codes)[(m0 + i) * gpr + g].qs
+                               : w.codes + (((m0 + i) * K + k) >> 1);
+        // The same bytes of the row MR further on, which the next call reads (its rows come
+        // next in the panel order): the interleaved rows of a panel are streams the hardware
+        // prefetchers pick up too late; this hides most of the DRAM latency.
+        _mm_prefetch(reinterpret_cast<const char*>(p) + row_bytes * MR, _MM_HINT_T0);
+        __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+        if constexpr (F == Nibble::int4_sym) {  // u ^ 8 = q + 8 for the signed nibble q: z = 8
+          c0 = _mm256_xor_si256(c0, _mm256_set1_epi32(0x88));
+          c1 = _mm256_xor_si256(c1, _mm256_set1_epi32(0x88));
+        }
+        const __m256 v[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(c0, m4)), _mm256_cvtepi32_ps(_mm256_and_si256(c1, m4)),
+                             _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4))};
+        for (int j = 0; j < NR; ++j)
+          for (int q = 0; q < 4; ++q)
+            d[i][j][q & 1] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(X + j * K + k + 8 * q), d[i][j][q & 1]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t m = m0 + i;
+      __m256 s, z;
+      if constexpr (F == Nibble::q4_0) {
+        s = _mm256_set1_ps(fp16_to_f32(reinterpret_cast<const block_q4_0*>(w.codes)[m * gpr + g].d.bits));
+        z = _mm256_cvtepi32_ps(eight);
+      } else {
+        s = _mm256_broadcast_ss(w.scales + m * gpr + g);
+        z = F == Nibble::int4_asym ? _mm256_set1_ps(static_cast<float>(w.zeros[m * gpr + g]))
+                                   : _mm256_cvtepi32_ps(eight);
+      }
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, sx[j], _mm256_add_ps(d[i][j][0], d[i][j][1])), acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) Y[j * ldy + i] = hsum(acc[i][j]);
+}
+
 template <Nibble F, int NR>
 QF_AVX2 void nib_rows(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, float* Y, int64_t ldy) {
-  constexpr int64_t R = NR == 1 ? 8 : 4;
+  constexpr bool kInt = F != Nibble::nf4;
+  constexpr int64_t R = kInt ? (NR == 1 ? 4 : 2) : (NR == 1 ? 8 : 4);
   for (int64_t i = 0; i < MR; i += R) {
     switch (std::min<int64_t>(R, MR - i)) {
-#define QF_CASE(Q) case Q: if constexpr (Q <= R) nib_micro<F, Q, NR>(w, m0 + i, X, Y + i, ldy); break;
+#define QF_CASE(Q)                                                       \
+  case Q:                                                                \
+    if constexpr (Q <= R) {                                              \
+      if constexpr (kInt) nib_int_micro<F, Q, NR>(w, m0 + i, X, Y + i, ldy); \
+      else nib_micro<F, Q, NR>(w, m0 + i, X, Y + i, ldy);                \
+    }                                                                    \
+    break;
       QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
 #undef QF_CASE
       default: break;
@@ -327,6 +400,7 @@ QF_AVX2 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, const
     float wd[MR];
     for (int i = 0; i < MR; ++i) {
       const block_q4_0* w = W + i * nb + b;
+      _mm_prefetch(reinterpret_cast<const char*>(w + MR * nb), _MM_HINT_T0);  // as nib_int_micro
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w->qs));
       wq[i] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1), m4);
       wd[i] = fp16_to_f32(w->d.bits);

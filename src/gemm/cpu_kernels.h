@@ -59,6 +59,15 @@ struct NibbleWeights {
   int64_t group;           // nf4: log2(blocksize); int4: group size (a multiple of 32)
 };
 
+// An int8 weight [M, K] with one float32 scale per unit of L values along a row (int8's
+// granularities: row L = K, group L = group_size, tensor L = K with scale_stride 0): the scale
+// of row m, unit u is scales[m * scale_stride + u].
+struct Int8Weights {
+  const int8_t* q;
+  const float* scales;
+  int64_t K, L, scale_stride;
+};
+
 // Whether x must be given to nibble_gemm with each run of 32 values reordered as its 16 even
 // elements, then its 16 odd ones (nf4, int4: the two nibbles of a byte are neighbours), rather
 // than as is (q4_0: low nibbles are elements 0..15, high ones 16..31).
@@ -94,6 +103,13 @@ struct CpuKernels {
   // [N, K], reordered per nibble_split_order. nullptr in tables without it (the tile path runs).
   void (*nibble_gemm)(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                       int64_t ldy);
+
+  // Fused int8 weight-only GEMM for few activation rows (N <= 4): Y[j * ldy + i] = sum_u
+  // s(m0 + i, u) * sum_{k in u} q[m0 + i, k] X[j, k] for i < MR <= kPanelRows (L % 16 == 0):
+  // the scale applied to each unit's float32 sum, not to each value (within float32 rounding of
+  // the dequantized product). nullptr in tables without it (the tile path runs).
+  void (*int8_gemm)(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
+                    int64_t ldy);
 
   // q4_0 x q8_1: out[i * ldo_m + j * ldo_n] = sum_b d_w[i,b] * d_a[j,b] * sum_t (q_w - 8) q_a,
   // for i < MR <= kPanelRows weight rows (W: rows of nb blocks) and j < N activations given

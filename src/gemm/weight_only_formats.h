@@ -28,6 +28,14 @@ void int4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_
 // q4_0: W as [M, K / 32] blocks, K % 32 == 0.
 void q4_0_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, float* Y);
 
+// int8: codes q [M, K] with one float32 scale per unit of `unit` values along a row: the scale
+// of row m, unit u is scales[m * scale_stride + u] (int8's row granularity: unit = K, stride 1;
+// group: unit = group_size, stride K / unit; tensor: unit = K, stride 0). unit >= 1 divides K.
+// For N <= 4 and unit % 16 == 0 each unit's float32 sum of q x is scaled once (CpuKernels::
+// int8_gemm); otherwise the values q * s are decoded exactly as int8's dequantize, a tile at a time.
+void int8_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const int8_t* q, const float* scales,
+                   int64_t unit, int64_t scale_stride, float* Y);
+
 // mixed2bit: the buffers and dims of mixed2bit.h. The buffers are validated first, as mixed2bit's
 // build_row_index does (std::invalid_argument with its messages): group_map must mark n4 groups,
 // outlier_idx must be strictly increasing and < rows * K.

@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "formats/int8/int8.h"
 #include "gemm/cpu_kernels.h"
 #include "gemm/thread_pool.h"
 #include "gemm/weight_only_cpu.h"
@@ -11,6 +12,17 @@
 namespace qf::gemm {
 
 namespace {
+
+// kernel(m0, mr) on every panel of kPanelRows weight rows (mr of them), threaded: the fused
+// small-N kernels' driver (about 2^20 multiply-adds per thread at least).
+template <class Panel>
+void fused_panels(int64_t M, int64_t K, int64_t N, Panel&& kernel) {
+  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (kPanelRows * K * N));
+  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) kernel(p * kPanelRows, std::min(kPanelRows, M - p * kPanelRows));
+  });
+}
 
 // The fused small-N path (CpuKernels::nibble_gemm) when the instruction set has it and the
 // weight qualifies (caller checked); returns false otherwise.
@@ -28,14 +40,7 @@ bool nibble_gemm_cpu(const NibbleWeights& w, const float* X, int64_t N, int64_t 
       }
     X = xs.data();
   }
-  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (kPanelRows * K * N));
-  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t m0 = p * kPanelRows;
-      kern.nibble_gemm(w, m0, std::min(kPanelRows, M - m0), X, N, Y + m0, M);
-    }
-  });
+  fused_panels(M, K, N, [&](int64_t m0, int64_t mr) { kern.nibble_gemm(w, m0, mr, X, N, Y + m0, M); });
   return true;
 }
 
@@ -77,6 +82,25 @@ void q4_0_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const q4_0::
     const int64_t len = k1 - k0;
     for (int64_t m = m0; m < m1; ++m)
       kern.decode_q4_0(W + m * nb + k0 / q4_0::QK, len / q4_0::QK, tile + (m - m0) * len);
+  }, Y);
+}
+
+void int8_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const int8_t* q, const float* scales,
+                   int64_t unit, int64_t scale_stride, float* Y) {
+  const CpuKernels& kern = cpu_kernels();
+  if (kern.int8_gemm && N >= 1 && N <= 4 && M > 0 && K > 0 && unit % 16 == 0) {
+    const Int8Weights w{q, scales, K, unit, scale_stride};
+    fused_panels(M, K, N, [&](int64_t m0, int64_t mr) { kern.int8_gemm(w, m0, mr, X, N, Y + m0, M); });
+    return;
+  }
+  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+    const int64_t len = k1 - k0;
+    for (int64_t m = m0; m < m1; ++m) {
+      const int8_t* row = q + m * K;
+      const float* s = scales + m * scale_stride;
+      float* t = tile + (m - m0) * len;
+      for (int64_t k = k0; k < k1; ++k) t[k - k0] = int8::dequantize_value(row[k], s[k / unit]);
+    }
   }, Y);
 }
 

@@ -58,6 +58,7 @@ const CpuKernels& avx512_kernels() {
     const CpuKernels& a = k_avx2::kernels();
     if (!t.nibble_gemm) t.nibble_gemm = a.nibble_gemm;
     if (!t.int8_gemm) t.int8_gemm = a.int8_gemm;
+    if (!t.m2_gemm_row) t.m2_gemm_row = a.m2_gemm_row;
     return t;
   }();
   return k;

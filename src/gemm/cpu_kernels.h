@@ -45,6 +45,7 @@ struct M2Group {
 struct M2Window {
   const mixed2bit::ConstBuffers* q;
   int64_t gs, B, g0, n, j4, j2;
+  int64_t n4, n2;  // the lists' lengths (reads stay inside them)
 };
 
 // A 4-bit weight whose 32-aligned runs of a row are one 16-byte code run with one scale: the
@@ -110,6 +111,11 @@ struct CpuKernels {
   // the dequantized product). nullptr in tables without it (the tile path runs).
   void (*int8_gemm)(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                     int64_t ldy);
+
+  // Fused mixed2bit product for few activation rows (N <= 4): y[j * ldy] = sum_k W[row, k] *
+  // X[j * ldx + k] over the window's groups (k from the window's start), W decoded exactly as
+  // dequantize (without outliers). nullptr in tables without it (the tile path runs).
+  void (*m2_gemm_row)(const M2Window& w, const float* X, int64_t ldx, int64_t N, float* y, int64_t ldy);
 
   // q4_0 x q8_1: out[i * ldo_m + j * ldo_n] = sum_b d_w[i,b] * d_a[j,b] * sum_t (q_w - 8) q_a,
   // for i < MR <= kPanelRows weight rows (W: rows of nb blocks) and j < N activations given

@@ -581,7 +581,7 @@ QF_AVX512 void i4_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N
 
 const CpuKernels& kernels() {
   static const CpuKernels k{Isa::avx512, f32_panel, decode_nf4, decode_int4, decode_q4_0, decode_m2, decode_m2_window,
-                            nibble_gemm, nullptr, q4q8_panel,  i8_panel,  i4_panel};
+                            nibble_gemm, nullptr, nullptr, q4q8_panel,  i8_panel,  i4_panel};
   return k;
 }
 

@@ -48,6 +48,18 @@ struct M2Window {
   int64_t n4, n2;  // the lists' lengths (reads stay inside them)
 };
 
+// The activations of the fused mixed2bit product: X [N, ldx] and, for group_size 16 (else
+// nullptr), xt: per activation row (stride ldt) and step of 8 groups from the row's start, the
+// 128 values as [value i][group t] (8 floats per i; zero past the row's end), and sx: per row
+// (stride lds) each group's float32 sum of its 16 values, in order (zero padded likewise).
+struct M2Act {
+  const float* X;
+  int64_t ldx;
+  const float* xt;
+  const float* sx;
+  int64_t ldt, lds;
+};
+
 // A 4-bit weight whose 32-aligned runs of a row are one 16-byte code run with one scale: the
 // formats the fused small-N kernel (CpuKernels::nibble_gemm) decodes in registers.
 enum class Nibble : int { nf4 = 0, int4_asym = 1, int4_sym = 2, q4_0 = 3 };
@@ -112,10 +124,12 @@ struct CpuKernels {
   void (*int8_gemm)(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                     int64_t ldy);
 
-  // Fused mixed2bit product for few activation rows (N <= 4): y[j * ldy] = sum_k W[row, k] *
-  // X[j * ldx + k] over the window's groups (k from the window's start), W decoded exactly as
-  // dequantize (without outliers). nullptr in tables without it (the tile path runs).
-  void (*m2_gemm_row)(const M2Window& w, const float* X, int64_t ldx, int64_t N, float* y, int64_t ldy);
+  // Fused mixed2bit product of one weight row for few activation rows (N <= 4): y[j * ldy] =
+  // sum_k W[row, k] X[j, k] over the window's groups (k from the window's start), W without its
+  // outliers. Without a.xt each value is decoded exactly as dequantize and multiplied in; with it
+  // (group_size 16), 2-bit groups are summed as s * sum q x - m * sum x (within float32 rounding
+  // of that). nullptr in tables without it (the tile path runs).
+  void (*m2_gemm_row)(const M2Window& w, const M2Act& a, int64_t N, float* y, int64_t ldy);
 
   // q4_0 x q8_1: out[i * ldo_m + j * ldo_n] = sum_b d_w[i,b] * d_a[j,b] * sum_t (q_w - 8) q_a,
   // for i < MR <= kPanelRows weight rows (W: rows of nb blocks) and j < N activations given

@@ -251,6 +251,24 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
   if (vector_window && kern.m2_gemm_row && N >= 1 && N <= 4 && dims.rows > 0 && K > 0) {
     // Few activation rows: each weight row decoded in registers and multiplied right away; a
     // row with outliers is decoded whole, patched, then multiplied.
+    M2Act act{X, K, nullptr, nullptr, 0, 0};
+    std::vector<float> xt, sx;
+    if (gs == 16) {  // x arranged for the lanes-across-groups kernel (cpu_kernels.h M2Act)
+      const int64_t steps = (G + 7) / 8;
+      xt.assign(static_cast<size_t>(N * steps * 128), 0.0f);
+      sx.assign(static_cast<size_t>(N * steps * 8), 0.0f);
+      for (int64_t j = 0; j < N; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          float sum = 0.0f;
+          for (int64_t i = 0; i < 16; ++i) {
+            const float v = X[j * K + g * 16 + i];
+            xt[j * steps * 128 + (g / 8) * 128 + i * 8 + g % 8] = v;
+            sum += v;
+          }
+          sx[j * steps * 8 + g] = sum;
+        }
+      act = {X, K, xt.data(), sx.data(), steps * 128, steps * 8};
+    }
     fused_panels(dims.rows, K, N, [&](int64_t m0, int64_t mr) {
       thread_local std::vector<float> row;
       float acc[4 * kPanelRows];
@@ -258,7 +276,7 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
         const int64_t j4 = win4[m * n_win];
         const M2Window w{&q, gs, B, m * G, G, j4, m * G - j4, dims.n4, dims.n2()};
         if (out_before[m + 1] == out_before[m]) {
-          kern.m2_gemm_row(w, X, K, N, Y + m, dims.rows);
+          kern.m2_gemm_row(w, act, N, Y + m, dims.rows);
           continue;
         }
         row.resize(static_cast<size_t>(K));

@@ -448,72 +448,42 @@ QF_AVX2 void m2_gemm_row(const M2Window& w, const M2Act& a, int64_t N, float* y,
 
 // ---- fused small-N weight-only GEMM of the 4-bit nibble formats ---------------------------------
 
-// Per 32 values of a row: two 8-byte loads widened to 8 int32 lanes each (VPMOVZXBD from
-// memory), each split into its low and high nibbles by a mask and a shift: the values of x
+// nf4, per 32 values of a row: two 8-byte loads widened to 8 int32 lanes each (VPMOVZXBD from
+// memory); each byte's high nibble (element 2t) and low nibble (2t + 1) give the values of x
 // positions 0-7, 16-23 (first 8 bytes) and 8-15, 24-31 (the next 8), in the order
-// nibble_split_order gives x. The codes become the format's dequantized values with the same
-// float32 roundings as its dequantize (the exact small integer q - zero, or nf4's table entry,
-// times the scale) and are multiplied with every activation row while still in registers. Each
-// output has its own accumulator, so its sum order depends on K only (not on MR, N or threads).
-template <Nibble F>
-QF_AVX2_INLINE __m256 nib_value(__m256i c, __m256 s, __m256 z, __m256 lut_lo, __m256 lut_hi) {
-  if constexpr (F == Nibble::nf4) {
-    return _mm256_mul_ps(lookup16(c, lut_lo, lut_hi), s);
-  } else if constexpr (F == Nibble::int4_sym) {  // the signed nibble: (u ^ 8) - 8
-    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_xor_si256(c, _mm256_set1_epi32(8))), z), s);
-  } else {  // int4 asymmetric: q - zero; q4_0: q - 8 (z holds the offset); exact in float32
-    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(c), z), s);
-  }
+// nibble_split_order gives x. The 16-entry table times the block's absmax (the products
+// dequantize makes, so the same values) is made once per run and looked up with two VPERMPS,
+// which read only the low 3 index bits (no mask for the low nibble), blended on bit 3. The
+// values are multiplied with every activation row while in registers; each output has its own
+// accumulator, so its sum order depends on K only (not on MR, N or threads).
+QF_AVX2_INLINE __m256 nf4_lookup(__m256i idx, __m256i sel, __m256 lo, __m256 hi) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                          _mm256_castsi256_ps(sel));
 }
 
-template <Nibble F, int MR, int NR>
-QF_AVX2 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, float* Y, int64_t ldy) {
+template <int MR, int NR>
+QF_AVX2 void nf4_micro(const NibbleWeights& w, int64_t m0, const float* X, float* Y, int64_t ldy) {
   const int64_t K = w.K;
-  __m256 lut_lo = _mm256_setzero_ps(), lut_hi = _mm256_setzero_ps();
-  if constexpr (F == Nibble::nf4) {
-    lut_lo = _mm256_loadu_ps(nf4::kCode);
-    lut_hi = _mm256_loadu_ps(nf4::kCode + 8);
-  }
-  const __m256i m4 = _mm256_set1_epi32(0x0F);
+  const __m256 lut_lo = _mm256_loadu_ps(nf4::kCode), lut_hi = _mm256_loadu_ps(nf4::kCode + 8);
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  constexpr bool kInt4 = F == Nibble::int4_asym || F == Nibble::int4_sym;
-  const int64_t gpr = kInt4 ? K / w.group : 0;  // int4: groups per row
-  int64_t kg = 0, kr = 0;                       // int4: group of k within the row, and k's offset in it
   for (int64_t k = 0; k < K; k += 32) {
     for (int i = 0; i < MR; ++i) {
-      const int64_t m = m0 + i;
-      const uint8_t* p;
-      __m256 s, z = _mm256_set1_ps(8.0f);
-      if constexpr (F == Nibble::nf4) {
-        const int64_t base = m * K + k;
-        p = w.codes + (base >> 1);
-        _mm_prefetch(reinterpret_cast<const char*>(p) + MR * K / 2, _MM_HINT_T0);  // as nib_int_micro
-        s = _mm256_broadcast_ss(w.scales + (base >> w.group));
-      } else if constexpr (F == Nibble::q4_0) {
-        const auto* blk = reinterpret_cast<const block_q4_0*>(w.codes) + m * (K / 32) + k / 32;
-        p = blk->qs;
-        s = _mm256_set1_ps(fp16_to_f32(blk->d.bits));
-      } else {
-        p = w.codes + ((m * K + k) >> 1);
-        s = _mm256_broadcast_ss(w.scales + m * gpr + kg);
-        if constexpr (F == Nibble::int4_asym) z = _mm256_set1_ps(static_cast<float>(w.zeros[m * gpr + kg]));
-      }
+      const int64_t base = (m0 + i) * K + k;  // a 32-aligned run lies inside one block
+      const uint8_t* p = w.codes + (base >> 1);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + MR * K / 2, _MM_HINT_T0);  // as nib_int_micro
+      const __m256 am = _mm256_broadcast_ss(w.scales + (base >> w.group));
+      const __m256 lo = _mm256_mul_ps(lut_lo, am), hi = _mm256_mul_ps(lut_hi, am);
       const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
       const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-      const __m256i lo0 = _mm256_and_si256(c0, m4), hi0 = _mm256_srli_epi32(c0, 4);
-      const __m256i lo1 = _mm256_and_si256(c1, m4), hi1 = _mm256_srli_epi32(c1, 4);
-      constexpr bool kHiFirst = F == Nibble::nf4;  // nf4: element 2t is the high nibble
-      const __m256 v[4] = {nib_value<F>(kHiFirst ? hi0 : lo0, s, z, lut_lo, lut_hi),
-                           nib_value<F>(kHiFirst ? hi1 : lo1, s, z, lut_lo, lut_hi),
-                           nib_value<F>(kHiFirst ? lo0 : hi0, s, z, lut_lo, lut_hi),
-                           nib_value<F>(kHiFirst ? lo1 : hi1, s, z, lut_lo, lut_hi)};
+      // high nibble: index bits 4-6, select bit 7; low nibble: index bits 0-2, select bit 3
+      const __m256 v[4] = {nf4_lookup(_mm256_srli_epi32(c0, 4), _mm256_slli_epi32(c0, 24), lo, hi),
+                           nf4_lookup(_mm256_srli_epi32(c1, 4), _mm256_slli_epi32(c1, 24), lo, hi),
+                           nf4_lookup(c0, _mm256_slli_epi32(c0, 28), lo, hi),
+                           nf4_lookup(c1, _mm256_slli_epi32(c1, 28), lo, hi)};
       for (int j = 0; j < NR; ++j)
         for (int q = 0; q < 4; ++q) acc[i][j] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(X + j * K + k + 8 * q), acc[i][j]);
-    }
-    if constexpr (kInt4) {
-      if ((kr += 32) == w.group) { kr = 0; ++kg; }
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -595,7 +565,7 @@ QF_AVX2 void nib_rows(const NibbleWeights& w, int64_t m0, int64_t MR, const floa
   case Q:                                                                \
     if constexpr (Q <= R) {                                              \
       if constexpr (kInt) nib_int_micro<F, Q, NR>(w, m0 + i, X, Y + i, ldy); \
-      else nib_micro<F, Q, NR>(w, m0 + i, X, Y + i, ldy);                \
+      else nf4_micro<Q, NR>(w, m0 + i, X, Y + i, ldy);                   \
     }                                                                    \
     break;
       QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)

@@ -19,8 +19,9 @@
 #define QF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define QF_AVX512_INLINE QF_AVX512 __attribute__((always_inline)) inline
 
-// Software prefetch distance along a q4_0 weight row, in blocks (576 bytes): the 18-byte blocks
-// stream from DRAM noticeably faster with it (GEMV at ~19 GB/s on one core instead of ~15).
+// Software prefetch distance along a q4_0 weight row, in blocks (576 bytes): the hardware
+// prefetchers follow the interleaved 18-byte-block row streams of a panel too late
+// (benchmarks/README.md has the measurement).
 #define QF_PF_BLOCKS 32
 
 namespace qf::gemm::k_avx512 {

@@ -394,6 +394,7 @@ outs = [q4_0.gemm_q4_0_q8_1(wq.buffers["blocks"], q8_1.quantize_q8_1(x), 520, 3,
         q4_0.gemm(x8, wq), nf4.gemm(x, nf4.quantize(w)), nf4.gemm(x8, nf4.quantize(w)),
         int4.gemm(x8, int4.quantize(w, 128)), int4.gemm(x, int4.quantize(w, 128)), int8.gemm(x, int8.quantize(w)),
         int8.gemm(x8, int8.quantize(w, "group", 64)), mixed2bit.gemm(x, mixed2bit.quantize(w[:200])),
+        mixed2bit.gemm(x, mixed2bit.quantize(w[:200], outlier_ratio=0.01)),
         mixed2bit.gemm(x8, mixed2bit.quantize(w[:200], outlier_ratio=0.01)),
         int8.int8_matmul(int8.quantize(x8).buffers["q"], int8.quantize(w).buffers["q"]).astype(np.float32)]
 np.save(sys.argv[1], np.concatenate([o.reshape(-1) for o in outs]))

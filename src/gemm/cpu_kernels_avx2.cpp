@@ -239,6 +239,7 @@ QF_AVX2_INLINE __m256i block_of(__m256i rank, int64_t j0, int64_t B) {
 // n bytes (n <= 16) from p, zero-filled: a plain load where `avail` bytes stay readable.
 QF_AVX2_INLINE __m128i load_upto16(const uint8_t* p, int64_t n, int64_t avail) {
   if (avail >= 16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (n <= 0 || avail <= 0) return _mm_setzero_si128();  // p may be an empty list's pointer
   alignas(16) uint8_t tmp[16] = {};
   std::memcpy(tmp, p, static_cast<size_t>(std::min(n, avail)));
   return _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
@@ -377,6 +378,7 @@ struct M2Dot {
 // n uint32 words (n <= 8) from p, zero-filled: a plain load where `avail` words stay readable.
 QF_AVX2_INLINE __m256i load_words8(const uint32_t* p, int64_t n, int64_t avail) {
   if (avail >= 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if (n <= 0 || avail <= 0) return _mm256_setzero_si256();
   alignas(32) uint32_t tmp[8] = {};
   std::memcpy(tmp, p, static_cast<size_t>(std::min(n, avail)) * 4);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));

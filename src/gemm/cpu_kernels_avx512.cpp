@@ -298,6 +298,9 @@ QF_AVX512 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, flo
       if constexpr (F == Nibble::nf4) {
         const int64_t base = m * K + k;
         p = w.codes + (base >> 1);
+        // The same bytes MR rows further on, which the next call reads (as the AVX2 kernels do:
+        // the interleaved rows of a panel are streams the hardware prefetchers pick up late).
+        _mm_prefetch(reinterpret_cast<const char*>(p) + MR * K / 2, _MM_HINT_T0);
         s = _mm512_set1_ps(w.scales[base >> w.group]);
       } else if constexpr (F == Nibble::q4_0) {
         const auto* blk = reinterpret_cast<const block_q4_0*>(w.codes) + m * (K / 32) + k / 32;
@@ -306,6 +309,7 @@ QF_AVX512 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, flo
         s = _mm512_set1_ps(fp16_to_f32(blk->d.bits));
       } else {
         p = w.codes + ((m * K + k) >> 1);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + MR * K / 2, _MM_HINT_T0);  // as for nf4
         s = _mm512_set1_ps(w.scales[m * gpr + kg]);
       }
       const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

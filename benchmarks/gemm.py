@@ -116,7 +116,9 @@ def main(argv=None) -> int:
         bnb = bnbf = None
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ns = [int(v) for v in args.n.split(",")]
-    weight_only = [f for f in qformats.FORMATS if format_spec(f).gemm is not None]  # x fp16 . W^T
+    # x fp16 . W^T: every format whose weight-only gemm has a CUDA kernel (linear_rows names the devices)
+    weight_only = [f for f in qformats.FORMATS
+                   if format_spec(f).gemm is not None and format_spec(f).linear_rows.get("cuda")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  qformats {qformats.__version__}"
           f"  bitsandbytes {getattr(bnb, '__version__', 'absent')}")
     rows = []

@@ -17,8 +17,9 @@ import torch
 import qformats
 from qformats._core import format_spec
 
-#: The formats with a weight-only product x . W^T.
-GEMM_FORMATS = [f for f in qformats.FORMATS if format_spec(f).gemm is not None]
+#: The formats with a weight-only product x . W^T on CUDA (linear_rows names the kernels' devices).
+GEMM_FORMATS = [f for f in qformats.FORMATS
+                if format_spec(f).gemm is not None and format_spec(f).linear_rows.get("cuda")]
 
 
 def main() -> None:

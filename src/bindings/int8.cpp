@@ -7,7 +7,9 @@
 #include <optional>
 
 #include "bindings/bind_args.h"
+#include "bindings/linear.h"
 #include "gemm/int8_int8.h"
+#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;
@@ -119,6 +121,53 @@ void int8_linear(const Array& a, const Array& a_scale, const Array& b, const Arr
   });
 }
 
+// The weight-only GEMM's policy (bindings/linear.h) over an [M, K] int8 weight: codes q and
+// the scale of row m, unit u at scales[m * scale_stride + u] (units of `unit` values). CPU only.
+struct Int8Linear {
+  const int8_t* q;
+  const float* scales;
+  int64_t M, K, unit, scale_stride;
+#if defined(QFORMATS_WITH_CUDA)
+  template <class T>
+  void cuda(const T*, int64_t, T*, const T*, void*) const {
+    throw std::invalid_argument("int8: no CUDA weight-only kernel");
+  }
+#endif
+  void cpu(const float* x, int64_t N, float* y) const {
+    gemm::int8_gemm_cpu(x, N, K, M, q, scales, unit, scale_stride, y);
+  }
+};
+
+// The int8 weight [M, K] (q int8, scale float32 with one element per unit of unit_len values:
+// unit_len = M * K per tensor, K per row, or a divisor of K per group) as a Linear, checked here
+// once. CPU buffers only.
+PackedLinear<Int8Linear> make_linear(const Array& q, const Array& scale, int64_t M, int64_t K, int64_t unit_len) {
+  if (M < 0 || K < 0) throw std::invalid_argument("bad M, K");
+  const Device dev = device_of(q, 0, "q");
+  if (dev.cuda) throw std::invalid_argument("int8: the weight-only GEMM runs on the CPU only");
+  require<int8_t>(q, "q", dev);
+  require<float>(scale, "scale", dev);
+  require_numel(q, M * K, "q");
+  int64_t unit = 1, stride = 0;  // an empty weight reads no scale
+  if (M * K > 0) {
+    if (unit_len <= 0 || (unit_len != M * K && K % unit_len))
+      throw std::invalid_argument("unit_len must be M * K (per tensor) or divide K");
+    const bool per_tensor = unit_len == M * K && numel(scale) == 1;
+    unit = per_tensor ? K : unit_len;
+    stride = per_tensor ? 0 : K / unit;
+    require_numel(scale, per_tensor ? 1 : M * stride, "scale");
+  }
+  return packed_linear(Int8Linear{cptr<int8_t>(q), cptr<float>(scale), M, K, unit, stride}, M, K, q, {q, scale});
+}
+
+// x: float [N, K] (float32, float16 or bfloat16, converted exactly); out float32 [N, M].
+void weight_only_gemm(const Array& x, const Array& q, const Array& scale, const Array& out, int64_t N, int64_t K,
+                      int64_t M, int64_t unit_len) {
+  if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
+  require_numel(x, N * K, "x");
+  make_linear(q, scale, M, K, unit_len)(x, out, std::nullopt, 0);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -132,5 +181,10 @@ NB_MODULE(_native, m) {
   m.def("int8_linear", &int8_linear, nb::arg("a"), nb::arg("a_scale"), nb::arg("b"), nb::arg("b_scale"),
         nb::arg("bias").none(), nb::arg("relu"), nb::arg("scale_c"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
         nb::arg("K"), nb::arg("stream") = 0, release_gil());
+  m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("q"), nb::arg("scale"), nb::arg("out"), nb::arg("N"),
+        nb::arg("K"), nb::arg("M"), nb::arg("unit_len"), release_gil());
+  bind_linear<Int8Linear>(m, "An int8 weight [M, K] bound for repeated x . W^T (+ bias) calls (CPU).");
+  m.def("make_linear", &make_linear, nb::arg("q"), nb::arg("scale"), nb::arg("M"), nb::arg("K"),
+        nb::arg("unit_len"));
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

@@ -5,6 +5,8 @@
 // and, for CUDA calls, the kernels' scratch workspace (sized by *_workspace_bytes) as torch
 // tensors on the caller's stream. The GEMM runs on both (gemm/weight_only_formats.h; CUDA:
 // formats/mixed2bit/mixed2bit_gemm_cuda.h).
+#include <memory>
+
 #include "bindings/bind_args.h"
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
@@ -159,19 +161,20 @@ void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block
 }
 
 // The policy of bindings/linear.h over a mixed2bit weight [rows, K]. CPU: W decoded a tile at a
-// time in float32 (mixed2bit_gemm_cpu validates the map and outliers on each call, as it indexes
-// them itself). CUDA: decoded in registers, with the chunk index of row_index().
+// time in float32, with the row and tile index made (and the map and outliers validated) when
+// the weight is bound. CUDA: decoded in registers, with the chunk index of row_index().
 struct Mixed2Linear {
   m2::ConstBuffers q;
   m2::Dims d;
   const uint64_t* index;  // CUDA only
+  std::shared_ptr<const ::qf::gemm::Mixed2bitCpuIndex> cpu_index;  // CPU only
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
   void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
     ::qf::gemm::mixed2bit_gemm_cuda(x, N, q, d, index, y, bias, stream);
   }
 #endif
-  void cpu(const float* x, int64_t N, float* y) const { ::qf::gemm::mixed2bit_gemm_cpu(x, N, q, d, y); }
+  void cpu(const float* x, int64_t N, float* y) const { ::qf::gemm::mixed2bit_gemm_cpu(x, N, q, d, *cpu_index, y); }
 };
 
 // A mixed2bit weight [rows, K] (the nine buffers of mixed2bit.h and its dims) as a Linear, checked
@@ -199,7 +202,10 @@ PackedLinear<Mixed2Linear> make_linear(int64_t rows, int64_t K, int64_t group_si
   }
   const m2::ConstBuffers q =
       const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
-  return packed_linear(Mixed2Linear{q, d, index}, rows, K, group_map, std::move(keep));
+  std::shared_ptr<const ::qf::gemm::Mixed2bitCpuIndex> cpu_index;
+  if (!dev.cuda)
+    cpu_index = std::make_shared<const ::qf::gemm::Mixed2bitCpuIndex>(::qf::gemm::mixed2bit_cpu_index(q, d));
+  return packed_linear(Mixed2Linear{q, d, index, std::move(cpu_index)}, rows, K, group_map, std::move(keep));
 }
 
 // Y [N, rows] = X [N, K] . W^T, X float32, float16 or bfloat16 [N, K]: make_linear's product for

@@ -45,6 +45,19 @@ struct M2Group {
 struct M2Window {
   const mixed2bit::ConstBuffers* q;
   int64_t gs, B, g0, n, j4, j2;
+  int64_t n4, n2;  // the lists' lengths (reads stay inside them)
+};
+
+// The activations of the fused mixed2bit product: X [N, ldx] and, for group_size 16 (else
+// nullptr), xt: per activation row (stride ldt) and step of 8 groups from the row's start, the
+// 128 values as [value i][group t] (8 floats per i; zero past the row's end), and sx: per row
+// (stride lds) each group's float32 sum of its 16 values, in order (zero padded likewise).
+struct M2Act {
+  const float* X;
+  int64_t ldx;
+  const float* xt;
+  const float* sx;
+  int64_t ldt, lds;
 };
 
 // A 4-bit weight whose 32-aligned runs of a row are one 16-byte code run with one scale: the
@@ -57,6 +70,15 @@ struct NibbleWeights {
   const uint8_t* zeros;    // int4 asymmetric zero points
   int64_t K;               // row length, a multiple of 32
   int64_t group;           // nf4: log2(blocksize); int4: group size (a multiple of 32)
+};
+
+// An int8 weight [M, K] with one float32 scale per unit of L values along a row (int8's
+// granularities: row L = K, group L = group_size, tensor L = K with scale_stride 0): the scale
+// of row m, unit u is scales[m * scale_stride + u].
+struct Int8Weights {
+  const int8_t* q;
+  const float* scales;
+  int64_t K, L, scale_stride;
 };
 
 // Whether x must be given to nibble_gemm with each run of 32 values reordered as its 16 even
@@ -94,6 +116,20 @@ struct CpuKernels {
   // [N, K], reordered per nibble_split_order. nullptr in tables without it (the tile path runs).
   void (*nibble_gemm)(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                       int64_t ldy);
+
+  // Fused int8 weight-only GEMM for few activation rows (N <= 4): Y[j * ldy + i] = sum_u
+  // s(m0 + i, u) * sum_{k in u} q[m0 + i, k] X[j, k] for i < MR <= kPanelRows (L % 16 == 0):
+  // the scale applied to each unit's float32 sum, not to each value (within float32 rounding of
+  // the dequantized product). nullptr in tables without it (the tile path runs).
+  void (*int8_gemm)(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
+                    int64_t ldy);
+
+  // Fused mixed2bit product of one weight row for few activation rows (N <= 4): y[j * ldy] =
+  // sum_k W[row, k] X[j, k] over the window's groups (k from the window's start), W without its
+  // outliers. Without a.xt each value is decoded exactly as dequantize and multiplied in; with it
+  // (group_size 16), 2-bit groups are summed as s * sum q x - m * sum x (within float32 rounding
+  // of that). nullptr in tables without it (the tile path runs).
+  void (*m2_gemm_row)(const M2Window& w, const M2Act& a, int64_t N, float* y, int64_t ldy);
 
   // q4_0 x q8_1: out[i * ldo_m + j * ldo_n] = sum_b d_w[i,b] * d_a[j,b] * sum_t (q_w - 8) q_a,
   // for i < MR <= kPanelRows weight rows (W: rows of nb blocks) and j < N activations given

@@ -19,8 +19,9 @@
 #define QF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define QF_AVX512_INLINE QF_AVX512 __attribute__((always_inline)) inline
 
-// Software prefetch distance along a q4_0 weight row, in blocks (576 bytes): the 18-byte blocks
-// stream from DRAM noticeably faster with it (GEMV at ~19 GB/s on one core instead of ~15).
+// Software prefetch distance along a q4_0 weight row, in blocks (576 bytes): the hardware
+// prefetchers follow the interleaved 18-byte-block row streams of a panel too late
+// (benchmarks/README.md has the measurement).
 #define QF_PF_BLOCKS 32
 
 namespace qf::gemm::k_avx512 {
@@ -297,6 +298,9 @@ QF_AVX512 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, flo
       if constexpr (F == Nibble::nf4) {
         const int64_t base = m * K + k;
         p = w.codes + (base >> 1);
+        // The same bytes MR rows further on, which the next call reads (as the AVX2 kernels do:
+        // the interleaved rows of a panel are streams the hardware prefetchers pick up late).
+        _mm_prefetch(reinterpret_cast<const char*>(p) + MR * K / 2, _MM_HINT_T0);
         s = _mm512_set1_ps(w.scales[base >> w.group]);
       } else if constexpr (F == Nibble::q4_0) {
         const auto* blk = reinterpret_cast<const block_q4_0*>(w.codes) + m * (K / 32) + k / 32;
@@ -305,6 +309,7 @@ QF_AVX512 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, flo
         s = _mm512_set1_ps(fp16_to_f32(blk->d.bits));
       } else {
         p = w.codes + ((m * K + k) >> 1);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + MR * K / 2, _MM_HINT_T0);  // as for nf4
         s = _mm512_set1_ps(w.scales[m * gpr + kg]);
       }
       const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -581,7 +586,7 @@ QF_AVX512 void i4_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N
 
 const CpuKernels& kernels() {
   static const CpuKernels k{Isa::avx512, f32_panel, decode_nf4, decode_int4, decode_q4_0, decode_m2, decode_m2_window,
-                            nibble_gemm, q4q8_panel,  i8_panel,  i4_panel};
+                            nibble_gemm, nullptr, nullptr, q4q8_panel,  i8_panel,  i4_panel};
   return k;
 }
 

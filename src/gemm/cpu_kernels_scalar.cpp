@@ -122,7 +122,7 @@ void i4_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t 
 
 const CpuKernels& kernels() {
   static const CpuKernels k{Isa::scalar, f32_panel, decode_nf4, decode_int4, decode_q4_0, decode_m2, nullptr,
-                            nullptr, q4q8_panel,  i8_panel,  i4_panel};
+                            nullptr, nullptr, nullptr, q4q8_panel,  i8_panel,  i4_panel};
   return k;
 }
 

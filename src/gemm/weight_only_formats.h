@@ -7,6 +7,7 @@
 // GPTQ/AWQ-style groups, q4_0 = llama.cpp block_q4_0, mixed2bit = arXiv 2311.16442.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "common/fp16.h"
 #include "common/parallel.h"
@@ -28,9 +29,27 @@ void int4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_
 // q4_0: W as [M, K / 32] blocks, K % 32 == 0.
 void q4_0_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, float* Y);
 
-// mixed2bit: the buffers and dims of mixed2bit.h. The buffers are validated first, as mixed2bit's
-// build_row_index does (std::invalid_argument with its messages): group_map must mark n4 groups,
-// outlier_idx must be strictly increasing and < rows * K.
+// int8: codes q [M, K] with one float32 scale per unit of `unit` values along a row: the scale
+// of row m, unit u is scales[m * scale_stride + u] (int8's row granularity: unit = K, stride 1;
+// group: unit = group_size, stride K / unit; tensor: unit = K, stride 0). unit >= 1 divides K.
+// For N <= 4 and unit % 16 == 0 each unit's float32 sum of q x is scaled once (CpuKernels::
+// int8_gemm); otherwise the values q * s are decoded exactly as int8's dequantize, a tile at a time.
+void int8_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const int8_t* q, const float* scales,
+                   int64_t unit, int64_t scale_stride, float* Y);
+
+// mixed2bit: what the CPU product reads besides the buffers, made once per weight (a bound
+// Linear keeps it): the outliers before each row ([rows + 1]) and, per row and tile of
+// mixed2bit_cpu_tile(dims) values, the 4-bit groups before the tile ([rows * tiles]). Making it
+// validates the buffers as mixed2bit's build_row_index does (std::invalid_argument with its
+// messages): group_map must mark n4 groups, outlier_idx must be strictly increasing and < rows * K.
+struct Mixed2bitCpuIndex {
+  std::vector<int64_t> out_before, win4;
+};
+Mixed2bitCpuIndex mixed2bit_cpu_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims);
+// The product with an index made for these buffers and dims.
+void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
+                        const Mixed2bitCpuIndex& index, float* Y);
+// The same making the index first (one call).
 void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
                         float* Y);
 // That validation and the per-row offsets ([rows + 1] each): 4-bit groups before row r, and

@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "formats/int8/int8.h"
 #include "gemm/cpu_kernels.h"
 #include "gemm/thread_pool.h"
 #include "gemm/weight_only_cpu.h"
@@ -11,6 +12,19 @@
 namespace qf::gemm {
 
 namespace {
+
+// kernel(m0, mr) on every panel of kPanelRows weight rows (mr of them), threaded: the fused
+// small-N kernels' driver. A thread takes about 2^20 multiply-adds at least (a tenth of that
+// with `slow`: a decoder that costs many times a multiply-add per value, where even a small
+// weight is worth a second thread).
+template <class Panel>
+void fused_panels(int64_t M, int64_t K, int64_t N, Panel&& kernel, bool slow = false) {
+  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (slow ? 10 : 1) / (kPanelRows * K * N));
+  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) kernel(p * kPanelRows, std::min(kPanelRows, M - p * kPanelRows));
+  });
+}
 
 // The fused small-N path (CpuKernels::nibble_gemm) when the instruction set has it and the
 // weight qualifies (caller checked); returns false otherwise.
@@ -28,14 +42,7 @@ bool nibble_gemm_cpu(const NibbleWeights& w, const float* X, int64_t N, int64_t 
       }
     X = xs.data();
   }
-  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (kPanelRows * K * N));
-  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t m0 = p * kPanelRows;
-      kern.nibble_gemm(w, m0, std::min(kPanelRows, M - m0), X, N, Y + m0, M);
-    }
-  });
+  fused_panels(M, K, N, [&](int64_t m0, int64_t mr) { kern.nibble_gemm(w, m0, mr, X, N, Y + m0, M); });
   return true;
 }
 
@@ -77,6 +84,25 @@ void q4_0_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const q4_0::
     const int64_t len = k1 - k0;
     for (int64_t m = m0; m < m1; ++m)
       kern.decode_q4_0(W + m * nb + k0 / q4_0::QK, len / q4_0::QK, tile + (m - m0) * len);
+  }, Y);
+}
+
+void int8_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const int8_t* q, const float* scales,
+                   int64_t unit, int64_t scale_stride, float* Y) {
+  const CpuKernels& kern = cpu_kernels();
+  if (kern.int8_gemm && N >= 1 && N <= 4 && M > 0 && K > 0 && unit % 16 == 0) {
+    const Int8Weights w{q, scales, K, unit, scale_stride};
+    fused_panels(M, K, N, [&](int64_t m0, int64_t mr) { kern.int8_gemm(w, m0, mr, X, N, Y + m0, M); });
+    return;
+  }
+  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+    const int64_t len = k1 - k0;
+    for (int64_t m = m0; m < m1; ++m) {
+      const int8_t* row = q + m * K;
+      const float* s = scales + m * scale_stride;
+      float* t = tile + (m - m0) * len;
+      for (int64_t k = k0; k < k1; ++k) t[k - k0] = int8::dequantize_value(row[k], s[k / unit]);
+    }
   }, Y);
 }
 
@@ -181,34 +207,95 @@ void m2_descriptors(const mixed2bit::ConstBuffers& q, int64_t B, int64_t w2, int
 
 }  // namespace
 
-void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
-                        float* Y) {
-  std::vector<int64_t> n4_before(static_cast<size_t>(dims.rows + 1)), out_before(static_cast<size_t>(dims.rows + 1));
-  mixed2bit_row_index(q, dims, n4_before.data(), out_before.data());
-  const CpuKernels& kern = cpu_kernels();
-  const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), B = dims.scale_block;
-  const int64_t w2 = dims.words2(), w4 = dims.words4();
-  const int64_t kc = gs * std::max<int64_t>(1, kTileK / gs);  // whole groups per tile
+namespace {
+// Values per tile of the tiled product: whole groups.
+int64_t m2_tile(const mixed2bit::Dims& d) { return d.group_size * std::max<int64_t>(1, kTileK / d.group_size); }
+}  // namespace
+
+Mixed2bitCpuIndex mixed2bit_cpu_index(const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims) {
+  std::vector<int64_t> n4_before(static_cast<size_t>(dims.rows + 1));
+  Mixed2bitCpuIndex index;
+  index.out_before.resize(static_cast<size_t>(dims.rows + 1));
+  mixed2bit_row_index(q, dims, n4_before.data(), index.out_before.data());
+  const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), kc = m2_tile(dims);
   // 4-bit groups before each tile of each row (the slot of the tile's first 4-bit group).
   const int64_t n_win = (K + kc - 1) / kc, gw = kc / gs;
-  std::vector<int64_t> win4(static_cast<size_t>(dims.rows * n_win));
+  index.win4.resize(static_cast<size_t>(dims.rows * n_win));
   parallel_chunks(dims.rows, 256, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int64_t c4 = n4_before[r];
       for (int64_t t = 0; t < n_win; ++t) {
-        win4[r * n_win + t] = c4;
+        index.win4[r * n_win + t] = c4;
         c4 += count_bits(q.group_map, r * G + t * gw, r * G + std::min(G, (t + 1) * gw));
       }
     }
   });
+  return index;
+}
+
+void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
+                        float* Y) {
+  mixed2bit_gemm_cpu(X, N, q, dims, mixed2bit_cpu_index(q, dims), Y);
+}
+
+void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
+                        const Mixed2bitCpuIndex& index, float* Y) {
+  const CpuKernels& kern = cpu_kernels();
+  const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), B = dims.scale_block;
+  const int64_t w2 = dims.words2(), w4 = dims.words4();
+  const int64_t kc = m2_tile(dims), n_win = (K + kc - 1) / kc;
+  const int64_t* const win4 = index.win4.data();
+  const int64_t* const out_before = index.out_before.data();
   const bool vector_window = kern.decode_m2_window && dims.n2() * w2 < (int64_t(1) << 31) &&
                              dims.n4 * w4 < (int64_t(1) << 31) && dims.n_groups() < (int64_t(1) << 31);
+  if (vector_window && kern.m2_gemm_row && N >= 1 && N <= 4 && dims.rows > 0 && K > 0) {
+    // Few activation rows: each weight row decoded in registers and multiplied right away; a
+    // row with outliers is decoded whole, patched, then multiplied.
+    M2Act act{X, K, nullptr, nullptr, 0, 0};
+    std::vector<float> xt, sx;
+    if (gs == 16) {  // x arranged for the lanes-across-groups kernel (cpu_kernels.h M2Act)
+      const int64_t steps = (G + 7) / 8;
+      xt.assign(static_cast<size_t>(N * steps * 128), 0.0f);
+      sx.assign(static_cast<size_t>(N * steps * 8), 0.0f);
+      for (int64_t j = 0; j < N; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          float sum = 0.0f;
+          for (int64_t i = 0; i < 16; ++i) {
+            const float v = X[j * K + g * 16 + i];
+            xt[j * steps * 128 + (g / 8) * 128 + i * 8 + g % 8] = v;
+            sum += v;
+          }
+          sx[j * steps * 8 + g] = sum;
+        }
+      act = {X, K, xt.data(), sx.data(), steps * 128, steps * 8};
+    }
+    fused_panels(dims.rows, K, N, [&](int64_t m0, int64_t mr) {
+      thread_local std::vector<float> row;
+      float acc[4 * kPanelRows];
+      for (int64_t m = m0; m < m0 + mr; ++m) {
+        const int64_t j4 = win4[m * n_win];
+        const M2Window w{&q, gs, B, m * G, G, j4, m * G - j4, dims.n4, dims.n2()};
+        if (out_before[m + 1] == out_before[m]) {
+          kern.m2_gemm_row(w, act, N, Y + m, dims.rows);
+          continue;
+        }
+        row.resize(static_cast<size_t>(K));
+        kern.decode_m2_window(w, row.data());
+        for (int64_t o = out_before[m]; o < out_before[m + 1]; ++o)
+          row[q.outlier_idx[o] - m * K] = fp16_bits_to_fp32(q.outlier_val[o].bits);
+        kern.f32_panel(X, K, N, row.data(), K, 1, K, acc, false);
+        for (int64_t j = 0; j < N; ++j) Y[j * dims.rows + m] = acc[j * kPanelRows];
+      }
+    }, /*slow=*/true);
+    return;
+  }
   weight_only_gemm_tiles(X, N, K, dims.rows, kc, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
     const int64_t len = k1 - k0, c0 = k0 / gs, ng = k1 / gs - c0;
     if (vector_window) {  // 16 groups' parameters at a time, in vector registers
       for (int64_t m = m0; m < m1; ++m) {
         const int64_t j4 = win4[m * n_win + k0 / kc];
-        kern.decode_m2_window({&q, gs, B, m * G + c0, ng, j4, m * G + c0 - j4}, tile + (m - m0) * len);
+        kern.decode_m2_window({&q, gs, B, m * G + c0, ng, j4, m * G + c0 - j4, dims.n4, dims.n2()},
+                              tile + (m - m0) * len);
       }
     } else {  // per-group descriptors, then the decoder
       thread_local std::vector<M2Group> groups;
@@ -226,7 +313,8 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
       const int32_t* ob = q.outlier_idx + out_before[m];
       const int32_t* oe = q.outlier_idx + out_before[m + 1];
       for (const int32_t* o = std::lower_bound(ob, oe, m * K + k0); o < oe && *o < m * K + k1; ++o)
-        row[*o - m * K - k0] = fp16_bits_to_fp32(q.outlier_val[o - q.outlier_idx].bits);
+        if (*o >= m * K + k0)  // always, for the buffers the index was made from
+          row[*o - m * K - k0] = fp16_bits_to_fp32(q.outlier_val[o - q.outlier_idx].bits);
     }
   }, Y);
 }

@@ -155,13 +155,15 @@ def _weight_only(isa, fmt: str, x, w, **params):
     m = w.shape[0]
     if fmt == "q4_0":
         qt = q4_0.quantize(w)
+    elif fmt == "int8":
+        qt = int8.quantize(w, **params)
     elif fmt == "nf4":
         qt = nf4.quantize(w, **params)
     elif fmt == "int4":
         qt = int4.quantize(w, **params)
     else:
         qt = mixed2bit.quantize(w, **params)
-    mod = {"q4_0": q4_0, "nf4": nf4, "int4": int4, "mixed2bit": mixed2bit}[fmt]
+    mod = {"q4_0": q4_0, "nf4": nf4, "int4": int4, "int8": int8, "mixed2bit": mixed2bit}[fmt]
     before = snapshot(x, *qt.buffers.values())
     out = poisoned((n, m))
     with use_isa(isa):
@@ -170,6 +172,9 @@ def _weight_only(isa, fmt: str, x, w, **params):
             q4_0._native.gemm(x, qt.buffers["blocks"], out, m, n, k)
         elif fmt == "nf4":
             nf4._native.gemm(x, qt.buffers["packed"], nf4.decoded_absmax(qt), out, m, k, qt.params["blocksize"])
+        elif fmt == "int8":
+            unit = {"row": k, "tensor": m * k, "group": params.get("group_size")}[params["granularity"]]
+            int8._native.gemm(x, qt.buffers["q"], qt.buffers["scale"], out, n, k, m, unit)
         elif fmt == "int4":
             b = qt.buffers
             int4._native.gemm(x, b["qweight"], b["scales"], b.get("zeros"), out, n, k, m, qt.params["group_size"])
@@ -190,6 +195,10 @@ WEIGHT_CASES = [  # (format, params, K values)
     ("int4", {"group_size": 32, "symmetric": True}, (32, 160)),
     ("int4", {"group_size": 8}, (8, 40)),                   # groups not a multiple of 32
     ("int4", {"group_size": 64, "symmetric": True}, (64, 1088)),
+    ("int8", {"granularity": "row"}, (16, 200, 1040)),       # K % 16 != 0: the tile path
+    ("int8", {"granularity": "group", "group_size": 32}, (32, 96)),
+    ("int8", {"granularity": "tensor"}, (24, 256)),
+    ("int8", {"granularity": "group", "group_size": 8}, (8, 40)),  # units not a multiple of 16
     ("mixed2bit", {}, (16, 176, 1040)),
     ("mixed2bit", {"group_size": 32, "ratio_4bit": 0.5, "outlier_ratio": 0.02}, (32, 96, 1056)),
     ("mixed2bit", {"ratio_4bit": 1.0, "outlier_ratio": 0.05, "scale_block": 3}, (48,)),
@@ -214,7 +223,7 @@ def test_weight_only_all_n(isa, fmt, params, ks):
 @given(n=st.sampled_from(N_VALUES), m=st.integers(1, 21).filter(lambda v: v % 2), units=st.integers(1, 9),
        xdtype=st.sampled_from(["float32", "float16", "bfloat16"]), seed=st.integers(0, 2**32 - 1))
 def test_weight_only_shapes_and_dtypes(isa, fmt, params, n, m, units, xdtype, seed):
-    unit = {"q4_0": 32, "nf4": 32, "int4": params.get("group_size", 128),
+    unit = {"q4_0": 32, "nf4": 32, "int4": params.get("group_size", 128), "int8": params.get("group_size", 16),
             "mixed2bit": params.get("group_size", 16)}[fmt]
     rng = np.random.default_rng(seed)
     k = unit * units
@@ -383,7 +392,10 @@ x8 = rng.standard_normal((40, 4096)).astype(np.float32)
 wq = q4_0.quantize(w)
 outs = [q4_0.gemm_q4_0_q8_1(wq.buffers["blocks"], q8_1.quantize_q8_1(x), 520, 3, 4096), q4_0.gemm(x, wq),
         q4_0.gemm(x8, wq), nf4.gemm(x, nf4.quantize(w)), nf4.gemm(x8, nf4.quantize(w)),
-        int4.gemm(x8, int4.quantize(w, 128)), mixed2bit.gemm(x8, mixed2bit.quantize(w[:200], outlier_ratio=0.01)),
+        int4.gemm(x8, int4.quantize(w, 128)), int4.gemm(x, int4.quantize(w, 128)), int8.gemm(x, int8.quantize(w)),
+        int8.gemm(x8, int8.quantize(w, "group", 64)), mixed2bit.gemm(x, mixed2bit.quantize(w[:200])),
+        mixed2bit.gemm(x, mixed2bit.quantize(w[:200], outlier_ratio=0.01)),
+        mixed2bit.gemm(x8, mixed2bit.quantize(w[:200], outlier_ratio=0.01)),
         int8.int8_matmul(int8.quantize(x8).buffers["q"], int8.quantize(w).buffers["q"]).astype(np.float32)]
 np.save(sys.argv[1], np.concatenate([o.reshape(-1) for o in outs]))
 """
@@ -510,6 +522,17 @@ def test_native_adapters_refuse_bad_sizes():
     with pytest.raises(TypeError, match="out"):
         int8._native.int8_linear(a, np.ones(2, F32), a, np.ones(2, F32), None, False, 1.0,
                                  np.empty((2, 2), np.int32), 2, 2, 16)
+    q8 = int8.quantize(np.ones((4, 64), F32))
+    with pytest.raises(ValueError, match="unit_len"):
+        int8._native.gemm(x, q8.buffers["q"], q8.buffers["scale"], np.empty((2, 4), F32), 2, 64, 4, 48)
+    with pytest.raises(ValueError, match="scale"):
+        int8._native.gemm(x, q8.buffers["q"], q8.buffers["scale"], np.empty((2, 4), F32), 2, 64, 4, 32)
+    with pytest.raises(ValueError, match="q"):
+        int8._native.make_linear(q8.buffers["q"], q8.buffers["scale"], 5, 64, 64)
+    with pytest.raises(TypeError, match="scale"):
+        int8._native.make_linear(q8.buffers["q"], q8.buffers["scale"].astype(np.float64), 4, 64, 64)
+    with pytest.raises(ValueError, match="K mismatch"):
+        int8.gemm(np.ones((2, 32), F32), q8)
     qn = nf4.quantize(np.ones((4, 64), F32))
     with pytest.raises(ValueError, match="x"):
         nf4._native.gemm(np.ones((2, 32), F32), qn.buffers["packed"], qn.buffers["absmax"], np.empty((2, 4), F32),

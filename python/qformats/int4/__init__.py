@@ -234,12 +234,14 @@ def gemm_cuda_supported(w: QuantizedTensor) -> bool:
 def gemm(x: Any, w: QuantizedTensor) -> Any:
     """Weight-only GEMM ``Y = X . W^T`` with float activations and int4 weights.
 
-    The weights are decoded to exactly the values :func:`dequantize` gives: on the CPU a
-    cache-sized tile at a time (in registers for N <= 4 when group_size % 32 == 0 on AVX-512
-    CPUs) and multiplied in float32 (FMA; ``src/gemm/weight_only_cpu.h``), threaded, in an order
-    fixed by the CPU's instruction set (not by the thread count); on the GPU in registers
-    (``src/gemm/weight_only_cuda.cuh``: float32 sums of ``(q - zero) * x`` per group, times the
-    group's scale), never materialized whole.
+    On the CPU, for N <= 4 and group_size % 32 == 0, in registers: on AVX-512 CPUs the exact
+    values of :func:`dequantize` times x, on AVX2 CPUs per group ``scale * (sum q x - zero *
+    sum x)`` (float32, ``src/gemm/cpu_kernels_avx2.cpp``); otherwise the weights are decoded to
+    exactly :func:`dequantize`'s values a cache-sized tile at a time and multiplied in float32
+    (FMA; ``src/gemm/weight_only_cpu.h``). Threaded, in an order fixed by the CPU's instruction
+    set (not by the thread count); within float32 rounding of ``x @ dequantize(w).T``. On the GPU
+    in registers (``src/gemm/weight_only_cuda.cuh``: float32 sums of ``(q - zero) * x`` per
+    group, times the group's scale), never materialized whole.
 
     Args:
         x: ``[N, K]`` float32, float16 or bfloat16, numpy or torch (CPU, or CUDA with w's

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import FormatSpec
+from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from . import _native, reference
 
 FORMAT = "int8"
@@ -32,8 +32,8 @@ QMAX = 127                                   #: codes are in [-QMAX, QMAX]
 GRANULARITIES = ("tensor", "row", "group")   #: what one scale covers
 MAX_MATMUL_K = 131071                        #: largest K with an exact int32 int8_matmul
 
-__all__ = ["SPEC", "quantize", "dequantize", "quantize_tensor", "dequantize_tensor", "int8_matmul", "int8_linear",
-           "expected_buffers", "FORMAT", "QMAX", "GRANULARITIES", "MAX_MATMUL_K", "reference"]
+__all__ = ["SPEC", "quantize", "dequantize", "quantize_tensor", "dequantize_tensor", "gemm", "int8_matmul",
+           "int8_linear", "expected_buffers", "FORMAT", "QMAX", "GRANULARITIES", "MAX_MATMUL_K", "reference"]
 
 
 def _check_params(granularity: Any, group_size: Any) -> dict:
@@ -288,6 +288,52 @@ def int8_linear(x_q: Any, x_scale: Any, w_q: Any, w_scale: Any, bias: Any = None
         _native.int8_linear(x_q, xs, w_q, ws, bias, relu, float(scale_c), out, N, M, K, stream)
     return out
 
+def gemm(x: Any, w: QuantizedTensor) -> Any:
+    """Weight-only GEMM ``Y = X . W^T`` with float activations and an int8 weight (CPU).
+
+    For N <= 4 activation rows and scale units of a multiple of 16 values (every row- and
+    per-tensor scale of such rows, groups of 16 k) on AVX2 / AVX-512 CPUs, each unit's float32
+    sum of ``q * x`` is scaled once by the unit's scale (``src/gemm/cpu_kernels_avx2.cpp``);
+    otherwise the weight is decoded to exactly :func:`dequantize`'s values a tile at a time and
+    multiplied in float32. Either way within float32 rounding of ``x @ dequantize(w).T``,
+    threaded, in an order that does not depend on the thread count.
+
+    Args:
+        x: ``[N, K]`` float32, float16 or bfloat16 numpy array / torch tensor on the CPU,
+            C-contiguous, finite.
+        w: a 2-D int8 QuantizedTensor ``[M, K]`` with CPU buffers, any granularity.
+    Returns:
+        float32 ``[N, M]`` in the library of ``x``.
+    Raises:
+        TypeError: x not a float array/tensor, w not a QuantizedTensor.
+        ValueError: x not 2-D, w not 2-D or not int8, K mismatch, non-contiguous, NaN/Inf,
+            buffers on a CUDA device (there is no CUDA kernel: dequantize instead).
+    """
+    A.check_type(x, "x")
+    w = check_quantized(w, FORMAT)
+    A.check_float(x, "x", ndim=2)
+    if len(w.shape) != 2:
+        raise ValueError(f"gemm: w must be a 2-D int8 tensor [M, K], got shape {w.shape}")
+    (N, K), (M, Kw) = x.shape, w.shape
+    if K != Kw:
+        raise ValueError(f"gemm: K mismatch, x is {tuple(x.shape)} and w is {w.shape}")
+    A.same_device(("x", x), *w.buffers.items())
+    if A.is_cuda(x):
+        raise ValueError("int8.gemm runs on the CPU only (no CUDA weight-only kernel)")
+    x, out = A.gemm_operands(x, N, M)
+    _native.gemm(x, w.buffers["q"], w.buffers["scale"], out, N, K, M, _unit_len(w.shape, w.params))
+    return out
+
+
+def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None:
+    """int8 weight ``q`` [M, K] bound to the native weight-only kernel (CPU buffers; None on
+    CUDA, which has no such kernel)."""
+    codes, scale = q.buffers["q"], q.buffers["scale"]
+    if A.is_cuda(codes):
+        return None
+    return LinearKernel(_native.make_linear(codes, scale, *q.shape, _unit_len(q.shape, q.params)))
+
+
 # -- the format's face --------------------------------------------------------------------------
 
 def _with_group_size(params: dict, group_size: int) -> dict:
@@ -305,4 +351,7 @@ SPEC = FormatSpec(
     quantize=quantize,
     dequantize=dequantize,
     expected_buffers=expected_buffers,
+    gemm=gemm,
+    linear_rows={"cpu": WEIGHT_ONLY_ROWS["cpu"]},
+    make_linear=_make_linear,
 )

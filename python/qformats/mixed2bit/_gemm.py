@@ -52,8 +52,10 @@ def gemm_cuda_supported(w: QuantizedTensor) -> bool:
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
     """``Y = X . W^T`` with float activations and mixed2bit weights, never fully materialized:
-    decoded a tile of rows at a time on the CPU, in registers on the GPU (the 2-bit and 4-bit
-    groups streamed from their own arrays: the asynchronous dequantization of arXiv 2311.16442).
+    decoded a tile of rows at a time on the CPU (for N <= 4 on AVX2 / AVX-512 CPUs a row at a
+    time in registers, with group_size 16 the 2-bit groups as ``s * sum(q x) - m * sum(x)``),
+    in registers on the GPU (the 2-bit and 4-bit groups streamed from their own arrays: the
+    asynchronous dequantization of arXiv 2311.16442).
 
     Args:
         x: float32, float16 or bfloat16 ``[N, K]`` array/tensor (16-bit values are converted to

@@ -249,7 +249,7 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
 
 def gemm(x: Any, w: QuantizedTensor) -> Any:
     """``Y = X . W^T`` with float activations and nf4 weights, W decoded a tile at a time on the
-    CPU (in registers for N <= 4 on AVX-512 CPUs) and in registers on the GPU, never
+    CPU (in registers for N <= 4 on AVX-512 and AVX2 CPUs) and in registers on the GPU, never
     materialized whole.
 
     Args:

@@ -221,7 +221,8 @@ def linear(x: Any, w: QuantizedTensor) -> Any:
 def gemm(x: Any, w: QuantizedTensor) -> Any:
     """Weight-only GEMM ``Y = X . W^T``: float activations, q4_0 weights (llama.cpp
     ``block_q4_0``) decoded in cache-sized tiles on the CPU (in registers for N <= 4 on AVX-512
-    CPUs) and in registers on the GPU, never materialized whole; threaded.
+    and AVX2 CPUs; on AVX2 each block as ``d * (sum q x - 8 sum x)``) and in registers on the
+    GPU, never materialized whole; threaded.
 
     Args:
         x: float32, float16 or bfloat16 ``[N, K]`` (16-bit values are converted to float32

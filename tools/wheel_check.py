@@ -11,10 +11,13 @@ mode (``python -I tools/wheel_check.py WHEEL``) from outside the source tree, so
   native modules were built with CUDA kernels or not (a CUDA wheel must import and run its CPU
   paths on a machine without a GPU). The build kind is printed; ``--cpu-built`` requires
   ``cuda_built()`` False (a wheel built without nvcc), ``--cuda-built`` requires it True;
-* per format, on small numpy arrays: the native quantizer's bytes == the format's ``reference``
-  codec, dequantize == the reference decoder, pack/unpack where offered, and the CPU GEMMs
-  (integer ones exact, float ones within 1e-5 of the float64 product as tests/gemm does);
-  a safetensors save/load round trip.
+* per format, every name of ``qformats.FORMATS``, the format's own self-check shipped in the
+  wheel, ``qformats.<fmt>._selfcheck.run(check)`` (python/qformats/<fmt>/_selfcheck.py; the
+  helpers and the interface are in python/qformats/_selfcheck.py), on small numpy arrays: the
+  native quantizer's bytes == the format's ``reference`` codec, dequantize == the reference
+  decoder, pack/unpack where offered, and the CPU GEMMs (integer ones exact, float ones within
+  1e-5 of the float64 product as tests/gemm does); a format without one fails;
+* a safetensors save/load round trip.
 
 Exits 1 listing every failed check.
 """
@@ -27,49 +30,13 @@ import os
 import pkgutil
 import sys
 import tempfile
-import traceback
 import zipfile
 
-import numpy as np
+from qformats._selfcheck import Checks, rand, run_format, same
 
-F32 = np.float32
 OPTIONAL = {"torch", "transformers", "tqdm"}   # not dependencies of the wheel
-failures: list[str] = []
-
-
-def check(name: str):
-    """Decorator: run a check now, print ok / FAIL, record failures (assertion or exception)."""
-    def run(fn):
-        try:
-            fn()
-            print(f"  ok    {name}")
-        except Exception:  # noqa: BLE001 - every failure is reported, none stops the rest
-            failures.append(name)
-            print(f"  FAIL  {name}")
-            print("        " + traceback.format_exc().strip().replace("\n", "\n        "))
-        return fn
-    return run
-
-
-def same(got, want, what: str) -> None:
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    assert got.tobytes() == want.tobytes(), f"{what}: bytes differ from the reference"
-
-
-def close(got, x, w, what: str) -> None:
-    """||got - x w^T|| <= 1e-5 ||(|x| |w|^T)|| in float64 (tests/gemm/test_gemm_cpu.py)."""
-    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    got = np.asarray(got, np.float64)
-    assert got.shape == (x64.shape[0], w64.shape[0]), f"{what}: shape {got.shape}"
-    err = np.linalg.norm(got - x64 @ w64.T)
-    scale = np.linalg.norm(np.abs(x64) @ np.abs(w64).T)
-    assert err <= 1e-5 * scale, f"{what}: error {err:.3e} > 1e-5 * {scale:.3e}"
-
-
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape).astype(F32)
+check = Checks()            # check("name") runs the decorated function now: ok / FAIL
+failures = check.failures
 
 
 # -- the wheel's files -----------------------------------------------------------------------
@@ -127,13 +94,11 @@ def check_imports(cuda_built: bool | None) -> None:
             importlib.import_module(info.name)
         except ModuleNotFoundError as e:
             if (e.name or "").split(".")[0] not in OPTIONAL:
-                failures.append(f"import {info.name}")
-                print(f"  FAIL  import {info.name}: {e!r}")
+                check.fail(f"import {info.name}", repr(e))
             else:
                 skipped.append(f"{info.name} ({e.name})")
         except Exception as e:  # noqa: BLE001
-            failures.append(f"import {info.name}")
-            print(f"  FAIL  import {info.name}: {e!r}")
+            check.fail(f"import {info.name}", repr(e))
     print("  ok    every other submodule imports; skipped, needing an optional package: "
           f"{', '.join(skipped) or 'none'}")
 
@@ -151,159 +116,6 @@ def check_imports(cuda_built: bool | None) -> None:
             assert not built, "the extensions were compiled with CUDA: was nvcc visible?"
         assert qformats.cuda_available() is False
         assert _runtime.cuda_device_count() == 0
-
-
-# -- formats ---------------------------------------------------------------------------------
-
-def check_q4_0() -> None:
-    from qformats import q4_0, q8_1
-    ref = q4_0.reference
-    w, x = rand(24, 128), rand(3, 128, seed=1)
-
-    @check("q4_0: quantize == reference, dequantize == reference, QuantizedTensor round trip")
-    def _():
-        blocks = q4_0.quantize_q4_0(w)
-        same(blocks, ref.quantize(w), "quantize_q4_0")
-        same(q4_0.dequantize_q4_0(blocks, 128), ref.dequantize(blocks), "dequantize_q4_0")
-        qt = q4_0.quantize(w)
-        same(qt.dequantize(), ref.dequantize(ref.quantize(w)), "QuantizedTensor.dequantize")
-
-    @check("q4_0: gemm (float x q4_0) and gemm_q4_0_q8_1 on the CPU")
-    def _():
-        qt = q4_0.quantize(w)
-        wd = ref.dequantize(qt.buffers["blocks"])
-        close(q4_0.gemm(x, qt), x, wd, "q4_0.gemm")
-        xq = q8_1.quantize_q8_1(x)
-        y = q4_0.gemm_q4_0_q8_1(qt.buffers["blocks"], xq, 24, 3, 128)   # W . A^T: [M, N]
-        close(np.asarray(y).T, q8_1.reference.dequantize(xq), wd, "gemm_q4_0_q8_1")
-
-
-def check_q8_1() -> None:
-    from qformats import q8_1
-    ref = q8_1.reference
-    x = rand(5, 96, seed=2)
-
-    @check("q8_1: quantize == reference, dequantize == reference")
-    def _():
-        blocks = q8_1.quantize_q8_1(x)
-        same(blocks, ref.quantize(x), "quantize_q8_1")
-        same(q8_1.dequantize_q8_1(blocks, 96), ref.dequantize(blocks), "dequantize_q8_1")
-        same(q8_1.quantize(x).dequantize(), ref.dequantize(blocks), "QuantizedTensor.dequantize")
-
-
-def check_int8() -> None:
-    from qformats import int8
-    ref = int8.reference
-    w, x = rand(16, 64, seed=3), rand(4, 64, seed=4)
-
-    @check("int8: quantize == reference (tensor, row, group), dequantize == reference")
-    def _():
-        for gran in ("tensor", "row", "group"):
-            qt = int8.quantize(w, granularity=gran, group_size=32)
-            q, s = ref.quantize(w, gran, 32)
-            same(qt.buffers["q"], q, f"{gran} q")
-            same(qt.buffers["scale"], s, f"{gran} scale")
-            same(qt.dequantize(), ref.dequantize(q, s, gran, 32), f"{gran} dequantize")
-
-    @check("int8: int8_matmul exact, int8_linear on the CPU")
-    def _():
-        xq, wq = int8.quantize(x), int8.quantize(w)
-        acc = int8.int8_matmul(xq.buffers["q"], wq.buffers["q"])
-        same(acc, ref.matmul(xq.buffers["q"], wq.buffers["q"]).astype(np.int32), "int8_matmul")
-        y = int8.int8_linear(xq.buffers["q"], xq.buffers["scale"], wq.buffers["q"], wq.buffers["scale"])
-        close(y, xq.dequantize(), wq.dequantize(), "int8_linear")
-
-
-def check_int4() -> None:
-    from qformats import int4
-    ref = int4.reference
-    w, x = rand(16, 128, seed=5), rand(3, 128, seed=6)
-
-    @check("int4: quantize == reference (asymmetric, symmetric), dequantize == reference")
-    def _():
-        qt = int4.quantize(w, group_size=32)
-        qw, s, z = ref.quantize_asym(w, 32)
-        for name, want in (("qweight", qw), ("scales", s), ("zeros", z)):
-            same(qt.buffers[name], want, f"asym {name}")
-        same(qt.dequantize(), ref.dequantize(qw, s, z, 32), "asym dequantize")
-        qt = int4.quantize(w, group_size=32, symmetric=True)
-        qw, s = ref.quantize_sym(w, 32)
-        same(qt.buffers["qweight"], qw, "sym qweight")
-        same(qt.buffers["scales"], s, "sym scales")
-        same(qt.dequantize(), ref.dequantize(qw, s, None, 32), "sym dequantize")
-
-    @check("int4: pack_int4 / unpack_int4 == reference")
-    def _():
-        codes = np.random.default_rng(7).integers(0, 16, (6, 40)).astype(np.uint8)
-        packed = int4.pack_int4(codes)
-        same(packed, ref.pack(codes), "pack uint8")
-        same(int4.unpack_int4(packed), codes, "unpack")
-        signed = (codes.astype(np.int16) - 8).astype(np.int8)
-        same(int4.pack_int4(signed), ref.pack(signed), "pack int8")
-        same(int4.unpack_int4(int4.pack_int4(signed), signed=True), signed, "unpack signed")
-
-    @check("int4: gemm on the CPU, int4_matmul exact")
-    def _():
-        for sym in (False, True):
-            qt = int4.quantize(w, group_size=32, symmetric=sym)
-            close(int4.gemm(x, qt), x, qt.dequantize(), f"gemm symmetric={sym}")
-        a = int4.quantize(x, group_size=32, symmetric=True).buffers["qweight"]
-        b = int4.quantize(w, group_size=32, symmetric=True).buffers["qweight"]
-        same(int4.int4_matmul(a, b), ref.matmul(a, b).astype(np.int32), "int4_matmul")
-
-
-def check_nf4() -> None:
-    from qformats import nf4
-    ref = nf4.reference
-    w, x = rand(12, 100, seed=8), rand(2, 100, seed=9)   # 1200 values: a partial last block
-
-    @check("nf4: quantize == reference (plain, compressed statistics), dequantize == reference")
-    def _():
-        packed, absmax = nf4.quantize_nf4(w.reshape(-1), blocksize=64)
-        rp, ra = ref.quantize(w, 64)
-        same(packed, rp, "packed")
-        same(absmax, ra, "absmax")
-        same(nf4.dequantize_nf4(packed, absmax, w.size, 64), ref.dequantize(rp, ra, w.size, 64), "dequantize_nf4")
-        qt = nf4.quantize(w, blocksize=64, compress_statistics=True)
-        q, a2, off = ref.double_quant(ra)
-        for name, want in (("packed", rp), ("absmax", q), ("absmax2", a2), ("offset", off)):
-            same(qt.buffers[name], want, f"compressed {name}")
-        want = ref.dequantize(rp, ref.dequantize_absmax(q, a2, off), w.size, 64).reshape(w.shape)
-        same(qt.dequantize(), want, "compressed dequantize")
-
-    @check("nf4: gemm on the CPU")
-    def _():
-        for cs in (False, True):
-            qt = nf4.quantize(w, blocksize=64, compress_statistics=cs)
-            close(nf4.gemm(x, qt), x, qt.dequantize(), f"gemm compress_statistics={cs}")
-
-
-def check_mixed2bit() -> None:
-    from qformats import mixed2bit
-    ref = mixed2bit.reference
-    w, x = rand(8, 64, seed=10), rand(3, 64, seed=11)
-    kw = dict(group_size=16, ratio_4bit=0.25, outlier_ratio=0.02, scale_block=4)
-
-    @check("mixed2bit: quantize == reference (with outliers), dequantize == reference")
-    def _():
-        qt = mixed2bit.quantize(w, **kw)
-        bufs = ref.quantize(w, **kw)
-        assert qt.params["n_out"] > 0 and qt.params["n4"] > 0
-        for name in mixed2bit.BUFFER_NAMES:
-            same(qt.buffers[name], bufs[name], name)
-        same(qt.dequantize(), ref.dequantize(bufs, 8, 64, 16, 4), "dequantize")
-
-    @check("mixed2bit: pack_2bit / unpack_2bit == reference")
-    def _():
-        v = np.random.default_rng(12).integers(0, 4, (3, 48)).astype(np.uint8)
-        packed = mixed2bit.pack_2bit(v)
-        same(packed, ref.pack_2bit(v), "pack_2bit")
-        same(mixed2bit.unpack_2bit(packed, v.size), v.reshape(-1), "unpack_2bit")
-
-    @check("mixed2bit: gemm on the CPU")
-    def _():
-        qt = mixed2bit.quantize(w, **kw)
-        close(mixed2bit.gemm(x, qt), x, qt.dequantize(), "gemm")
 
 
 def check_io() -> None:
@@ -335,15 +147,11 @@ def main() -> int:
     cuda_built = wanted[0] if wanted else None   # None: either build is accepted
     check_imports(cuda_built)
     check_wheel(args[0])
-    print("formats (numpy, CPU kernels)")
+    print("formats (numpy, CPU kernels): each format's own qformats.<fmt>._selfcheck")
     from qformats import FORMATS
-    for fmt in FORMATS:   # each format's check is the function check_<format> above
-        globals().get(f"check_{fmt}", lambda: None)()
+    for fmt in FORMATS:   # a format without a self-check fails here
+        run_format(fmt, check)
     check_io()
-    untested = [fmt for fmt in FORMATS if f"check_{fmt}" not in globals()]
-    if untested:
-        failures.append("formats without a wheel check")
-        print(f"  FAIL  formats without a check here: {sorted(untested)} (add one to tools/wheel_check.py)")
     if failures:
         print(f"wheel check: {len(failures)} failed: {'; '.join(failures)}")
         return 1

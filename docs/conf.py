@@ -9,7 +9,8 @@ The API reference imports qformats (autodoc): the installed package, or, when no
 installed, ``python/`` of this checkout (its native extensions must be built,
 ``tools/dev_build.sh``). The benchmark and quality pages are generated at build time by
 ``_ext/qf_results.py`` from ``benchmarks/results/*.json`` (tables and matplotlib plots, written
-to ``docs/_generated/``).
+to ``docs/_generated/``). ``_ext/qf_formats.py`` lists the format pages in the toctrees, in the
+order of ``qformats.FORMATS``.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     "qf_results",
+    "qf_formats",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}

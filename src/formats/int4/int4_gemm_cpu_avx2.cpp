@@ -1,6 +1,6 @@
-// int4's AVX2 + FMA + F16C leaf kernels (int4_gemm_cpu.h: Int4CpuKernels). Every function carries the target
-// attribute QF_AVX2 (gemm/cpu_simd_avx2.h; no global -m flags); int4_cpu_kernels() hands this table
-// out only when gemm/cpu_isa.h reports the instruction set.
+// int4's AVX2 + FMA + F16C leaf kernels (int4_gemm_cpu.h: Int4CpuKernels). Every function carries
+// the target attribute QF_AVX2 (gemm/cpu_simd_avx2.h; no global -m flags); int4_cpu_kernels() hands
+// this table out only when gemm/cpu_isa.h reports the instruction set.
 #include "formats/int4/int4_gemm_cpu.h"
 
 #if QF_GEMM_X86

@@ -1,6 +1,7 @@
-// mixed2bit's AVX2 + FMA + F16C leaf kernels (mixed2bit_gemm_cpu.h: Mixed2bitCpuKernels). Every function carries the target
-// attribute QF_AVX2 (gemm/cpu_simd_avx2.h; no global -m flags); mixed2bit_cpu_kernels() hands this table
-// out only when gemm/cpu_isa.h reports the instruction set.
+// mixed2bit's AVX2 + FMA + F16C leaf kernels (mixed2bit_gemm_cpu.h: Mixed2bitCpuKernels). Every
+// function carries the target attribute QF_AVX2 (gemm/cpu_simd_avx2.h; no global -m flags);
+// mixed2bit_cpu_kernels() hands this table out only when gemm/cpu_isa.h reports the instruction
+// set.
 #include "formats/mixed2bit/mixed2bit_gemm_cpu.h"
 
 #if QF_GEMM_X86

@@ -1,6 +1,6 @@
-// nf4's AVX2 + FMA + F16C leaf kernels (nf4_gemm_cpu.h: Nf4CpuKernels). Every function carries the target
-// attribute QF_AVX2 (gemm/cpu_simd_avx2.h; no global -m flags); nf4_cpu_kernels() hands this table
-// out only when gemm/cpu_isa.h reports the instruction set.
+// nf4's AVX2 + FMA + F16C leaf kernels (nf4_gemm_cpu.h: Nf4CpuKernels). Every function carries the
+// target attribute QF_AVX2 (gemm/cpu_simd_avx2.h; no global -m flags); nf4_cpu_kernels() hands this
+// table out only when gemm/cpu_isa.h reports the instruction set.
 #include "formats/nf4/nf4_gemm_cpu.h"
 
 #if QF_GEMM_X86

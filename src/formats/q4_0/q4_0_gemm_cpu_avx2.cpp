@@ -1,6 +1,6 @@
-// q4_0's AVX2 + FMA + F16C leaf kernels (q4_0_gemm_cpu.h: Q4_0CpuKernels). Every function carries the target
-// attribute QF_AVX2 (gemm/cpu_simd_avx2.h; no global -m flags); q4_0_cpu_kernels() hands this table
-// out only when gemm/cpu_isa.h reports the instruction set.
+// q4_0's AVX2 + FMA + F16C leaf kernels (q4_0_gemm_cpu.h: Q4_0CpuKernels). Every function carries
+// the target attribute QF_AVX2 (gemm/cpu_simd_avx2.h; no global -m flags); q4_0_cpu_kernels() hands
+// this table out only when gemm/cpu_isa.h reports the instruction set.
 #include "formats/q4_0/q4_0_gemm_cpu.h"
 
 #if QF_GEMM_X86

@@ -1,6 +1,6 @@
-// q4_0's AVX-512 (F, BW, VL, DQ, VNNI) leaf kernels (q4_0_gemm_cpu.h: Q4_0CpuKernels). Every function carries the target
-// attribute QF_AVX512 (gemm/cpu_simd_avx512.h; no global -m flags); q4_0_cpu_kernels() hands this table
-// out only when gemm/cpu_isa.h reports the instruction set.
+// q4_0's AVX-512 (F, BW, VL, DQ, VNNI) leaf kernels (q4_0_gemm_cpu.h: Q4_0CpuKernels). Every
+// function carries the target attribute QF_AVX512 (gemm/cpu_simd_avx512.h; no global -m flags);
+// q4_0_cpu_kernels() hands this table out only when gemm/cpu_isa.h reports the instruction set.
 #include "formats/q4_0/q4_0_gemm_cpu.h"
 
 #if QF_GEMM_X86

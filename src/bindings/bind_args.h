@@ -11,7 +11,7 @@
 
 #include "bindings/nb_common.h"
 #include "gemm/cpu_isa.h"
-#include "gemm/weight_only_formats.h"
+#include "gemm/weight_only_cpu.h"
 
 namespace qf::bind {
 

@@ -9,9 +9,9 @@
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/int4/int4.h"
+#include "formats/int4/int4_gemm_cpu.h"
 #include "formats/int4/int4_gemm_cuda.h"
 #include "gemm/int4_int4.h"
-#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;

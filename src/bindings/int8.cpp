@@ -2,6 +2,7 @@
 // int32 GEMM (gemm/int8_int8). Adapters check the arrays, then call the kernels without the GIL.
 #include "bindings/nb_common.h"
 #include "formats/int8/int8.h"
+#include "formats/int8/int8_gemm_cpu.h"
 #include <nanobind/stl/optional.h>
 
 #include <optional>
@@ -9,7 +10,6 @@
 #include "bindings/bind_args.h"
 #include "bindings/linear.h"
 #include "gemm/int8_int8.h"
-#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;

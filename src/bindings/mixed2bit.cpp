@@ -3,7 +3,7 @@
 // dims), then call the CPU or CUDA kernels without the GIL. The Python layer allocates all
 // outputs (n4 and n_out are known from the parameters before the call, so every buffer size is)
 // and, for CUDA calls, the kernels' scratch workspace (sized by *_workspace_bytes) as torch
-// tensors on the caller's stream. The GEMM runs on both (gemm/weight_only_formats.h; CUDA:
+// tensors on the caller's stream. The GEMM runs on both (formats/mixed2bit/mixed2bit_gemm_cpu.h; CUDA:
 // formats/mixed2bit/mixed2bit_gemm_cuda.h).
 #include <memory>
 
@@ -11,8 +11,8 @@
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/mixed2bit/mixed2bit.h"
+#include "formats/mixed2bit/mixed2bit_gemm_cpu.h"
 #include "formats/mixed2bit/mixed2bit_gemm_cuda.h"
-#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;

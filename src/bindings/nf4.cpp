@@ -9,8 +9,8 @@
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/nf4/nf4.h"
+#include "formats/nf4/nf4_gemm_cpu.h"
 #include "formats/nf4/nf4_gemm_cuda.h"
-#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;

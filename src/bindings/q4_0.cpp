@@ -4,9 +4,9 @@
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
 #include "formats/q4_0/q4_0.h"
+#include "formats/q4_0/q4_0_gemm_cpu.h"
 #include "formats/q4_0/q4_0_gemm_cuda.h"
 #include "gemm/q4_0_q8_1.h"
-#include "gemm/weight_only_formats.h"
 
 using namespace qf;
 using namespace qf::bind;

@@ -51,14 +51,13 @@ const char* isa_name(Isa isa) {
 #if QF_GEMM_X86
 namespace {
 // The AVX-512 table with the optional entries it leaves empty taken from the AVX2 table (every
-// AVX-512 CPU here also has AVX2, FMA and F16C): a kernel written for AVX2 only serves it too.
+// AVX-512 CPU here also has AVX2, FMA and F16C): a kernel written for AVX2 only serves it too. (The
+// formats' own tables do the same in their files: formats/<fmt>/<fmt>_gemm_cpu*.cpp.)
 const CpuKernels& avx512_kernels() {
   static const CpuKernels k = [] {
     CpuKernels t = k_avx512::kernels();
     const CpuKernels& a = k_avx2::kernels();
     if (!t.nibble_gemm) t.nibble_gemm = a.nibble_gemm;
-    if (!t.int8_gemm) t.int8_gemm = a.int8_gemm;
-    if (!t.m2_gemm_row) t.m2_gemm_row = a.m2_gemm_row;
     return t;
   }();
   return k;

@@ -1,8 +1,13 @@
-// The CPU GEMMs' leaf kernels, one table per instruction set (gemm/cpu_isa.h picks one per
-// call). The leaves work on one panel of at most kPanelRows weight rows: they are serial and
-// have no state; the threaded drivers (q4_0_q8_1_cpu.cpp, int8_int8_cpu.cpp, int4_int4_cpu.cpp,
-// weight_only_formats_cpu.cpp, weight_only_cpu.h) split the output among threads by panels,
-// so every output element is computed by one leaf call in one fixed order: results do not
+// The format-independent leaf kernels of the CPU GEMMs, one table per instruction set
+// (gemm/cpu_isa.h picks one per call): the float32 panel of the weight-only driver, the fused
+// kernel shared by the 4-bit nibble formats (gemm/nibble_gemm_cpu.h), and the integer panels of
+// the format-pair GEMMs. A format's own kernels (its decoders, fused kernels) are in
+// formats/<fmt>/<fmt>_gemm_cpu*.cpp, with a table of the same kind per instruction set.
+//
+// The leaves work on one panel of at most kPanelRows weight rows: they are serial and have no
+// state; the threaded drivers (q4_0_q8_1_cpu.cpp, int8_int8_cpu.cpp, int4_int4_cpu.cpp,
+// nibble_gemm_cpu.cpp, weight_only_cpu.h, driven by the formats' <fmt>_gemm_cpu.cpp) split the
+// output among threads by panels, so every output element is computed by one leaf call in one fixed order: results do not
 // depend on the thread count (they do depend on the instruction set, by float32 rounding, for
 // the float kernels; the integer kernels are exact on every path).
 //
@@ -13,15 +18,8 @@
 #pragma once
 #include <cstdint>
 
-#include "formats/mixed2bit/mixed2bit.h"
 #include "formats/q4_0/q4_0.h"
 #include "gemm/cpu_isa.h"
-
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-#define QF_GEMM_X86 1
-#else
-#define QF_GEMM_X86 0
-#endif
 
 namespace qf::gemm {
 
@@ -29,36 +27,6 @@ namespace qf::gemm {
 // kPanelRows x kTileK floats (32 KiB: stays in L1 while the activations stream past it).
 constexpr int64_t kPanelRows = 8;
 constexpr int64_t kTileK = 1024;
-
-// One group of a mixed2bit weight row, as the decoder needs it: its packed codes (16 2-bit
-// codes per word, or 8 4-bit codes per word), 2 or 4 bits, and the effective scale and offset
-// (value = fl(q * s) - m).
-struct M2Group {
-  const uint32_t* words;
-  float s;
-  float m;
-  int32_t is4;
-};
-
-// A window of one row of a mixed2bit weight: n groups of gs values from flat group g0 on, whose
-// slots in the 4-bit and 2-bit lists start at j4 and j2 (B groups per second-order block).
-struct M2Window {
-  const mixed2bit::ConstBuffers* q;
-  int64_t gs, B, g0, n, j4, j2;
-  int64_t n4, n2;  // the lists' lengths (reads stay inside them)
-};
-
-// The activations of the fused mixed2bit product: X [N, ldx] and, for group_size 16 (else
-// nullptr), xt: per activation row (stride ldt) and step of 8 groups from the row's start, the
-// 128 values as [value i][group t] (8 floats per i; zero past the row's end), and sx: per row
-// (stride lds) each group's float32 sum of its 16 values, in order (zero padded likewise).
-struct M2Act {
-  const float* X;
-  int64_t ldx;
-  const float* xt;
-  const float* sx;
-  int64_t ldt, lds;
-};
 
 // A 4-bit weight whose 32-aligned runs of a row are one 16-byte code run with one scale: the
 // formats the fused small-N kernel (CpuKernels::nibble_gemm) decodes in registers.
@@ -70,15 +38,6 @@ struct NibbleWeights {
   const uint8_t* zeros;    // int4 asymmetric zero points
   int64_t K;               // row length, a multiple of 32
   int64_t group;           // nf4: log2(blocksize); int4: group size (a multiple of 32)
-};
-
-// An int8 weight [M, K] with one float32 scale per unit of L values along a row (int8's
-// granularities: row L = K, group L = group_size, tensor L = K with scale_stride 0): the scale
-// of row m, unit u is scales[m * scale_stride + u].
-struct Int8Weights {
-  const int8_t* q;
-  const float* scales;
-  int64_t K, L, scale_stride;
 };
 
 // Whether x must be given to nibble_gemm with each run of 32 values reordered as its 16 even
@@ -95,41 +54,11 @@ struct CpuKernels {
   void (*f32_panel)(const float* X, int64_t ldx, int64_t N, const float* W, int64_t ldw, int64_t MT,
                     int64_t kc, float* acc, bool accumulate);
 
-  // Decoders: exactly the values of the format's dequantize (float32), written to out.
-  // nf4: flat elements [i0, i0 + len) of a tensor with blocks of 2^log2_bs values.
-  void (*decode_nf4)(const uint8_t* packed, const float* absmax, int log2_bs, int64_t i0, int64_t len,
-                     float* out);
-  // int4: flat elements [i0, i0 + len) (groups of gs, zeros == nullptr: symmetric).
-  void (*decode_int4)(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs,
-                      int64_t i0, int64_t len, float* out);
-  // q4_0: n_blocks consecutive blocks (32 values each).
-  void (*decode_q4_0)(const q4_0::block_q4_0* blocks, int64_t n_blocks, float* out);
-  // mixed2bit: n groups of gs values (gs a multiple of 16), without the outliers.
-  void (*decode_m2)(const M2Group* groups, int64_t n, int64_t gs, float* out);
-  // The same straight from the buffers, 16 groups' parameters at a time in vector registers
-  // (nullptr where the instruction set has none: the driver builds M2Group lists). Needs every
-  // slot * words-per-group to fit int32.
-  void (*decode_m2_window)(const M2Window& w, float* out);
-
   // Fused weight-only GEMM for few activation rows (N <= 4): Y[j * ldy + i] = sum_k W[m0 + i, k]
   // * X[j, k] for i < MR <= kPanelRows, j < N, decoding W in registers (no tile). X is float32
   // [N, K], reordered per nibble_split_order. nullptr in tables without it (the tile path runs).
   void (*nibble_gemm)(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                       int64_t ldy);
-
-  // Fused int8 weight-only GEMM for few activation rows (N <= 4): Y[j * ldy + i] = sum_u
-  // s(m0 + i, u) * sum_{k in u} q[m0 + i, k] X[j, k] for i < MR <= kPanelRows (L % 16 == 0):
-  // the scale applied to each unit's float32 sum, not to each value (within float32 rounding of
-  // the dequantized product). nullptr in tables without it (the tile path runs).
-  void (*int8_gemm)(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
-                    int64_t ldy);
-
-  // Fused mixed2bit product of one weight row for few activation rows (N <= 4): y[j * ldy] =
-  // sum_k W[row, k] X[j, k] over the window's groups (k from the window's start), W without its
-  // outliers. Without a.xt each value is decoded exactly as dequantize and multiplied in; with it
-  // (group_size 16), 2-bit groups are summed as s * sum q x - m * sum x (within float32 rounding
-  // of that). nullptr in tables without it (the tile path runs).
-  void (*m2_gemm_row)(const M2Window& w, const M2Act& a, int64_t N, float* y, int64_t ldy);
 
   // q4_0 x q8_1: out[i * ldo_m + j * ldo_n] = sum_b d_w[i,b] * d_a[j,b] * sum_t (q_w - 8) q_a,
   // for i < MR <= kPanelRows weight rows (W: rows of nb blocks) and j < N activations given

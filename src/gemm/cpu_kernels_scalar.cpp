@@ -1,10 +1,8 @@
-// Plain C++ leaf kernels (gemm/cpu_kernels.h): the portable fallback, and the reference the
-// vector versions are tested against. Also the decoders' general path (any alignment), which
-// the vector decoders call for the cases they do not cover.
+// Plain C++ format-independent leaf kernels (gemm/cpu_kernels.h): the portable fallback, and
+// the reference the vector versions are tested against.
 #include <algorithm>
 
 #include "formats/int4/int4.h"
-#include "formats/nf4/nf4.h"
 #include "gemm/cpu_kernels.h"
 
 namespace qf::gemm::k_scalar {
@@ -29,42 +27,9 @@ void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t l
   }
 }
 
-void decode_nf4(const uint8_t* packed, const float* absmax, int log2_bs, int64_t i0, int64_t len, float* out) {
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t i = i0 + t;
-    const uint8_t byte = packed[i >> 1];
-    const int code = (i & 1) ? (byte & 0x0F) : (byte >> 4);  // even element: high nibble
-    out[t] = nf4::kCode[code] * absmax[i >> log2_bs];
-  }
-}
 
-void decode_int4(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs, int64_t i0,
-                 int64_t len, float* out) {
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t i = i0 + t, g = i / gs;
-    const uint8_t byte = qweight[i >> 1];
-    const int nib = (i & 1) ? (byte >> 4) : (byte & 0x0F);  // even element: low nibble
-    out[t] = zeros ? int4::decode_asym(nib, zeros[g], scales[g]) : int4::decode_sym(nib, scales[g]);
-  }
-}
 
-void decode_q4_0(const q4_0::block_q4_0* blocks, int64_t n_blocks, float* out) {
-  for (int64_t b = 0; b < n_blocks; ++b) q4_0::dequantize_block(blocks + b, out + b * q4_0::QK);
-}
 
-void decode_m2(const M2Group* groups, int64_t n, int64_t gs, float* out) {
-  for (int64_t g = 0; g < n; ++g) {
-    const M2Group& G = groups[g];
-    float* y = out + g * gs;
-    const int bits = G.is4 ? 4 : 2, per_word = 32 / bits;
-    const uint32_t mask = (1u << bits) - 1u;
-    for (int64_t i = 0; i < gs; ++i) {
-      const uint32_t q = (G.words[i / per_word] >> (bits * (i % per_word))) & mask;
-      const float p = static_cast<float>(q) * G.s;  // two roundings, as mixed2bit's decode
-      y[i] = p - G.m;
-    }
-  }
-}
 
 void q4q8_panel(const q4_0::block_q4_0* W, int64_t nb, int64_t MR, const int8_t* aq, const float* ad, int64_t N,
                 float* out, int64_t ldo_m, int64_t ldo_n) {
@@ -121,8 +86,7 @@ void i4_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t 
 }  // namespace
 
 const CpuKernels& kernels() {
-  static const CpuKernels k{Isa::scalar, f32_panel, decode_nf4, decode_int4, decode_q4_0, decode_m2, nullptr,
-                            nullptr, nullptr, nullptr, q4q8_panel,  i8_panel,  i4_panel};
+  static const CpuKernels k{Isa::scalar, f32_panel, nullptr, q4q8_panel, i8_panel, i4_panel};
   return k;
 }
 

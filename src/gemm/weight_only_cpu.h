@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/fp16.h"
 #include "common/parallel.h"
 #include "gemm/cpu_kernels.h"
 #include "gemm/thread_pool.h"
@@ -62,6 +63,19 @@ void weight_only_gemm_tiles(const float* X, int64_t N, int64_t K, int64_t M, int
   });
 }
 
+// kernel(m0, mr) on every panel of kPanelRows weight rows (mr of them), threaded: the fused
+// small-N kernels' driver. A thread takes about 2^20 multiply-adds at least (a tenth of that
+// with `slow`: a decoder that costs many times a multiply-add per value, where even a small
+// weight is worth a second thread).
+template <class Panel>
+void fused_panels(int64_t M, int64_t K, int64_t N, Panel&& kernel, bool slow = false) {
+  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (slow ? 10 : 1) / (kPanelRows * K * N));
+  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) kernel(p * kPanelRows, std::min(kPanelRows, M - p * kPanelRows));
+  });
+}
+
 // The original interface: decode_rows(m0, m1, float* tile) writes whole rows [m0, m1) of W as
 // float32 [m1 - m0, K] (at most kWeightTileRows rows). Used by formats whose decoder works on
 // whole rows; the multiply is the same tiled driver with kc = K.
@@ -70,6 +84,14 @@ void weight_only_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, Decod
   weight_only_gemm_tiles(X, N, K, M, K, [&](int64_t m0, int64_t m1, int64_t, int64_t, float* tile) {
     decode_rows(m0, m1, tile);
   }, Y);
+}
+
+// x [n] of float, half_t or bf16_t -> float32 (exact), threaded for large n.
+template <class T>
+void to_float32(const T* x, int64_t n, float* out) {
+  parallel_for(n, int64_t(1) << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) out[i] = to_f32(x[i]);
+  });
 }
 
 }  // namespace qf::gemm

@@ -1,110 +1,14 @@
-#include "gemm/weight_only_formats.h"
+#include "formats/mixed2bit/mixed2bit_gemm_cpu.h"
 
 #include <algorithm>
 #include <stdexcept>
 #include <vector>
 
-#include "formats/int8/int8.h"
-#include "gemm/cpu_kernels.h"
+#include "common/fp16.h"
 #include "gemm/thread_pool.h"
 #include "gemm/weight_only_cpu.h"
 
 namespace qf::gemm {
-
-namespace {
-
-// kernel(m0, mr) on every panel of kPanelRows weight rows (mr of them), threaded: the fused
-// small-N kernels' driver. A thread takes about 2^20 multiply-adds at least (a tenth of that
-// with `slow`: a decoder that costs many times a multiply-add per value, where even a small
-// weight is worth a second thread).
-template <class Panel>
-void fused_panels(int64_t M, int64_t K, int64_t N, Panel&& kernel, bool slow = false) {
-  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (slow ? 10 : 1) / (kPanelRows * K * N));
-  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) kernel(p * kPanelRows, std::min(kPanelRows, M - p * kPanelRows));
-  });
-}
-
-// The fused small-N path (CpuKernels::nibble_gemm) when the instruction set has it and the
-// weight qualifies (caller checked); returns false otherwise.
-bool nibble_gemm_cpu(const NibbleWeights& w, const float* X, int64_t N, int64_t M, float* Y) {
-  const CpuKernels& kern = cpu_kernels();
-  if (!kern.nibble_gemm || N < 1 || N > 4 || M <= 0 || w.K <= 0 || w.K % 32) return false;
-  const int64_t K = w.K;
-  std::vector<float> xs;
-  if (nibble_split_order(w.fmt)) {  // each run of 32: the even elements, then the odd ones
-    xs.resize(static_cast<size_t>(N * K));
-    for (int64_t i = 0; i < N * K; i += 32)
-      for (int t = 0; t < 16; ++t) {
-        xs[i + t] = X[i + 2 * t];
-        xs[i + 16 + t] = X[i + 2 * t + 1];
-      }
-    X = xs.data();
-  }
-  fused_panels(M, K, N, [&](int64_t m0, int64_t mr) { kern.nibble_gemm(w, m0, mr, X, N, Y + m0, M); });
-  return true;
-}
-
-}  // namespace
-
-void nf4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
-                  int64_t blocksize, float* Y) {
-  int log2_bs = 0;
-  while ((int64_t(1) << log2_bs) < blocksize) ++log2_bs;
-  if (nibble_gemm_cpu({Nibble::nf4, packed, absmax, nullptr, K, log2_bs}, X, N, M, Y)) return;
-  const CpuKernels& kern = cpu_kernels();
-  // Rows of W are flat ranges [m K + k0, m K + k1); a 32-aligned run never straddles a block, so
-  // the vector decoders take every row when K % 32 == 0 (else the portable decoder does).
-  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
-    const int64_t len = k1 - k0;
-    for (int64_t m = m0; m < m1; ++m) kern.decode_nf4(packed, absmax, log2_bs, m * K + k0, len, tile + (m - m0) * len);
-  }, Y);
-}
-
-void int4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                   const uint8_t* zeros, int64_t gs, float* Y) {
-  if (gs % 32 == 0 &&
-      nibble_gemm_cpu({zeros ? Nibble::int4_asym : Nibble::int4_sym, qweight, scales, zeros, K, gs}, X, N, M, Y))
-    return;
-  const CpuKernels& kern = cpu_kernels();
-  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
-    const int64_t len = k1 - k0;
-    for (int64_t m = m0; m < m1; ++m)
-      kern.decode_int4(qweight, scales, zeros, gs, m * K + k0, len, tile + (m - m0) * len);
-  }, Y);
-}
-
-void q4_0_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, float* Y) {
-  if (nibble_gemm_cpu({Nibble::q4_0, reinterpret_cast<const uint8_t*>(W), nullptr, nullptr, K, 0}, X, N, M, Y))
-    return;
-  const CpuKernels& kern = cpu_kernels();
-  const int64_t nb = K / q4_0::QK;
-  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
-    const int64_t len = k1 - k0;
-    for (int64_t m = m0; m < m1; ++m)
-      kern.decode_q4_0(W + m * nb + k0 / q4_0::QK, len / q4_0::QK, tile + (m - m0) * len);
-  }, Y);
-}
-
-void int8_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const int8_t* q, const float* scales,
-                   int64_t unit, int64_t scale_stride, float* Y) {
-  const CpuKernels& kern = cpu_kernels();
-  if (kern.int8_gemm && N >= 1 && N <= 4 && M > 0 && K > 0 && unit % 16 == 0) {
-    const Int8Weights w{q, scales, K, unit, scale_stride};
-    fused_panels(M, K, N, [&](int64_t m0, int64_t mr) { kern.int8_gemm(w, m0, mr, X, N, Y + m0, M); });
-    return;
-  }
-  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
-    const int64_t len = k1 - k0;
-    for (int64_t m = m0; m < m1; ++m) {
-      const int8_t* row = q + m * K;
-      const float* s = scales + m * scale_stride;
-      float* t = tile + (m - m0) * len;
-      for (int64_t k = k0; k < k1; ++k) t[k - k0] = int8::dequantize_value(row[k], s[k / unit]);
-    }
-  }, Y);
-}
 
 namespace {
 
@@ -241,19 +145,20 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
 void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
                         const Mixed2bitCpuIndex& index, float* Y) {
   const CpuKernels& kern = cpu_kernels();
+  const Mixed2bitCpuKernels& m2k = mixed2bit_cpu_kernels();
   const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), B = dims.scale_block;
   const int64_t w2 = dims.words2(), w4 = dims.words4();
   const int64_t kc = m2_tile(dims), n_win = (K + kc - 1) / kc;
   const int64_t* const win4 = index.win4.data();
   const int64_t* const out_before = index.out_before.data();
-  const bool vector_window = kern.decode_m2_window && dims.n2() * w2 < (int64_t(1) << 31) &&
+  const bool vector_window = m2k.decode_window && dims.n2() * w2 < (int64_t(1) << 31) &&
                              dims.n4 * w4 < (int64_t(1) << 31) && dims.n_groups() < (int64_t(1) << 31);
-  if (vector_window && kern.m2_gemm_row && N >= 1 && N <= 4 && dims.rows > 0 && K > 0) {
+  if (vector_window && m2k.gemm_row && N >= 1 && N <= 4 && dims.rows > 0 && K > 0) {
     // Few activation rows: each weight row decoded in registers and multiplied right away; a
     // row with outliers is decoded whole, patched, then multiplied.
     M2Act act{X, K, nullptr, nullptr, 0, 0};
     std::vector<float> xt, sx;
-    if (gs == 16) {  // x arranged for the lanes-across-groups kernel (cpu_kernels.h M2Act)
+    if (gs == 16) {  // x arranged for the lanes-across-groups kernel (mixed2bit_gemm_cpu.h M2Act)
       const int64_t steps = (G + 7) / 8;
       xt.assign(static_cast<size_t>(N * steps * 128), 0.0f);
       sx.assign(static_cast<size_t>(N * steps * 8), 0.0f);
@@ -276,11 +181,11 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
         const int64_t j4 = win4[m * n_win];
         const M2Window w{&q, gs, B, m * G, G, j4, m * G - j4, dims.n4, dims.n2()};
         if (out_before[m + 1] == out_before[m]) {
-          kern.m2_gemm_row(w, act, N, Y + m, dims.rows);
+          m2k.gemm_row(w, act, N, Y + m, dims.rows);
           continue;
         }
         row.resize(static_cast<size_t>(K));
-        kern.decode_m2_window(w, row.data());
+        m2k.decode_window(w, row.data());
         for (int64_t o = out_before[m]; o < out_before[m + 1]; ++o)
           row[q.outlier_idx[o] - m * K] = fp16_bits_to_fp32(q.outlier_val[o].bits);
         kern.f32_panel(X, K, N, row.data(), K, 1, K, acc, false);
@@ -294,7 +199,7 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
     if (vector_window) {  // 16 groups' parameters at a time, in vector registers
       for (int64_t m = m0; m < m1; ++m) {
         const int64_t j4 = win4[m * n_win + k0 / kc];
-        kern.decode_m2_window({&q, gs, B, m * G + c0, ng, j4, m * G + c0 - j4, dims.n4, dims.n2()},
+        m2k.decode_window({&q, gs, B, m * G + c0, ng, j4, m * G + c0 - j4, dims.n4, dims.n2()},
                               tile + (m - m0) * len);
       }
     } else {  // per-group descriptors, then the decoder
@@ -305,7 +210,7 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
         m2_descriptors(q, B, w2, w4, m * G + c0, ng, j4, m * G + c0 - j4, groups.data() + (m - m0) * ng);
       }
       for (int64_t m = m0; m < m1; ++m)
-        kern.decode_m2(groups.data() + (m - m0) * ng, ng, gs, tile + (m - m0) * len);
+        m2k.decode(groups.data() + (m - m0) * ng, ng, gs, tile + (m - m0) * len);
     }
     for (int64_t m = m0; m < m1; ++m) {
       float* row = tile + (m - m0) * len;
@@ -318,5 +223,43 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
     }
   }, Y);
 }
+
+const Mixed2bitCpuKernels& mixed2bit_cpu_kernels() {
+#if QF_GEMM_X86
+  switch (active_isa()) {
+    case Isa::avx512: return k_avx512::mixed2bit_kernels();
+    case Isa::avx2: return k_avx2::mixed2bit_kernels();
+    default: break;
+  }
+#endif
+  return k_scalar::mixed2bit_kernels();
+}
+
+// Plain C++: the portable fallback and the reference the vector versions are tested against.
+namespace k_scalar {
+namespace {
+
+void decode_m2(const M2Group* groups, int64_t n, int64_t gs, float* out) {
+  for (int64_t g = 0; g < n; ++g) {
+    const M2Group& G = groups[g];
+    float* y = out + g * gs;
+    const int bits = G.is4 ? 4 : 2, per_word = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1u;
+    for (int64_t i = 0; i < gs; ++i) {
+      const uint32_t q = (G.words[i / per_word] >> (bits * (i % per_word))) & mask;
+      const float p = static_cast<float>(q) * G.s;  // two roundings, as mixed2bit's decode
+      y[i] = p - G.m;
+    }
+  }
+}
+
+}  // namespace
+
+const Mixed2bitCpuKernels& mixed2bit_kernels() {
+  static const Mixed2bitCpuKernels k{decode_m2, nullptr, nullptr};
+  return k;
+}
+
+}  // namespace k_scalar
 
 }  // namespace qf::gemm

@@ -293,7 +293,7 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
 
     For N <= 4 activation rows and scale units of a multiple of 16 values (every row- and
     per-tensor scale of such rows, groups of 16 k) on AVX2 / AVX-512 CPUs, each unit's float32
-    sum of ``q * x`` is scaled once by the unit's scale (``src/gemm/cpu_kernels_avx2.cpp``);
+    sum of ``q * x`` is scaled once by the unit's scale (``src/formats/int8/int8_gemm_cpu_avx2.cpp``);
     otherwise the weight is decoded to exactly :func:`dequantize`'s values a tile at a time and
     multiplied in float32. Either way within float32 rounding of ``x @ dequantize(w).T``,
     threaded, in an order that does not depend on the thread count.

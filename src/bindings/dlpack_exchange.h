@@ -2,9 +2,9 @@
 // `DLPackExchangeAPI`; torch >= 2.10 publishes it on its tensor type as
 // `__dlpack_c_exchange_api__`): one C call describes a tensor, where the Python `__dlpack__`
 // protocol that nanobind's ndarray import uses costs microseconds per torch tensor
-// (benchmarks/README.md, "Design measurements behind kernel choices"). Types without the API (numpy arrays, older torch) go through
-// nanobind's import, with its errors. The per-call path of bindings/linear.h uses this: a decode
-// step makes hundreds of such calls.
+// (benchmarks/README.md, "Design measurements behind kernel choices"). Types without the API (numpy arrays, older
+// torch) go through nanobind's import, with its errors. The per-call path of bindings/linear.h uses this: a decode step
+// makes hundreds of such calls.
 #pragma once
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>

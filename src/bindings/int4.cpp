@@ -19,8 +19,7 @@ using namespace qf::bind;
 namespace {
 
 void check_group_size(int64_t gs) {
-  if (gs <= 0 || gs % int4::kGroupMultiple)
-    throw std::invalid_argument("group_size must be a positive multiple of 8");
+  if (gs <= 0 || gs % int4::kGroupMultiple) throw std::invalid_argument("group_size must be a positive multiple of 8");
 }
 
 // Checks the packed buffers of n values in groups of gs on device `dev`; returns the group
@@ -46,9 +45,7 @@ int64_t check_buffers(int64_t n, int64_t gs, const Array& qweight, const Array& 
   return check_buffers(n, gs, qweight, scales, zeros, Device{});
 }
 
-const uint8_t* zeros_ptr(const std::optional<Array>& zeros) {
-  return zeros ? cptr<uint8_t>(*zeros) : nullptr;
-}
+const uint8_t* zeros_ptr(const std::optional<Array>& zeros) { return zeros ? cptr<uint8_t>(*zeros) : nullptr; }
 
 // x: float [..., K] (C-contiguous); zeros None selects the symmetric mode. All arrays on the
 // CPU, or all on one CUDA device (launched on `stream`).
@@ -152,8 +149,8 @@ PackedLinear<Int4Linear> make_linear(const Array& qweight, const Array& scales, 
     throw std::invalid_argument("the CUDA GEMM needs group_size = 32 * 2^j");
   std::vector<Array> keep{qweight, scales};
   if (zeros) keep.push_back(*zeros);
-  return packed_linear(Int4Linear{cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), M, K, group_size},
-                       M, K, qweight, std::move(keep));
+  return packed_linear(Int4Linear{cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), M, K, group_size}, M,
+                       K, qweight, std::move(keep));
 }
 
 // x: float [N, K] (float32, float16 or bfloat16); weight buffers of an [M, K] int4 tensor. CPU:
@@ -166,8 +163,7 @@ void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales,
 }
 
 // a: uint8 [N, K/2], b: uint8 [M, K/2] (symmetric packed codes); out: int32 [N, M].
-void int4_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K,
-                 uintptr_t stream) {
+void int4_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K, uintptr_t stream) {
   if (N < 0 || M < 0 || K < 0 || K % 2) throw std::invalid_argument("bad N, M, K (K must be even)");
   if (K > gemm::kInt4MaxK) throw std::invalid_argument("K > 33554431: the int32 result could overflow");
   const Device dev = device_of(a, stream, "a");
@@ -187,12 +183,13 @@ void int4_matmul(const Array& a, const Array& b, const Array& out, int64_t N, in
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.doc() = "int4 native codec (asymmetric/symmetric groups), weight-only GEMM and int4 x int4 GEMM; "
-            "called through qformats.int4.";
+  m.doc() =
+      "int4 native codec (asymmetric/symmetric groups), weight-only GEMM and int4 x int4 GEMM; "
+      "called through qformats.int4.";
   m.def("quantize", &quantize, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
         nb::arg("group_size"), nb::arg("stream") = 0, release_gil());
-  m.def("dequantize", &dequantize, nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
-        nb::arg("out"), nb::arg("group_size"), nb::arg("stream") = 0, release_gil());
+  m.def("dequantize", &dequantize, nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(), nb::arg("out"),
+        nb::arg("group_size"), nb::arg("stream") = 0, release_gil());
   m.def("pack", &pack, nb::arg("values"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("unpack", &unpack, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),

@@ -1,9 +1,9 @@
 // qformats.int8._native: symmetric absmax int8 codec (formats/int8) and the int8 x int8 ->
 // int32 GEMM (gemm/int8_int8). Adapters check the arrays, then call the kernels without the GIL.
-#include "bindings/nb_common.h"
 #include "formats/int8/int8.h"
-#include "formats/int8/int8_gemm_cpu.h"
 #include <nanobind/stl/optional.h>
+#include "bindings/nb_common.h"
+#include "formats/int8/int8_gemm_cpu.h"
 
 #include <optional>
 
@@ -25,8 +25,7 @@ void quantize(const Array& x, const Array& q, const Array& scale, int64_t unit_l
   require<float>(scale, "scale", dev);
   if (unit_len < 0) throw std::invalid_argument("unit_len must be >= 0");
   const int64_t n = numel(x), n_units = numel(scale);
-  if (n != n_units * unit_len)
-    throw std::invalid_argument("x: element count must be numel(scale) * unit_len");
+  if (n != n_units * unit_len) throw std::invalid_argument("x: element count must be numel(scale) * unit_len");
   require_numel(q, n, "q");
   auto* pq = mptr<int8_t>(q);
   auto* ps = mptr<float>(scale);
@@ -46,8 +45,7 @@ void dequantize(const Array& q, const Array& scale, const Array& out, int64_t un
   require<float>(scale, "scale", dev);
   if (unit_len < 0) throw std::invalid_argument("unit_len must be >= 0");
   const int64_t n = numel(q), n_units = numel(scale);
-  if (n != n_units * unit_len)
-    throw std::invalid_argument("q: element count must be numel(scale) * unit_len");
+  if (n != n_units * unit_len) throw std::invalid_argument("q: element count must be numel(scale) * unit_len");
   require_numel(out, n, "out");
   const auto* pq = cptr<int8_t>(q);
   const auto* ps = cptr<float>(scale);
@@ -61,8 +59,7 @@ void dequantize(const Array& q, const Array& scale, const Array& out, int64_t un
 }
 
 // a: int8 [N, K], b: int8 [M, K], out: int32 [N, M], all on one device (CPU or CUDA).
-void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K,
-                 uintptr_t stream) {
+void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K, uintptr_t stream) {
   if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
   if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
   const Device dev = device_of(a, stream, "a");
@@ -83,8 +80,8 @@ void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, in
 // b_scale float32 [M] or [1], bias None or [M] (CPU: float32/float16/bfloat16; CUDA: float32),
 // out [N, M] of float32, float16 or bfloat16: relu?(acc * (a_scale * b_scale * scale_c) + bias).
 void int8_linear(const Array& a, const Array& a_scale, const Array& b, const Array& b_scale,
-                 const std::optional<Array>& bias, bool relu, double scale_c, const Array& out, int64_t N,
-                 int64_t M, int64_t K, uintptr_t stream) {
+                 const std::optional<Array>& bias, bool relu, double scale_c, const Array& out, int64_t N, int64_t M,
+                 int64_t K, uintptr_t stream) {
   if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
   if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
   const Device dev = device_of(a, stream, "x_q");
@@ -112,8 +109,8 @@ void int8_linear(const Array& a, const Array& a_scale, const Array& b, const Arr
   dispatch_float_out(out, "out", dev, [&](auto* py) {
     if (dev.cuda) {
       QF_ON_CUDA(gemm::int8_linear_cuda(cptr<int8_t>(a), cptr<float>(a_scale), na == N, cptr<int8_t>(b),
-                                        cptr<float>(b_scale), nw == M, pbias, relu, static_cast<float>(scale_c), py,
-                                        N, M, K, dev.stream));
+                                        cptr<float>(b_scale), nw == M, pbias, relu, static_cast<float>(scale_c), py, N,
+                                        M, K, dev.stream));
     } else {
       gemm::int8_linear_cpu(cptr<int8_t>(a), cptr<float>(a_scale), na == N, cptr<int8_t>(b), cptr<float>(b_scale),
                             nw == M, pbias, relu, static_cast<float>(scale_c), py, N, M, K);
@@ -172,19 +169,18 @@ void weight_only_gemm(const Array& x, const Array& q, const Array& scale, const 
 
 NB_MODULE(_native, m) {
   m.doc() = "int8 (symmetric absmax) native codec and int8 x int8 -> int32 GEMM; called through qformats.int8.";
-  m.def("quantize", &quantize, nb::arg("x"), nb::arg("q"), nb::arg("scale"), nb::arg("unit_len"),
-        nb::arg("stream") = 0, release_gil());
+  m.def("quantize", &quantize, nb::arg("x"), nb::arg("q"), nb::arg("scale"), nb::arg("unit_len"), nb::arg("stream") = 0,
+        release_gil());
   m.def("dequantize", &dequantize, nb::arg("q"), nb::arg("scale"), nb::arg("out"), nb::arg("unit_len"),
         nb::arg("stream") = 0, release_gil());
-  m.def("int8_matmul", &int8_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"),
-        nb::arg("M"), nb::arg("K"), nb::arg("stream") = 0, release_gil());
+  m.def("int8_matmul", &int8_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
+        nb::arg("K"), nb::arg("stream") = 0, release_gil());
   m.def("int8_linear", &int8_linear, nb::arg("a"), nb::arg("a_scale"), nb::arg("b"), nb::arg("b_scale"),
         nb::arg("bias").none(), nb::arg("relu"), nb::arg("scale_c"), nb::arg("out"), nb::arg("N"), nb::arg("M"),
         nb::arg("K"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("q"), nb::arg("scale"), nb::arg("out"), nb::arg("N"),
         nb::arg("K"), nb::arg("M"), nb::arg("unit_len"), release_gil());
   bind_linear<Int8Linear>(m, "An int8 weight [M, K] bound for repeated x . W^T (+ bias) calls (CPU).");
-  m.def("make_linear", &make_linear, nb::arg("q"), nb::arg("scale"), nb::arg("M"), nb::arg("K"),
-        nb::arg("unit_len"));
+  m.def("make_linear", &make_linear, nb::arg("q"), nb::arg("scale"), nb::arg("M"), nb::arg("K"), nb::arg("unit_len"));
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

@@ -32,8 +32,8 @@ template <class Impl>
 struct PackedLinear {
   Impl impl;
   int64_t M = 0, K = 0;
-  Device dev;                 // where the weight lives (stream unset)
-  std::vector<Array> keep;    // the buffers Impl points into
+  Device dev;               // where the weight lives (stream unset)
+  std::vector<Array> keep;  // the buffers Impl points into
 
   // x [..., K] (float32 / float16 / bfloat16, C-contiguous) on the weight's device; out [N, M]
   // with N = numel(x) / K: x's dtype on CUDA, float32 on the CPU; bias [M] of out's dtype or None.
@@ -99,9 +99,8 @@ void bind_linear(nb::module_& m, const char* doc) {
            nb::arg("stream") = 0)
       .def_ro("M", &L::M)
       .def_ro("K", &L::K)
-      .def_prop_ro("device", [](const L& l) {
-        return l.dev.cuda ? "cuda:" + std::to_string(l.dev.id) : std::string("cpu");
-      });
+      .def_prop_ro("device",
+                   [](const L& l) { return l.dev.cuda ? "cuda:" + std::to_string(l.dev.id) : std::string("cpu"); });
 }
 
 // A PackedLinear on the device of `first` (every buffer in `keep` must be there too, which the

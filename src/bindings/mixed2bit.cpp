@@ -28,14 +28,17 @@ void require_f16(const Array& a, const char* name, const Device& d) {
     throw nb::type_error((std::string(name) + ": expected float16").c_str());
 }
 
-m2::Dims make_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
-                   int64_t n_out) {
-  if (rows < 0 || K < 0 || group_size < m2::kGroupMultiple || group_size % m2::kGroupMultiple ||
-      K % group_size || scale_block < 1)
+m2::Dims make_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4, int64_t n_out) {
+  if (rows < 0 || K < 0 || group_size < m2::kGroupMultiple || group_size % m2::kGroupMultiple || K % group_size ||
+      scale_block < 1)
     throw std::invalid_argument("mixed2bit: bad rows/K/group_size/scale_block");
   m2::Dims d;
-  d.rows = rows; d.K = K; d.group_size = group_size; d.scale_block = scale_block;
-  d.n4 = n4; d.n_out = n_out;
+  d.rows = rows;
+  d.K = K;
+  d.group_size = group_size;
+  d.scale_block = scale_block;
+  d.n4 = n4;
+  d.n_out = n_out;
   if (n4 < 0 || n4 > d.n_groups()) throw std::invalid_argument("mixed2bit: n4 out of range");
   if (n_out < 0 || n_out > d.n2() * group_size) throw std::invalid_argument("mixed2bit: n_out out of range");
   return d;
@@ -43,8 +46,8 @@ m2::Dims make_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_bl
 
 // Checks the nine buffers against the dims: device, dtypes, contiguity, element counts.
 void check_buffers(const m2::Dims& d, const Device& dev, const Array& group_map, const Array& codes2,
-                   const Array& codes4, const Array& scales2, const Array& scales4, const Array& so2,
-                   const Array& so4, const Array& outlier_idx, const Array& outlier_val) {
+                   const Array& codes4, const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
+                   const Array& outlier_idx, const Array& outlier_val) {
   require<uint8_t>(group_map, "group_map", dev);
   require<int32_t>(codes2, "codes2", dev);
   require<int32_t>(codes4, "codes4", dev);
@@ -65,11 +68,11 @@ void check_buffers(const m2::Dims& d, const Device& dev, const Array& group_map,
   require_numel(outlier_val, d.n_out, "outlier_val");
 }
 
-m2::ConstBuffers const_buffers(const Array& group_map, const Array& codes2, const Array& codes4,
-                               const Array& scales2, const Array& scales4, const Array& so2,
-                               const Array& so4, const Array& outlier_idx, const Array& outlier_val) {
-  return {cptr<uint8_t>(group_map), cptr<uint32_t>(codes2), cptr<uint32_t>(codes4),
-          cptr<uint8_t>(scales2),   cptr<uint8_t>(scales4), cptr<half_t>(so2),
+m2::ConstBuffers const_buffers(const Array& group_map, const Array& codes2, const Array& codes4, const Array& scales2,
+                               const Array& scales4, const Array& so2, const Array& so4, const Array& outlier_idx,
+                               const Array& outlier_val) {
+  return {cptr<uint8_t>(group_map), cptr<uint32_t>(codes2),     cptr<uint32_t>(codes4),
+          cptr<uint8_t>(scales2),   cptr<uint8_t>(scales4),     cptr<half_t>(so2),
           cptr<half_t>(so4),        cptr<int32_t>(outlier_idx), cptr<half_t>(outlier_val)};
 }
 
@@ -106,15 +109,14 @@ int64_t dequantize_workspace_bytes(int64_t rows, int64_t K, int64_t group_size, 
 
 // w: float [rows, K]; sensitivity: float32 [K] or None; outputs as in mixed2bit.h; workspace:
 // uint8 of quantize_workspace_bytes() on CUDA (None on the CPU).
-void quantize(const Array& w, const Array& sensitivity, int64_t group_size, int64_t scale_block,
-              int64_t n4, int64_t n_out, const Array& group_map, const Array& codes2,
-              const Array& codes4, const Array& scales2, const Array& scales4, const Array& so2,
-              const Array& so4, const Array& outlier_idx, const Array& outlier_val, const Array& workspace,
-              uintptr_t stream) {
+void quantize(const Array& w, const Array& sensitivity, int64_t group_size, int64_t scale_block, int64_t n4,
+              int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4, const Array& scales2,
+              const Array& scales4, const Array& so2, const Array& so4, const Array& outlier_idx,
+              const Array& outlier_val, const Array& workspace, uintptr_t stream) {
   const Device dev = device_of(w, stream, "w");
   if (w.ndim() != 2) throw std::invalid_argument("w: expected a 2-D array");
-  const m2::Dims d = make_dims(static_cast<int64_t>(w.shape(0)), static_cast<int64_t>(w.shape(1)),
-                               group_size, scale_block, n4, n_out);
+  const m2::Dims d =
+      make_dims(static_cast<int64_t>(w.shape(0)), static_cast<int64_t>(w.shape(1)), group_size, scale_block, n4, n_out);
   check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
   const float* sens = nullptr;
   if (sensitivity.is_valid()) {  // None when selecting by range
@@ -124,8 +126,8 @@ void quantize(const Array& w, const Array& sensitivity, int64_t group_size, int6
   }
   const Workspace ws = workspace_of(workspace, dev);
   (void)ws;  // unused in CPU-only builds
-  const m2::Buffers out{mptr<uint8_t>(group_map), mptr<uint32_t>(codes2), mptr<uint32_t>(codes4),
-                        mptr<uint8_t>(scales2),   mptr<uint8_t>(scales4), mptr<half_t>(so2),
+  const m2::Buffers out{mptr<uint8_t>(group_map), mptr<uint32_t>(codes2),     mptr<uint32_t>(codes4),
+                        mptr<uint8_t>(scales2),   mptr<uint8_t>(scales4),     mptr<half_t>(so2),
                         mptr<half_t>(so4),        mptr<int32_t>(outlier_idx), mptr<half_t>(outlier_val)};
   dispatch_float(w, "w", dev, [&](auto* pw) {
     if (dev.cuda) {
@@ -138,11 +140,10 @@ void quantize(const Array& w, const Array& sensitivity, int64_t group_size, int6
 
 // out: float32, float16 or bfloat16 [rows * K] (decoded in float32, rounded once); workspace:
 // uint8 of dequantize_workspace_bytes() on CUDA (None on the CPU).
-void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
-                int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
-                const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
-                const Array& outlier_idx, const Array& outlier_val, const Array& out, const Array& workspace,
-                uintptr_t stream) {
+void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4, int64_t n_out,
+                const Array& group_map, const Array& codes2, const Array& codes4, const Array& scales2,
+                const Array& scales4, const Array& so2, const Array& so4, const Array& outlier_idx,
+                const Array& outlier_val, const Array& out, const Array& workspace, uintptr_t stream) {
   const Device dev = device_of(out, stream, "out");
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
   check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
@@ -166,7 +167,7 @@ void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block
 struct Mixed2Linear {
   m2::ConstBuffers q;
   m2::Dims d;
-  const uint64_t* index;  // CUDA only
+  const uint64_t* index;                                           // CUDA only
   std::shared_ptr<const ::qf::gemm::Mixed2bitCpuIndex> cpu_index;  // CPU only
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
@@ -181,10 +182,9 @@ struct Mixed2Linear {
 // here once. CUDA: n4_before = row_index()'s chunk index (mixed2bit_gemm_cuda.h) and the
 // parameters gemm_cuda_supports() accepts.
 PackedLinear<Mixed2Linear> make_linear(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
-                                       int64_t n_out, const Array& group_map, const Array& codes2,
-                                       const Array& codes4, const Array& scales2, const Array& scales4,
-                                       const Array& so2, const Array& so4, const Array& outlier_idx,
-                                       const Array& outlier_val, const Array& n4_before) {
+                                       int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
+                                       const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
+                                       const Array& outlier_idx, const Array& outlier_val, const Array& n4_before) {
   const Device dev = device_of(group_map, 0, "group_map");
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
   check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
@@ -195,8 +195,9 @@ PackedLinear<Mixed2Linear> make_linear(int64_t rows, int64_t K, int64_t group_si
     require<int64_t>(n4_before, "n4_before", dev);
     require_numel(n4_before, ::qf::gemm::mixed2bit_chunk_index_size(rows, d.groups_per_row()), "n4_before");
     if (!::qf::gemm::mixed2bit_gemm_cuda_supports(d))
-      throw std::invalid_argument("the CUDA GEMM needs group_size = 16 * 2^j <= 512, a power-of-two "
-                                  "scale_block, no outliers and fewer than 2^32 units of 16 values");
+      throw std::invalid_argument(
+          "the CUDA GEMM needs group_size = 16 * 2^j <= 512, a power-of-two "
+          "scale_block, no outliers and fewer than 2^32 units of 16 values");
     index = reinterpret_cast<const uint64_t*>(cptr<int64_t>(n4_before));
     keep.push_back(n4_before);
   }
@@ -224,8 +225,7 @@ void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_siz
 // with the chunk index of mixed2bit_gemm_cuda.h (per row and 32-group chunk: the 4-bit
 // groups before it in the low 32 bits, its map bits in the high 32; the last entry is the total).
 // CUDA only (the CPU GEMM indexes itself).
-void row_index(const Array& group_map, int64_t rows, int64_t groups_per_row, const Array& n4_before,
-               uintptr_t stream) {
+void row_index(const Array& group_map, int64_t rows, int64_t groups_per_row, const Array& n4_before, uintptr_t stream) {
   const Device dev = device_of(group_map, stream, "group_map");
   if (!dev.cuda) throw std::invalid_argument("group_map: row_index is for CUDA arrays");
   if (rows < 0 || groups_per_row < 0) throw std::invalid_argument("bad rows / groups_per_row");
@@ -234,12 +234,10 @@ void row_index(const Array& group_map, int64_t rows, int64_t groups_per_row, con
   require<int64_t>(n4_before, "n4_before", dev);
   require_numel(n4_before, ::qf::gemm::mixed2bit_chunk_index_size(rows, groups_per_row), "n4_before");
   QF_ON_CUDA(::qf::gemm::mixed2bit_row_index_cuda(cptr<uint8_t>(group_map), rows, groups_per_row,
-                                                  reinterpret_cast<uint64_t*>(mptr<int64_t>(n4_before)),
-                                                  dev.stream));
+                                                  reinterpret_cast<uint64_t*>(mptr<int64_t>(n4_before)), dev.stream));
 }
 
-bool gemm_cuda_supports(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
-                        int64_t n_out) {
+bool gemm_cuda_supports(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4, int64_t n_out) {
   return ::qf::gemm::mixed2bit_gemm_cuda_supports(make_dims(rows, K, group_size, scale_block, n4, n_out));
 }
 
@@ -273,34 +271,34 @@ void unpack_2bit(const Array& packed, const Array& out, uintptr_t stream) {
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.doc() = "mixed2bit (2/4-bit groups, second-order scales, fp16 outliers) native codec and "
-            "fp32 x mixed2bit GEMM; called through qformats.mixed2bit.";
+  m.doc() =
+      "mixed2bit (2/4-bit groups, second-order scales, fp16 outliers) native codec and "
+      "fp32 x mixed2bit GEMM; called through qformats.mixed2bit.";
   m.def("quantize", &quantize, nb::arg("w"), nb::arg("sensitivity").none(), nb::arg("group_size"),
-        nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"),
-        nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
-        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"),
-        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, release_gil());
-  m.def("dequantize", &dequantize, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
-        nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"),
-        nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
-        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"),
-        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, release_gil());
-  m.def("quantize_workspace_bytes", &quantize_workspace_bytes, nb::arg("rows"), nb::arg("K"),
-        nb::arg("group_size"), nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
-  m.def("dequantize_workspace_bytes", &dequantize_workspace_bytes, nb::arg("rows"), nb::arg("K"),
-        nb::arg("group_size"), nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
+        nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"), nb::arg("codes2"),
+        nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"), nb::arg("so4"),
+        nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0,
+        release_gil());
+  m.def("dequantize", &dequantize, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"), nb::arg("scale_block"),
+        nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"), nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"),
+        nb::arg("scales4"), nb::arg("so2"), nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"),
+        nb::arg("out"), nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, release_gil());
+  m.def("quantize_workspace_bytes", &quantize_workspace_bytes, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
+        nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
+  m.def("dequantize_workspace_bytes", &dequantize_workspace_bytes, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
+        nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
-        nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"),
-        nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"),
-        nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"),
-        nb::arg("n4_before").none() = nb::none(), nb::arg("stream") = 0, release_gil());
+        nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"), nb::arg("codes2"),
+        nb::arg("codes4"), nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"), nb::arg("so4"),
+        nb::arg("outlier_idx"), nb::arg("outlier_val"), nb::arg("out"), nb::arg("n4_before").none() = nb::none(),
+        nb::arg("stream") = 0, release_gil());
   bind_linear<Mixed2Linear>(m, "A mixed2bit weight [rows, K] bound for repeated x . W^T (+ bias) calls.");
   m.def("make_linear", &make_linear, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"), nb::arg("scale_block"),
-        nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"), nb::arg("codes2"), nb::arg("codes4"),
-        nb::arg("scales2"), nb::arg("scales4"), nb::arg("so2"), nb::arg("so4"), nb::arg("outlier_idx"),
-        nb::arg("outlier_val"), nb::arg("n4_before").none() = nb::none());
-  m.def("row_index", &row_index, nb::arg("group_map"), nb::arg("rows"), nb::arg("groups_per_row"),
-        nb::arg("n4_before"), nb::arg("stream") = 0, release_gil());
+        nb::arg("n4"), nb::arg("n_out"), nb::arg("group_map"), nb::arg("codes2"), nb::arg("codes4"), nb::arg("scales2"),
+        nb::arg("scales4"), nb::arg("so2"), nb::arg("so4"), nb::arg("outlier_idx"), nb::arg("outlier_val"),
+        nb::arg("n4_before").none() = nb::none());
+  m.def("row_index", &row_index, nb::arg("group_map"), nb::arg("rows"), nb::arg("groups_per_row"), nb::arg("n4_before"),
+        nb::arg("stream") = 0, release_gil());
   m.def("gemm_cuda_supports", &gemm_cuda_supports, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4"), nb::arg("n_out"));
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");

@@ -66,39 +66,41 @@ inline void require_contiguous_on(const Array& a, const char* name, const Device
   if (cuda != d.cuda || (cuda && static_cast<int>(a.device_id()) != d.id) ||
       (!cuda && a.device_type() != nb::device::cpu::value))
     throw std::invalid_argument(std::string(name) + ": all arrays of a call must be on the same device");
-  if (!is_c_contiguous(a))
-    throw std::invalid_argument(std::string(name) + ": expected a C-contiguous array");
+  if (!is_c_contiguous(a)) throw std::invalid_argument(std::string(name) + ": expected a C-contiguous array");
 }
 
 inline void require_cpu_contiguous(const Array& a, const char* name) {
   if (a.device_type() != nb::device::cpu::value)
     throw std::invalid_argument(std::string(name) + ": expected a CPU array");
-  if (!is_c_contiguous(a))
-    throw std::invalid_argument(std::string(name) + ": expected a C-contiguous array");
+  if (!is_c_contiguous(a)) throw std::invalid_argument(std::string(name) + ": expected a C-contiguous array");
 }
 
 template <class T>
 void require(const Array& a, const char* name) {
   require_cpu_contiguous(a, name);
-  if (a.dtype() != nb::dtype<T>())
-    throw nb::type_error((std::string(name) + ": wrong dtype").c_str());
+  if (a.dtype() != nb::dtype<T>()) throw nb::type_error((std::string(name) + ": wrong dtype").c_str());
 }
 
 inline void require_numel(const Array& a, int64_t n, const char* name) {
   if (numel(a) != n)
-    throw std::invalid_argument(std::string(name) + ": expected " + std::to_string(n) +
-                                " elements, got " + std::to_string(numel(a)));
+    throw std::invalid_argument(std::string(name) + ": expected " + std::to_string(n) + " elements, got " +
+                                std::to_string(numel(a)));
 }
 
 template <class T>
 void require(const Array& a, const char* name, const Device& d) {
   require_contiguous_on(a, name, d);
-  if (a.dtype() != nb::dtype<T>())
-    throw nb::type_error((std::string(name) + ": wrong dtype").c_str());
+  if (a.dtype() != nb::dtype<T>()) throw nb::type_error((std::string(name) + ": wrong dtype").c_str());
 }
 
-template <class T> const T* cptr(const Array& a) { return static_cast<const T*>(a.data()); }
-template <class T> T* mptr(const Array& a) { return static_cast<T*>(a.data()); }
+template <class T>
+const T* cptr(const Array& a) {
+  return static_cast<const T*>(a.data());
+}
+template <class T>
+T* mptr(const Array& a) {
+  return static_cast<T*>(a.data());
+}
 
 namespace detail {
 template <class Ptr, class Fn>

@@ -90,8 +90,7 @@ void double_quant(const Array& absmax, const Array& q, const Array& absmax2, con
 }
 
 // q uint8 [nb], absmax2 float32 [ceil(nb/256)], offset float32 [1] -> out float32 [nb].
-void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset, const Array& out,
-                       uintptr_t stream) {
+void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset, const Array& out, uintptr_t stream) {
   const Device dev = device_of(q, stream, "q");
   require<uint8_t>(q, "q", dev);
   require<float>(absmax2, "absmax2", dev);
@@ -129,8 +128,7 @@ struct Nf4Linear {
 
 // An nf4 weight [M, K] (packed uint8 [ceil(M K / 2)], absmax float32 [ceil(M K / blocksize)]) as a
 // Linear, checked here once. CUDA needs K % 32 == 0 (nf4_gemm_cuda.h).
-PackedLinear<Nf4Linear> make_linear(const Array& packed, const Array& absmax, int64_t M, int64_t K,
-                                    int64_t blocksize) {
+PackedLinear<Nf4Linear> make_linear(const Array& packed, const Array& absmax, int64_t M, int64_t K, int64_t blocksize) {
   check_blocksize(blocksize);
   if (M < 0 || K < 0) throw std::invalid_argument("M and K must be >= 0");
   const Device dev = device_of(packed, 0, "packed");
@@ -170,16 +168,17 @@ float mean_torch_order(const Array& x) {
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.doc() = "nf4 (bitsandbytes NormalFloat4) native codec, absmax double quantization and "
-            "fp32 x nf4 GEMM; called through qformats.nf4.";
+  m.doc() =
+      "nf4 (bitsandbytes NormalFloat4) native codec, absmax double quantization and "
+      "fp32 x nf4 GEMM; called through qformats.nf4.";
   m.def("quantize", &quantize, nb::arg("x"), nb::arg("blocksize"), nb::arg("packed"), nb::arg("absmax"),
         nb::arg("stream") = 0, release_gil());
   m.def("dequantize", &dequantize, nb::arg("packed"), nb::arg("absmax"), nb::arg("blocksize"), nb::arg("out"),
         nb::arg("stream") = 0, release_gil());
   m.def("double_quant", &double_quant, nb::arg("absmax"), nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"),
         nb::arg("stream") = 0, release_gil());
-  m.def("dequantize_absmax", &dequantize_absmax, nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"),
-        nb::arg("out"), nb::arg("stream") = 0, release_gil());
+  m.def("dequantize_absmax", &dequantize_absmax, nb::arg("q"), nb::arg("absmax2"), nb::arg("offset"), nb::arg("out"),
+        nb::arg("stream") = 0, release_gil());
   bind_linear<Nf4Linear>(m, "An nf4 weight [M, K] bound for repeated x . W^T (+ bias) calls.");
   m.def("make_linear", &make_linear, nb::arg("packed"), nb::arg("absmax"), nb::arg("M"), nb::arg("K"),
         nb::arg("blocksize"));

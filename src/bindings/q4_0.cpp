@@ -1,9 +1,9 @@
 // qformats.q4_0._native: q4_0 codec (formats/q4_0) and the q4_0 x q8_1 GEMM (gemm/).
 // Adapters check the arrays, then call the kernels without the GIL.
+#include "formats/q4_0/q4_0.h"
 #include "bindings/bind_args.h"
 #include "bindings/linear.h"
 #include "bindings/nb_common.h"
-#include "formats/q4_0/q4_0.h"
 #include "formats/q4_0/q4_0_gemm_cpu.h"
 #include "formats/q4_0/q4_0_gemm_cuda.h"
 #include "gemm/q4_0_q8_1.h"
@@ -157,18 +157,16 @@ void weight_only_gemm(const Array& x, const Array& w, const Array& out, int64_t 
 NB_MODULE(_native, m) {
   m.doc() = "q4_0 (GGML) native codec and q4_0 x q8_1 GEMM; called through qformats.q4_0.";
   m.def("quantize", &quantize, nb::arg("x"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
-  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), nb::arg("stream") = 0,
-        release_gil());
-  m.def("gemm_q4_0_q8_1", &gemm_q4_0_q8_1, nb::arg("weight_q"), nb::arg("activation_q"),
-        nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"), nb::arg("out_nm") = false,
-        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, release_gil());
-  m.def("gemm_q4_0_q8_1_workspace_bytes", &gemm_q4_0_q8_1_workspace_bytes, nb::arg("M"), nb::arg("N"),
-        nb::arg("K"));
+  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
+  m.def("gemm_q4_0_q8_1", &gemm_q4_0_q8_1, nb::arg("weight_q"), nb::arg("activation_q"), nb::arg("out"), nb::arg("M"),
+        nb::arg("N"), nb::arg("K"), nb::arg("out_nm") = false, nb::arg("workspace").none() = nb::none(),
+        nb::arg("stream") = 0, release_gil());
+  m.def("gemm_q4_0_q8_1_workspace_bytes", &gemm_q4_0_q8_1_workspace_bytes, nb::arg("M"), nb::arg("N"), nb::arg("K"));
   m.def("linear", &linear, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"),
         release_gil());
   bind_linear<Q4_0Linear>(m, "A q4_0 weight [M, K] bound for repeated x . W^T (+ bias) calls.");
   m.def("make_linear", &make_linear, nb::arg("w"), nb::arg("M"), nb::arg("K"), nb::arg("q8_1_activations"));
-  m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"),
-        nb::arg("K"), nb::arg("stream") = 0, release_gil());
+  m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"),
+        nb::arg("stream") = 0, release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

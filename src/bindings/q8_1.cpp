@@ -1,6 +1,6 @@
 // qformats.q8_1._native: q8_1 codec (formats/q8_1). Adapters check, kernels run without the GIL.
-#include "bindings/nb_common.h"
 #include "formats/q8_1/q8_1.h"
+#include "bindings/nb_common.h"
 
 using namespace qf;
 using namespace qf::bind;
@@ -48,6 +48,5 @@ void dequantize(const Array& blocks, const Array& out, uintptr_t stream) {
 NB_MODULE(_native, m) {
   m.doc() = "q8_1 (GGML) native codec; called through qformats.q8_1.";
   m.def("quantize", &quantize, nb::arg("x"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
-  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), nb::arg("stream") = 0,
-        release_gil());
+  m.def("dequantize", &dequantize, nb::arg("blocks"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
 }

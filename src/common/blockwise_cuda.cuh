@@ -21,7 +21,8 @@ constexpr int kBlocksPerCta = 256;
 // quantize_block(const T* x, Block* y)` and `static __device__ void dequantize_block(const
 // Block* b, float* y)`.
 template <class Codec, class T>
-__global__ void __launch_bounds__(kBlocksPerCta)
+__global__ void
+__launch_bounds__(kBlocksPerCta)
 blockwise_quantize_kernel(const T* __restrict__ x, int64_t n_blocks, uint8_t* __restrict__ y, bool vec) {
   using Block = typename Codec::Block;
   __shared__ __align__(16) uint8_t stage[kBlocksPerCta * sizeof(Block)];

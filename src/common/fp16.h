@@ -16,16 +16,28 @@ namespace qf {
 
 // Raw fp16 / bf16 bits. Distinct types (not uint16_t) so that templates dispatching on the
 // input element type can tell them apart.
-struct half_t { uint16_t bits; };
-struct bf16_t { uint16_t bits; };
+struct half_t {
+  uint16_t bits;
+};
+struct bf16_t {
+  uint16_t bits;
+};
 static_assert(sizeof(half_t) == 2 && sizeof(bf16_t) == 2, "16-bit storage types");
 
 #if defined(__CUDA_ARCH__)
 QF_HOST_DEVICE uint32_t f32_bits(float f) { return __float_as_uint(f); }
 QF_HOST_DEVICE float f32_from_bits(uint32_t u) { return __uint_as_float(u); }
 #else
-QF_HOST_DEVICE uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-QF_HOST_DEVICE float f32_from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+QF_HOST_DEVICE uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+QF_HOST_DEVICE float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 #endif
 
 // fp32 -> fp16, round to nearest even, with subnormals, overflow to inf, NaN kept NaN.
@@ -66,7 +78,7 @@ QF_HOST_DEVICE float fp16_bits_to_fp32(uint16_t h) {
   uint32_t man = h & 0x3FFu;
   if (exp == 0x1F) return f32_from_bits(sign | 0x7F800000u | (man << 13));  // inf / NaN
   if (exp == 0) {
-    if (man == 0) return f32_from_bits(sign);                                 // +-0
+    if (man == 0) return f32_from_bits(sign);  // +-0
     // Subnormal: value = man * 2^-24, exact in float32.
     const float v = static_cast<float>(man) * 0x1.0p-24f;
     return sign ? -v : v;
@@ -95,7 +107,10 @@ QF_HOST_DEVICE void from_f32(float v, bf16_t* out) {
   return;
 #endif
   const uint32_t u = f32_bits(v);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) { out->bits = static_cast<uint16_t>((u >> 16) | 0x40u); return; }  // quiet NaN
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+    out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+    return;
+  }
   out->bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // RNE on the dropped half
 }
 

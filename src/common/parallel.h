@@ -35,7 +35,10 @@ void parallel_for(int64_t n, int64_t grain, Fn&& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
   const int64_t max_threads = std::max<int64_t>(1, std::min<int64_t>(num_threads(), (n + grain - 1) / grain));
-  if (max_threads == 1) { fn(int64_t(0), n); return; }
+  if (max_threads == 1) {
+    fn(int64_t(0), n);
+    return;
+  }
   const int64_t chunk = (n + max_threads - 1) / max_threads;
   std::vector<std::thread> workers;
   std::vector<std::exception_ptr> errors(static_cast<size_t>(max_threads));
@@ -44,12 +47,21 @@ void parallel_for(int64_t n, int64_t grain, Fn&& fn) {
     const int64_t b = t * chunk, e = std::min(n, b + chunk);
     if (b >= e) break;
     workers.emplace_back([&, t, b, e] {
-      try { fn(b, e); } catch (...) { errors[static_cast<size_t>(t)] = std::current_exception(); }
+      try {
+        fn(b, e);
+      } catch (...) {
+        errors[static_cast<size_t>(t)] = std::current_exception();
+      }
     });
   }
-  try { fn(int64_t(0), std::min(n, chunk)); } catch (...) { errors[0] = std::current_exception(); }
+  try {
+    fn(int64_t(0), std::min(n, chunk));
+  } catch (...) {
+    errors[0] = std::current_exception();
+  }
   for (auto& w : workers) w.join();
-  for (auto& e : errors) if (e) std::rethrow_exception(e);
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 }  // namespace qf

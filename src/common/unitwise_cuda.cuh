@@ -90,8 +90,8 @@ __device__ inline float team_reduce(float v, int log_s, float* red, Op op) {
     const int warp = static_cast<int>(threadIdx.x) >> 5;
     if ((threadIdx.x & 31) == 0) red[warp] = v;
     __syncthreads();
-    const int n = 1 << (log_s - 5);      // warps per team
-    const int first = warp & ~(n - 1);   // the team's first warp
+    const int n = 1 << (log_s - 5);     // warps per team
+    const int first = warp & ~(n - 1);  // the team's first warp
     v = red[first];
     for (int k = 1; k < n; ++k) v = op(v, red[first + k]);
   }
@@ -107,14 +107,18 @@ __device__ inline float team_reduce(float v, int log_s, float* red, Op op) {
 // (where a caller skips that check, the output for NaN is unspecified) and decoded values
 // are q * finite scale. float32 and bfloat16 use fp16.h's (a move, a shift, a rounding add).
 template <class T>
-__device__ inline float load_f32(T v) { return to_f32(v); }
+__device__ inline float load_f32(T v) {
+  return to_f32(v);
+}
 __device__ inline float load_f32(half_t v) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
   return f;
 }
 template <class T>
-__device__ inline void store_f32(float f, T* out) { from_f32(f, out); }
+__device__ inline void store_f32(float f, T* out) {
+  from_f32(f, out);
+}
 __device__ inline void store_f32(float f, half_t* out) {
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -209,7 +213,9 @@ struct Raw8 {
 // 2048 elsewhere), for __launch_bounds__ only: the cap differs between compilation passes, so
 // it must never reach a template argument.
 template <class T>
-constexpr int fused_min_ctas() { return sizeof(T) == 2 ? 3 : 2; }
+constexpr int fused_min_ctas() {
+  return sizeof(T) == 2 ? 3 : 2;
+}
 
 constexpr int min_ctas_for_arch(int ctas, int threads_per_cta) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750

@@ -22,7 +22,6 @@ namespace {
 
 using q4_0::block_q4_0;
 
-
 // ---- float32 panel -------------------------------------------------------------------------
 
 template <int MR, int NR>
@@ -58,18 +57,21 @@ QF_AVX2 void f32_micro(const float* X, int64_t ldx, const float* W, int64_t ldw,
 }
 
 template <int NR>
-QF_AVX2 void f32_rows(const float* X, int64_t ldx, const float* W, int64_t ldw, int64_t mr, int64_t kc,
-                      float* acc, bool accumulate) {
+QF_AVX2 void f32_rows(const float* X, int64_t ldx, const float* W, int64_t ldw, int64_t mr, int64_t kc, float* acc,
+                      bool accumulate) {
   switch (mr) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(R) case R: if constexpr (R * NR <= 12) f32_micro<R, NR>(X, ldx, W, ldw, kc, acc, accumulate); break;
     QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
 #undef QF_CASE
-    default: break;
+        // clang-format on
+        default : break;
   }
 }
 
-QF_AVX2 void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t ldw, int64_t MT,
-                       int64_t kc, float* acc, bool accumulate) {
+QF_AVX2 void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t ldw, int64_t MT, int64_t kc,
+                       float* acc, bool accumulate) {
   int64_t n = 0;
   for (; n + 3 <= N; n += 3)  // 4 x 3 blocks: 12 accumulators of the 16 ymm registers
     for (int64_t i = 0; i < MT; i += 4)
@@ -83,10 +85,6 @@ QF_AVX2 void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, i
     f32_rows<1>(X + n * ldx, ldx, W, ldw, MT, kc, acc + n * kPanelRows, accumulate);
   }
 }
-
-
-
-
 
 // ---- fused small-N weight-only GEMM of the 4-bit nibble formats ---------------------------------
 
@@ -125,7 +123,8 @@ QF_AVX2 void nf4_micro(const NibbleWeights& w, int64_t m0, const float* X, float
                            nf4_lookup(c0, _mm256_slli_epi32(c0, 28), lo, hi),
                            nf4_lookup(c1, _mm256_slli_epi32(c1, 28), lo, hi)};
       for (int j = 0; j < NR; ++j)
-        for (int q = 0; q < 4; ++q) acc[i][j] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(X + j * K + k + 8 * q), acc[i][j]);
+        for (int q = 0; q < 4; ++q)
+          acc[i][j] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(X + j * K + k + 8 * q), acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -159,9 +158,8 @@ QF_AVX2 void nib_int_micro(const NibbleWeights& w, int64_t m0, const float* X, f
                                                    _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24))));
       }
       for (int i = 0; i < MR; ++i) {
-        const uint8_t* p = F == Nibble::q4_0
-                               ? reinterpret_cast<const block_q4_0*>(w.codes)[(m0 + i) * gpr + g].qs
-                               : w.codes + (((m0 + i) * K + k) >> 1);
+        const uint8_t* p = F == Nibble::q4_0 ? reinterpret_cast<const block_q4_0*>(w.codes)[(m0 + i) * gpr + g].qs
+                                             : w.codes + (((m0 + i) * K + k) >> 1);
         // The same bytes of the row MR further on, which the next call reads (its rows come
         // next in the panel order): the interleaved rows of a panel are streams the hardware
         // prefetchers pick up too late; this hides most of the DRAM latency.
@@ -173,7 +171,8 @@ QF_AVX2 void nib_int_micro(const NibbleWeights& w, int64_t m0, const float* X, f
           c1 = _mm256_xor_si256(c1, _mm256_set1_epi32(0x88));
         }
         const __m256 v[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(c0, m4)), _mm256_cvtepi32_ps(_mm256_and_si256(c1, m4)),
-                             _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4))};
+                             _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)),
+                             _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4))};
         for (int j = 0; j < NR; ++j)
           for (int q = 0; q < 4; ++q)
             d[i][j][q & 1] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(X + j * K + k + 8 * q), d[i][j][q & 1]);
@@ -190,7 +189,8 @@ QF_AVX2 void nib_int_micro(const NibbleWeights& w, int64_t m0, const float* X, f
         z = F == Nibble::int4_asym ? _mm256_set1_ps(static_cast<float>(w.zeros[m * gpr + g]))
                                    : _mm256_cvtepi32_ps(eight);
       }
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, sx[j], _mm256_add_ps(d[i][j][0], d[i][j][1])), acc[i][j]);
+      for (int j = 0; j < NR; ++j)
+        acc[i][j] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, sx[j], _mm256_add_ps(d[i][j][0], d[i][j][1])), acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -203,6 +203,8 @@ QF_AVX2 void nib_rows(const NibbleWeights& w, int64_t m0, int64_t MR, const floa
   constexpr int64_t R = kInt ? (NR == 1 ? 4 : 2) : (NR == 1 ? 8 : 4);
   for (int64_t i = 0; i < MR; i += R) {
     switch (std::min<int64_t>(R, MR - i)) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(Q)                                                       \
   case Q:                                                                \
     if constexpr (Q <= R) {                                              \
@@ -212,7 +214,8 @@ QF_AVX2 void nib_rows(const NibbleWeights& w, int64_t m0, int64_t MR, const floa
     break;
       QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
 #undef QF_CASE
-      default: break;
+          // clang-format on
+          default : break;
     }
   }
 }
@@ -221,24 +224,40 @@ template <Nibble F>
 QF_AVX2 void nib_format(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                         int64_t ldy) {
   switch (N) {
-    case 1: nib_rows<F, 1>(w, m0, MR, X, Y, ldy); break;
-    case 2: nib_rows<F, 2>(w, m0, MR, X, Y, ldy); break;
-    case 3: nib_rows<F, 3>(w, m0, MR, X, Y, ldy); break;
-    case 4: nib_rows<F, 4>(w, m0, MR, X, Y, ldy); break;
-    default: break;
+    case 1:
+      nib_rows<F, 1>(w, m0, MR, X, Y, ldy);
+      break;
+    case 2:
+      nib_rows<F, 2>(w, m0, MR, X, Y, ldy);
+      break;
+    case 3:
+      nib_rows<F, 3>(w, m0, MR, X, Y, ldy);
+      break;
+    case 4:
+      nib_rows<F, 4>(w, m0, MR, X, Y, ldy);
+      break;
+    default:
+      break;
   }
 }
 
 QF_AVX2 void nibble_gemm(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                          int64_t ldy) {
   switch (w.fmt) {
-    case Nibble::nf4: nib_format<Nibble::nf4>(w, m0, MR, X, N, Y, ldy); break;
-    case Nibble::int4_asym: nib_format<Nibble::int4_asym>(w, m0, MR, X, N, Y, ldy); break;
-    case Nibble::int4_sym: nib_format<Nibble::int4_sym>(w, m0, MR, X, N, Y, ldy); break;
-    case Nibble::q4_0: nib_format<Nibble::q4_0>(w, m0, MR, X, N, Y, ldy); break;
+    case Nibble::nf4:
+      nib_format<Nibble::nf4>(w, m0, MR, X, N, Y, ldy);
+      break;
+    case Nibble::int4_asym:
+      nib_format<Nibble::int4_asym>(w, m0, MR, X, N, Y, ldy);
+      break;
+    case Nibble::int4_sym:
+      nib_format<Nibble::int4_sym>(w, m0, MR, X, N, Y, ldy);
+      break;
+    case Nibble::q4_0:
+      nib_format<Nibble::q4_0>(w, m0, MR, X, N, Y, ldy);
+      break;
   }
 }
-
 
 // ---- q4_0 x q8_1 ---------------------------------------------------------------------------------
 
@@ -246,8 +265,8 @@ QF_AVX2 void nibble_gemm(const NibbleWeights& w, int64_t m0, int64_t MR, const f
 // VPMADDUBSW with the activation codes minus VPMADDUBSW of 8 with them (pairs of
 // (q_w - 8) q_a, |.| <= 2 * 8 * 128 + ...: inside int16), widened to int32 and scaled by d_w d_a.
 template <int MR, int NR>
-QF_AVX2 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, const float* ad, float* out,
-                        int64_t ldo_m, int64_t ldo_n) {
+QF_AVX2 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, const float* ad, float* out, int64_t ldo_m,
+                        int64_t ldo_n) {
   const int64_t K = nb * 32;
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -282,10 +301,13 @@ template <int NR>
 QF_AVX2 void q4q8_rows(const block_q4_0* W, int64_t nb, int64_t mr, const int8_t* aq, const float* ad, float* out,
                        int64_t ldo_m, int64_t ldo_n) {
   switch (mr) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(R) case R: if constexpr (R * NR <= 8) q4q8_micro<R, NR>(W, nb, aq, ad, out, ldo_m, ldo_n); break;
     QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
 #undef QF_CASE
-    default: break;
+        // clang-format on
+        default : break;
   }
 }
 
@@ -295,8 +317,8 @@ QF_AVX2 void q4q8_panel(const block_q4_0* W, int64_t nb, int64_t MR, const int8_
   int64_t j = 0;
   for (; j + 2 <= N; j += 2)
     for (int64_t i = 0; i < MR; i += 4)
-      q4q8_rows<2>(W + i * nb, nb, std::min<int64_t>(4, MR - i), aq + j * K, ad + j * nb,
-                   out + i * ldo_m + j * ldo_n, ldo_m, ldo_n);
+      q4q8_rows<2>(W + i * nb, nb, std::min<int64_t>(4, MR - i), aq + j * K, ad + j * nb, out + i * ldo_m + j * ldo_n,
+                   ldo_m, ldo_n);
   if (j < N) q4q8_rows<1>(W, nb, MR, aq + j * K, ad + j * nb, out + j * ldo_n, ldo_m, ldo_n);
 }
 
@@ -369,8 +391,7 @@ QF_AVX2 void i4_micro(const uint8_t* B, const int8_t* A, int64_t K, int32_t* out
   }
   for (int j = 0; j < NR; ++j) {
     const uint32_t sa = hsum_u32(asum[j]);
-    for (int i = 0; i < MR; ++i)
-      out[j * ldo + i] = static_cast<int32_t>(hsum_u32(acc[i][j]) - 8u * sa);
+    for (int i = 0; i < MR; ++i) out[j * ldo + i] = static_cast<int32_t>(hsum_u32(acc[i][j]) - 8u * sa);
   }
 }
 
@@ -380,6 +401,8 @@ QF_AVX2 void int_rows(const uint8_t* B, int64_t mr, const int8_t* A, int64_t K, 
   for (int64_t i = 0; i < mr; i += 4) {
     const uint8_t* bi = B + i * ldb;
     switch (std::min<int64_t>(4, mr - i)) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(R)                                                                        \
   case R:                                                                                 \
     if constexpr (Int4) i4_micro<R, NR>(bi, A, K, out + i, ldo);                          \
@@ -387,27 +410,25 @@ QF_AVX2 void int_rows(const uint8_t* B, int64_t mr, const int8_t* A, int64_t K, 
     break;
       QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4)
 #undef QF_CASE
-      default: break;
+          // clang-format on
+          default : break;
     }
   }
 }
 
 template <bool Int4>
-QF_AVX2 void int_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out,
-                       int64_t ldo) {
+QF_AVX2 void int_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out, int64_t ldo) {
   const int64_t lda = Int4 ? (K + 127) / 128 * 128 : K;
   int64_t j = 0;
   for (; j + 2 <= N; j += 2) int_rows<Int4, 2>(B, MR, A + j * lda, K, out + j * ldo, ldo);
   if (j < N) int_rows<Int4, 1>(B, MR, A + j * lda, K, out + j * ldo, ldo);
 }
 
-QF_AVX2 void i8_panel(const int8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out,
-                      int64_t ldo) {
+QF_AVX2 void i8_panel(const int8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out, int64_t ldo) {
   int_panel<false>(reinterpret_cast<const uint8_t*>(B), MR, A, N, K, out, ldo);
 }
 
-QF_AVX2 void i4_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out,
-                      int64_t ldo) {
+QF_AVX2 void i4_panel(const uint8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out, int64_t ldo) {
   int_panel<true>(B, MR, A, N, K, out, ldo);
 }
 

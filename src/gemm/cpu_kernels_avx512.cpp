@@ -27,7 +27,6 @@ namespace {
 
 using q4_0::block_q4_0;
 
-
 // ---- float32 panel -------------------------------------------------------------------------
 
 template <int MR, int NR>
@@ -63,18 +62,21 @@ QF_AVX512 void f32_micro(const float* X, int64_t ldx, const float* W, int64_t ld
 }
 
 template <int NR>
-QF_AVX512 void f32_rows(const float* X, int64_t ldx, const float* W, int64_t ldw, int64_t mr, int64_t kc,
-                        float* acc, bool accumulate) {
+QF_AVX512 void f32_rows(const float* X, int64_t ldx, const float* W, int64_t ldw, int64_t mr, int64_t kc, float* acc,
+                        bool accumulate) {
   switch (mr) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(R) case R: if constexpr (R * NR <= 24) f32_micro<R, NR>(X, ldx, W, ldw, kc, acc, accumulate); break;
     QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
 #undef QF_CASE
-    default: break;
+        // clang-format on
+        default : break;
   }
 }
 
-QF_AVX512 void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t ldw, int64_t MT,
-                         int64_t kc, float* acc, bool accumulate) {
+QF_AVX512 void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t ldw, int64_t MT, int64_t kc,
+                         float* acc, bool accumulate) {
   int64_t n = 0;
   for (; n + 4 <= N; n += 4)  // 4 x 4 register blocks: 8 loads per 16 FMAs
     for (int64_t i = 0; i < MT; i += 4)
@@ -92,10 +94,6 @@ QF_AVX512 void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W,
   }
 }
 
-
-
-
-
 // ---- fused small-N weight-only GEMM of the 4-bit nibble formats ---------------------------------
 
 // Per 32 values of a row: one 16-byte load widened to 16 int32 lanes, the two nibbles split by a
@@ -108,7 +106,8 @@ QF_AVX512 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, flo
   __m512 lut;
   if constexpr (F == Nibble::nf4) lut = _mm512_loadu_ps(nf4::kCode);
   else if constexpr (F == Nibble::int4_asym) lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  else if constexpr (F == Nibble::int4_sym) lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  else if constexpr (F == Nibble::int4_sym)
+    lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   else lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const __m512i m4 = _mm512_set1_epi32(0x0F);
   __m512 acc[MR][NR];
@@ -156,7 +155,10 @@ QF_AVX512 void nib_micro(const NibbleWeights& w, int64_t m0, const float* X, flo
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(v1[i], x1, _mm512_fmadd_ps(v0[i], x0, acc[i][j]));
     }
     if constexpr (F == Nibble::int4_asym || F == Nibble::int4_sym) {
-      if ((kr += 32) == w.group) { kr = 0; ++kg; }
+      if ((kr += 32) == w.group) {
+        kr = 0;
+        ++kg;
+      }
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -168,10 +170,13 @@ QF_AVX512 void nib_rows(const NibbleWeights& w, int64_t m0, int64_t MR, const fl
   constexpr int64_t R = NR == 1 ? 8 : 4;
   for (int64_t i = 0; i < MR; i += R) {
     switch (std::min<int64_t>(R, MR - i)) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(Q) case Q: if constexpr (Q <= R) nib_micro<F, Q, NR>(w, m0 + i, X, Y + i, ldy); break;
       QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
 #undef QF_CASE
-      default: break;
+          // clang-format on
+          default : break;
     }
   }
 }
@@ -180,21 +185,38 @@ template <Nibble F>
 QF_AVX512 void nib_format(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                           int64_t ldy) {
   switch (N) {
-    case 1: nib_rows<F, 1>(w, m0, MR, X, Y, ldy); break;
-    case 2: nib_rows<F, 2>(w, m0, MR, X, Y, ldy); break;
-    case 3: nib_rows<F, 3>(w, m0, MR, X, Y, ldy); break;
-    case 4: nib_rows<F, 4>(w, m0, MR, X, Y, ldy); break;
-    default: break;
+    case 1:
+      nib_rows<F, 1>(w, m0, MR, X, Y, ldy);
+      break;
+    case 2:
+      nib_rows<F, 2>(w, m0, MR, X, Y, ldy);
+      break;
+    case 3:
+      nib_rows<F, 3>(w, m0, MR, X, Y, ldy);
+      break;
+    case 4:
+      nib_rows<F, 4>(w, m0, MR, X, Y, ldy);
+      break;
+    default:
+      break;
   }
 }
 
 QF_AVX512 void nibble_gemm(const NibbleWeights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
                            int64_t ldy) {
   switch (w.fmt) {
-    case Nibble::nf4: nib_format<Nibble::nf4>(w, m0, MR, X, N, Y, ldy); break;
-    case Nibble::int4_asym: nib_format<Nibble::int4_asym>(w, m0, MR, X, N, Y, ldy); break;
-    case Nibble::int4_sym: nib_format<Nibble::int4_sym>(w, m0, MR, X, N, Y, ldy); break;
-    case Nibble::q4_0: nib_format<Nibble::q4_0>(w, m0, MR, X, N, Y, ldy); break;
+    case Nibble::nf4:
+      nib_format<Nibble::nf4>(w, m0, MR, X, N, Y, ldy);
+      break;
+    case Nibble::int4_asym:
+      nib_format<Nibble::int4_asym>(w, m0, MR, X, N, Y, ldy);
+      break;
+    case Nibble::int4_sym:
+      nib_format<Nibble::int4_sym>(w, m0, MR, X, N, Y, ldy);
+      break;
+    case Nibble::q4_0:
+      nib_format<Nibble::q4_0>(w, m0, MR, X, N, Y, ldy);
+      break;
   }
 }
 
@@ -206,13 +228,13 @@ QF_AVX512 void nibble_gemm(const NibbleWeights& w, int64_t m0, int64_t MR, const
 // -8 * (the lane's activation sum) so that the lane holds sum (q_w - 8) q_a exactly. Then the
 // lanes are scaled by d_w * d_a of their block and summed into float32 accumulators.
 template <int MR, int NR>
-QF_AVX512 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, const float* ad, float* out,
-                          int64_t ldo_m, int64_t ldo_n) {
+QF_AVX512 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, const float* ad, float* out, int64_t ldo_m,
+                          int64_t ldo_n) {
   const int64_t K = nb * 32;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const __m512i dup = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);    // 128-bit lanes [q0, q0, q1, q1]
+  const __m512i dup = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);     // 128-bit lanes [q0, q0, q1, q1]
   const __m512i shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);  // low nibbles, high nibbles
   const __m512i m4 = _mm512_set1_epi8(0x0F), eights = _mm512_set1_epi8(8), zero = _mm512_setzero_si512();
   const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -223,9 +245,9 @@ QF_AVX512 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, con
     for (int i = 0; i < MR; ++i) {
       const block_q4_0* w = W + i * nb + b;
       _mm_prefetch(reinterpret_cast<const char*>(w + QF_PF_BLOCKS), _MM_HINT_T0);
-      const __m256i q = _mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[0].qs))),
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[1].qs)), 1);
+      const __m256i q =
+          _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[0].qs))),
+                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[1].qs)), 1);
       const __m512i t = _mm512_permutexvar_epi64(dup, _mm512_castsi256_si512(q));
       wq[i] = _mm512_and_si512(_mm512_srlv_epi64(t, shifts), m4);
       const __m128i h = _mm_cvtsi32_si128(static_cast<int>(w[0].d.bits | (uint32_t(w[1].d.bits) << 16)));
@@ -235,7 +257,8 @@ QF_AVX512 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, con
       const __m512i a = _mm512_loadu_si512(aq + j * K + b * 32);
       const __m512i bias = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, eights, a));  // -8 * sum a
       const __m512 da = _mm512_permutexvar_ps(
-          pair, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ad + j * nb + b)))));
+          pair,
+          _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ad + j * nb + b)))));
       for (int i = 0; i < MR; ++i) {
         const __m512i dot = _mm512_dpbusd_epi32(bias, wq[i], a);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wd[i], da), acc[i][j]);
@@ -267,29 +290,32 @@ QF_AVX512 void q4q8_micro(const block_q4_0* W, int64_t nb, const int8_t* aq, con
 }
 
 template <int NR>
-QF_AVX512 void q4q8_rows(const block_q4_0* W, int64_t nb, int64_t mr, const int8_t* aq, const float* ad,
-                         float* out, int64_t ldo_m, int64_t ldo_n) {
+QF_AVX512 void q4q8_rows(const block_q4_0* W, int64_t nb, int64_t mr, const int8_t* aq, const float* ad, float* out,
+                         int64_t ldo_m, int64_t ldo_n) {
   switch (mr) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(R) case R: if constexpr (R * NR <= 16) q4q8_micro<R, NR>(W, nb, aq, ad, out, ldo_m, ldo_n); break;
     QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
 #undef QF_CASE
-    default: break;
+        // clang-format on
+        default : break;
   }
 }
 
-QF_AVX512 void q4q8_panel(const block_q4_0* W, int64_t nb, int64_t MR, const int8_t* aq, const float* ad,
-                          int64_t N, float* out, int64_t ldo_m, int64_t ldo_n) {
+QF_AVX512 void q4q8_panel(const block_q4_0* W, int64_t nb, int64_t MR, const int8_t* aq, const float* ad, int64_t N,
+                          float* out, int64_t ldo_m, int64_t ldo_n) {
   const int64_t K = nb * 32;
   int64_t j = 0;
   for (; j + 4 <= N; j += 4)
     for (int64_t i = 0; i < MR; i += 4)
-      q4q8_rows<4>(W + i * nb, nb, std::min<int64_t>(4, MR - i), aq + j * K, ad + j * nb,
-                   out + i * ldo_m + j * ldo_n, ldo_m, ldo_n);
+      q4q8_rows<4>(W + i * nb, nb, std::min<int64_t>(4, MR - i), aq + j * K, ad + j * nb, out + i * ldo_m + j * ldo_n,
+                   ldo_m, ldo_n);
   const int64_t rest = N - j;
   if (rest == 3) {
     for (int64_t i = 0; i < MR; i += 4)
-      q4q8_rows<3>(W + i * nb, nb, std::min<int64_t>(4, MR - i), aq + j * K, ad + j * nb,
-                   out + i * ldo_m + j * ldo_n, ldo_m, ldo_n);
+      q4q8_rows<3>(W + i * nb, nb, std::min<int64_t>(4, MR - i), aq + j * K, ad + j * nb, out + i * ldo_m + j * ldo_n,
+                   ldo_m, ldo_n);
   } else if (rest == 2) {
     q4q8_rows<2>(W, nb, MR, aq + j * K, ad + j * nb, out + j * ldo_n, ldo_m, ldo_n);
   } else if (rest == 1) {
@@ -371,6 +397,8 @@ QF_AVX512 void int_rows(const void* B, int64_t mr, const int8_t* A, int64_t K, i
     const int64_t r = std::min<int64_t>(NR > 2 ? 4 : 8, mr - i);
     const uint8_t* bi = b + i * ldb;
     switch (r) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(R)                                                                                              \
   case R:                                                                                                       \
     if constexpr (R * NR <= 16) {                                                                               \
@@ -380,27 +408,33 @@ QF_AVX512 void int_rows(const void* B, int64_t mr, const int8_t* A, int64_t K, i
     break;
       QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4) QF_CASE(5) QF_CASE(6) QF_CASE(7) QF_CASE(8)
 #undef QF_CASE
-      default: break;
+          // clang-format on
+          default : break;
     }
   }
 }
 
 template <bool Int4>
-QF_AVX512 void int_panel(const void* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out,
-                         int64_t ldo) {
+QF_AVX512 void int_panel(const void* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out, int64_t ldo) {
   const int64_t lda = Int4 ? (K + 127) / 128 * 128 : K;
   int64_t j = 0;
   for (; j + 4 <= N; j += 4) int_rows<Int4, 4>(B, MR, A + j * lda, K, out + j * ldo, ldo);
   switch (N - j) {
-    case 3: int_rows<Int4, 3>(B, MR, A + j * lda, K, out + j * ldo, ldo); break;
-    case 2: int_rows<Int4, 2>(B, MR, A + j * lda, K, out + j * ldo, ldo); break;
-    case 1: int_rows<Int4, 1>(B, MR, A + j * lda, K, out + j * ldo, ldo); break;
-    default: break;
+    case 3:
+      int_rows<Int4, 3>(B, MR, A + j * lda, K, out + j * ldo, ldo);
+      break;
+    case 2:
+      int_rows<Int4, 2>(B, MR, A + j * lda, K, out + j * ldo, ldo);
+      break;
+    case 1:
+      int_rows<Int4, 1>(B, MR, A + j * lda, K, out + j * ldo, ldo);
+      break;
+    default:
+      break;
   }
 }
 
-QF_AVX512 void i8_panel(const int8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out,
-                        int64_t ldo) {
+QF_AVX512 void i8_panel(const int8_t* B, int64_t MR, const int8_t* A, int64_t N, int64_t K, int32_t* out, int64_t ldo) {
   int_panel<false>(B, MR, A, N, K, out, ldo);
 }
 

@@ -8,8 +8,8 @@
 namespace qf::gemm::k_scalar {
 namespace {
 
-void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t ldw, int64_t MT, int64_t kc,
-               float* acc, bool accumulate) {
+void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t ldw, int64_t MT, int64_t kc, float* acc,
+               bool accumulate) {
   for (int64_t n = 0; n < N; ++n) {
     const float* x = X + n * ldx;
     for (int64_t i = 0; i < MT; ++i) {
@@ -26,10 +26,6 @@ void f32_panel(const float* X, int64_t ldx, int64_t N, const float* W, int64_t l
     }
   }
 }
-
-
-
-
 
 void q4q8_panel(const q4_0::block_q4_0* W, int64_t nb, int64_t MR, const int8_t* aq, const float* ad, int64_t N,
                 float* out, int64_t ldo_m, int64_t ldo_n) {

@@ -32,8 +32,8 @@ QF_AVX512_INLINE void nibbles32(const uint8_t* p, __m512i* c0, __m512i* c1) {
   const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
   const __m256i hi = _mm256_srli_epi16(w, 4);
   // 16-bit lane t = first | second << 8: the bytes of elements 2t, 2t + 1 in order.
-  const __m256i t = hi_first ? _mm256_or_si256(hi, _mm256_slli_epi16(lo, 8))
-                             : _mm256_or_si256(lo, _mm256_slli_epi16(hi, 8));
+  const __m256i t =
+      hi_first ? _mm256_or_si256(hi, _mm256_slli_epi16(lo, 8)) : _mm256_or_si256(lo, _mm256_slli_epi16(hi, 8));
   *c0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(t));
   *c1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(t, 1));
 }

@@ -25,7 +25,6 @@ void int4_split_rows(const uint8_t* A, int64_t N, int64_t K, int8_t* out);
 // CUDA (int_gemm_cuda.cu): the same product on device pointers, launched on `stream` (nibbles
 // sign-extended to bytes in registers, dp4a over 64 x 64 output tiles); exact, so equal to the
 // CPU's.
-void int4_matmul_cuda(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K,
-                      void* stream);
+void int4_matmul_cuda(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K, void* stream);
 
 }  // namespace qf::gemm

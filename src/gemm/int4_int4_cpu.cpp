@@ -39,8 +39,8 @@ void int4_matmul_cpu(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t N
   parallel_chunks(panels * chunks, grain, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t m0 = (w / chunks) * kPanelRows, n0 = (w % chunks) * kChunkN;
-      kern.i4_panel(B + m0 * (K / 2), std::min(kPanelRows, M - m0), a.data() + n0 * Kp,
-                    std::min(kChunkN, N - n0), K, out + n0 * M + m0, M);
+      kern.i4_panel(B + m0 * (K / 2), std::min(kPanelRows, M - m0), a.data() + n0 * Kp, std::min(kChunkN, N - n0), K,
+                    out + n0 * M + m0, M);
     }
   });
 }

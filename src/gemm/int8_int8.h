@@ -24,9 +24,9 @@ void int8_matmul_cpu(const int8_t* A, const int8_t* B, int32_t* out, int64_t N, 
 // x_scale: float32 [N] (x_scale_per_row) or [1]; w_scale: float32 [M] or [1]; bias: float32 [M]
 // or nullptr. The ReLU maps NaN to NaN and -0 to -0 (max(v, 0) written as v < 0 ? 0 : v).
 template <class T>
-void int8_linear_cpu(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B,
-                     const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c,
-                     T* out, int64_t N, int64_t M, int64_t K);
+void int8_linear_cpu(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B, const float* w_scale,
+                     bool w_scale_per_row, const float* bias, bool relu, float scale_c, T* out, int64_t N, int64_t M,
+                     int64_t K);
 
 // CUDA: activation-row count up to which the integer GEMMs (int8, int4, q4_0 x q8_1) use the
 // warp-per-rows GEMV kernel instead of 64 x 64 tiles.
@@ -38,7 +38,7 @@ constexpr int64_t kIntGemvMaxN = 16;
 void int8_matmul_cuda(const int8_t* A, const int8_t* B, int32_t* out, int64_t N, int64_t M, int64_t K, void* stream);
 template <class T>
 void int8_linear_cuda(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B,
-                      const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c,
-                      T* out, int64_t N, int64_t M, int64_t K, void* stream);
+                      const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c, T* out,
+                      int64_t N, int64_t M, int64_t K, void* stream);
 
 }  // namespace qf::gemm

@@ -41,9 +41,9 @@ void int8_matmul_cpu(const int8_t* A, const int8_t* B, int32_t* out, int64_t N, 
 }
 
 template <class T>
-void int8_linear_cpu(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B,
-                     const float* w_scale, bool w_scale_per_row, const float* bias, bool relu, float scale_c,
-                     T* out, int64_t N, int64_t M, int64_t K) {
+void int8_linear_cpu(const int8_t* A, const float* x_scale, bool x_scale_per_row, const int8_t* B, const float* w_scale,
+                     bool w_scale_per_row, const float* bias, bool relu, float scale_c, T* out, int64_t N, int64_t M,
+                     int64_t K) {
   const CpuKernels& kern = cpu_kernels();
   for_each_tile(N, M, K, [&](int64_t m0, int64_t mr, int64_t n0, int64_t nn) {
     int32_t acc[kChunkN * kPanelRows];
@@ -62,9 +62,9 @@ void int8_linear_cpu(const int8_t* A, const float* x_scale, bool x_scale_per_row
   });
 }
 
-#define QF_INSTANTIATE(T)                                                                                    \
-  template void int8_linear_cpu<T>(const int8_t*, const float*, bool, const int8_t*, const float*, bool,    \
-                                   const float*, bool, float, T*, int64_t, int64_t, int64_t);
+#define QF_INSTANTIATE(T)                                                                                              \
+  template void int8_linear_cpu<T>(const int8_t*, const float*, bool, const int8_t*, const float*, bool, const float*, \
+                                   bool, float, T*, int64_t, int64_t, int64_t);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

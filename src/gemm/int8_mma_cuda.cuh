@@ -72,11 +72,11 @@ constexpr float kMagic = 12582912.0f;
 // d = a * b + c (m16n8k32, s8 x s8 -> s32); d and c may be the same registers.
 __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
                                        const int32_t (&c)[4]) {
-  QF_SM80_ASM("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-              "{%10,%11,%12,%13};\n"
-              : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]), "r"(c[2]),
-                "r"(c[3]));
+  QF_SM80_ASM(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};\n" : "=r"(d[0]),
+      "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]),
+      "r"(c[1]), "r"(c[2]), "r"(c[3]));
 }
 
 // One n tile's step of the block-scaled epilogue (q4_0 x q8_1), for the warp's four m8
@@ -104,9 +104,8 @@ __device__ __forceinline__ void scaled_block_mma(float (&facc)[4][4], const uint
 // mma.m16n8k32 fragment layout.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  QF_SM80_ASM("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-              : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-              : "r"(a));
+  QF_SM80_ASM("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]),
+              "=r"(r[3]) : "r"(a));
 }
 
 // The warp's B fragments of one k32 step for its four n8 tiles (two ldmatrix.x4): `row` points at
@@ -128,8 +127,8 @@ __device__ __forceinline__ void ldmatrix_b4(uint32_t (&bf)[4][2], const uint8_t*
 // row g (+8 for e >= 2), column 2t + (e & 1)).
 template <int TI, class Epi>
 __device__ __forceinline__ void store_acc(const Epi& epi, const int32_t (&iacc)[TI][4][4],
-                                          const float (&facc)[TI][4][4], int64_t n_base, int64_t m_base, int g,
-                                          int t, int64_t N, int64_t M) {
+                                          const float (&facc)[TI][4][4], int64_t n_base, int64_t m_base, int g, int t,
+                                          int64_t N, int64_t M) {
 #pragma unroll
   for (int i = 0; i < TI; ++i)
 #pragma unroll
@@ -147,10 +146,8 @@ template <int kBytes>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   const int n = valid ? kBytes : 0;
-  if constexpr (kBytes == 16)
-    QF_SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
-  else
-    QF_SM80_ASM("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(kBytes), "r"(n));
+  if constexpr (kBytes == 16) QF_SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+  else QF_SM80_ASM("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(kBytes), "r"(n));
 }
 __device__ __forceinline__ void cp_async_commit() { QF_SM80_ASM("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -159,7 +156,9 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 template <class Epi, bool kScaled>
-__global__ void __launch_bounds__(kThreads, 2)  // two CTAs per SM
+__global__ void
+__launch_bounds__(kThreads, 2
+)  // two CTAs per SM
 kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* __restrict__ sa,
        const float* __restrict__ sb, const Epi epi, int64_t N, int64_t M, int64_t K) {
   constexpr int BN = kBN<kScaled>, TI = BN / 32;  // TI: n tiles of 16 per warp

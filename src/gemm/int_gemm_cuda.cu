@@ -23,8 +23,8 @@
 #include "common/fp16.h"
 #include "gemm/block_loads_cuda.cuh"
 #include "gemm/int4_int4.h"
-#include "gemm/int8_mma_cuda.cuh"
 #include "gemm/int8_int8.h"
+#include "gemm/int8_mma_cuda.cuh"
 #include "gemm/q4_0_q8_1.h"
 
 namespace qf::gemm {
@@ -57,7 +57,14 @@ struct Int8Rows {  // int8 [rows, K]
     const int8_t* r = p + row * K + k0;
     if (vec && k0 + 32 <= K) {
       const uint4 a = __ldg(reinterpret_cast<const uint4*>(r)), b = __ldg(reinterpret_cast<const uint4*>(r) + 1);
-      w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+      w[0] = a.x;
+      w[1] = a.y;
+      w[2] = a.z;
+      w[3] = a.w;
+      w[4] = b.x;
+      w[5] = b.y;
+      w[6] = b.z;
+      w[7] = b.w;
       return;
     }
 #pragma unroll
@@ -100,7 +107,10 @@ struct Int4Rows {  // packed uint8 [rows, K / 2]
     uint32_t v[4];
     if (vec && b0 + 16 <= kb) {
       const uint4 a = __ldg(reinterpret_cast<const uint4*>(r));
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+      v[0] = a.x;
+      v[1] = a.y;
+      v[2] = a.z;
+      v[3] = a.w;
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -169,12 +179,15 @@ template <class T>
 struct FloatOut {  // out[n * ldo_n + m * ldo_m]
   T* out;
   int64_t ldo_n, ldo_m;
-  __device__ void operator()(int64_t n, int64_t m, int32_t, float acc) const { from_f32(acc, out + n * ldo_n + m * ldo_m); }
+  __device__ void operator()(int64_t n, int64_t m, int32_t, float acc) const {
+    from_f32(acc, out + n * ldo_n + m * ldo_m);
+  }
 };
 
 // out[n, m] = sum_k A[n, k] B[m, k]; kScaled: per 32-step, (dB[m] * dA[n]) * int32 sum in float.
 template <class PA, class PB, class Epi, bool kScaled>
-__global__ void __launch_bounds__(kThreads)
+__global__ void
+__launch_bounds__(kThreads)
 tile_kernel(const PA pa, const PB pb, const Epi epi, int64_t N, int64_t M, int64_t K) {
   __shared__ uint32_t as[kTile][kLdw], bs[kTile][kLdw];
   __shared__ float ad[kTile], bd[kTile];

@@ -16,13 +16,13 @@ namespace qf::gemm {
 // summed over blocks in float32 in an order fixed by the instruction set (not by threads). The
 // AVX-512 kernel scales the 8 lane sums of a block (4 codes each) separately, so its float32
 // error is relative to sum |w a|, not to the block's (possibly cancelling) total.
-void gemm_q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, float* out,
-                        int64_t M, int64_t N, int64_t K);
+void gemm_q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, float* out, int64_t M, int64_t N,
+                        int64_t K);
 
 // The same product with out[i * ldo_m + j * ldo_n] (gemm_q4_0_q8_1_cpu: ldo_m = N, ldo_n = 1;
 // a linear layer's [N, M] output: ldo_m = 1, ldo_n = M).
-void q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K,
-                   float* out, int64_t ldo_m, int64_t ldo_n);
+void q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K, float* out,
+                   int64_t ldo_m, int64_t ldo_n);
 
 // llama.cpp's linear layer: x [N, K] (T = float, half_t or bf16_t) quantized to q8_1 on the fly
 // (exactly q8_1::quantize_cpu's bytes), then Y [N, M] = q4_0_q8_1(W, x_q)^T. Bitwise equal to

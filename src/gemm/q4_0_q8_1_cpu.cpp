@@ -14,8 +14,8 @@ namespace {
 constexpr int64_t kChunkN = 64;  // activation rows per work item
 }  // namespace
 
-void q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K,
-                   float* out, int64_t ldo_m, int64_t ldo_n) {
+void q4_0_q8_1_cpu(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_t M, int64_t N, int64_t K, float* out,
+                   int64_t ldo_m, int64_t ldo_n) {
   if (M <= 0 || N <= 0) return;
   const int64_t nb = K / q4_0::QK;
   if (nb == 0) {

@@ -31,7 +31,7 @@ struct Job {
       const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
       if (c >= n_chunks) return;
       try {
-        (*fn)(c * chunk, std::min(n, (c + 1) * chunk));
+        (*fn)(c* chunk, std::min(n, (c + 1) * chunk));
       } catch (...) {
         std::lock_guard<std::mutex> lock(m);
         if (!error) error = std::current_exception();

@@ -3,11 +3,11 @@
 // float32 one tile at a time (the weights are never fully materialized).
 //
 // Work items are panels of kPanelRows weight rows (and, when there are fewer panels than
-// threads, chunks of activation rows), handed out to threads in chunks (gemm/thread_pool.h). A panel is decoded kc columns at a time into a kPanelRows x kc
-// float tile (32 KiB for kc = kTileK: it stays in L1) and multiplied with every activation row
-// by the instruction set's leaf kernel (gemm/cpu_kernels.h: 4 x 4 or 8 x 1 register blocks of
-// FMAs on AVX-512 / AVX2, 8 partial sums in plain C++). Each output element is produced by one
-// thread in one fixed order, so the result does not depend on the thread count.
+// threads, chunks of activation rows), handed out to threads in chunks (gemm/thread_pool.h). A panel is decoded kc
+// columns at a time into a kPanelRows x kc float tile (32 KiB for kc = kTileK: it stays in L1) and multiplied with
+// every activation row by the instruction set's leaf kernel (gemm/cpu_kernels.h: 4 x 4 or 8 x 1 register blocks of FMAs
+// on AVX-512 / AVX2, 8 partial sums in plain C++). Each output element is produced by one thread in one fixed order, so
+// the result does not depend on the thread count.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -81,9 +81,8 @@ void fused_panels(int64_t M, int64_t K, int64_t N, Panel&& kernel, bool slow = f
 // whole rows; the multiply is the same tiled driver with kc = K.
 template <class DecodeRows>
 void weight_only_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, DecodeRows&& decode_rows, float* Y) {
-  weight_only_gemm_tiles(X, N, K, M, K, [&](int64_t m0, int64_t m1, int64_t, int64_t, float* tile) {
-    decode_rows(m0, m1, tile);
-  }, Y);
+  weight_only_gemm_tiles(
+      X, N, K, M, K, [&](int64_t m0, int64_t m1, int64_t, int64_t, float* tile) { decode_rows(m0, m1, tile); }, Y);
 }
 
 // x [n] of float, half_t or bf16_t -> float32 (exact), threaded for large n.

@@ -64,7 +64,14 @@ __device__ __forceinline__ void store_out(float v, const T* __restrict__ bias, i
 // 8 consecutive activations (16-byte aligned) as float32.
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  v[0] = a.x;
+  v[1] = a.y;
+  v[2] = a.z;
+  v[3] = a.w;
+  v[4] = b.x;
+  v[5] = b.y;
+  v[6] = b.z;
+  v[7] = b.w;
 }
 __device__ __forceinline__ void load8(const half_t* p, float (&v)[8]) {
   const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
@@ -97,7 +104,8 @@ __device__ __forceinline__ void load8(const bf16_t* p, float (&v)[8]) {
 //       raw values of elements 8j..8j+7 of the unit: w = v * scale - offset
 //   static constexpr bool kOffset;                     false: offset is always 0
 template <class Fmt, class T, int NT>
-__global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
+__global__ void
+__launch_bounds__(kMaxWarpsPerCta * 32)
 weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, int64_t M, T* __restrict__ Y,
                    const T* __restrict__ bias) {
   __shared__ typename Fmt::Shared sh;

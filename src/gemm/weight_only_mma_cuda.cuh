@@ -46,8 +46,8 @@
 
 namespace qf::gemm::cuda_wo {
 
-constexpr int kMmaRows = 16;      // weight rows per CTA: mma's M
-constexpr int kMmaMaxWarps = 8;   // warps per CTA splitting K
+constexpr int kMmaRows = 16;     // weight rows per CTA: mma's M
+constexpr int kMmaMaxWarps = 8;  // warps per CTA splitting K
 
 // 16-bit pair arithmetic on raw 32-bit registers, one specialization per activation type.
 template <class H>
@@ -98,10 +98,11 @@ struct PairOps<half_t> {
   static __device__ __forceinline__ uint32_t scale_fp16(uint32_t bits) { return __byte_perm(bits, 0, 0x1010); }
   static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
   }
 };
@@ -136,10 +137,11 @@ struct PairOps<bf16_t> {
   }
   static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
   }
 };
@@ -182,7 +184,8 @@ __device__ __forceinline__ int xs_slot(int64_t u, int j) {
 }
 
 template <class Fmt, class H, int NTILES, bool PAIR, bool XS>
-__global__ void __launch_bounds__(kMmaMaxWarps * 32)
+__global__ void
+__launch_bounds__(kMmaMaxWarps * 32)
 weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y,
                        const H* __restrict__ bias) {
   using Ops = PairOps<H>;

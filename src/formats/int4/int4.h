@@ -59,8 +59,8 @@
 // the host's bytes).
 namespace qf::int4 {
 
-constexpr int kAsymMax = 15;       // asymmetric codes 0..15
-constexpr int kSymMin = -8;        // symmetric codes -8..7
+constexpr int kAsymMax = 15;  // asymmetric codes 0..15
+constexpr int kSymMin = -8;   // symmetric codes -8..7
 constexpr int kSymMax = 7;
 constexpr int kGroupMultiple = 8;  // group_size must be a positive multiple of this
 
@@ -72,9 +72,7 @@ QF_HOST_DEVICE float clamp_nan_lo(float v, float lo, float hi) {
 
 // Two codes into one byte: element 2j low nibble, element 2j+1 high nibble. Only the low 4
 // bits of each code are kept, which is also the two's-complement nibble of a signed code.
-QF_HOST_DEVICE uint8_t pack_pair(int lo, int hi) {
-  return static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
-}
+QF_HOST_DEVICE uint8_t pack_pair(int lo, int hi) { return static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4)); }
 // A 4-bit two's-complement nibble n in [0, 15] as a signed value in [-8, 7]: flipping the
 // sign bit maps -8..7 onto 0..15 in order, so (n ^ 8) - 8 undoes it (no signed shifts).
 QF_HOST_DEVICE int nibble_to_signed(int n) { return (n ^ 8) - 8; }
@@ -94,9 +92,7 @@ QF_HOST_DEVICE float asym_scale(float lo, float hi) {
 
 // zero = clamp(rint(-lo / scale), 0, 15) for scale > 0. The bounds are integers, so clamping
 // before rounding gives the same result and keeps rint_small in range.
-QF_HOST_DEVICE float asym_zero(float lo, float scale) {
-  return rint_small(clamp_nan_lo(-lo / scale, 0.0f, 15.0f));
-}
+QF_HOST_DEVICE float asym_zero(float lo, float scale) { return rint_small(clamp_nan_lo(-lo / scale, 0.0f, 15.0f)); }
 
 // q = clamp(rint(x / scale) + zero, 0, 15) for scale > 0, zero in [0, 15]. Clamping x / scale
 // to [-16, 16] first changes nothing (anything below -16 rounds to <= -16 and ends at 0 after
@@ -132,8 +128,7 @@ QF_HOST_DEVICE float decode_asym(int q, int zero, float scale) { return static_c
 
 // One group of gs values (gs even) -> gs / 2 bytes of qw, its scale and zero point.
 template <class T>
-QF_HOST_DEVICE void quantize_group_asym(const T* x, int64_t gs, uint8_t* qw, float* scale_out,
-                                        uint8_t* zero_out) {
+QF_HOST_DEVICE void quantize_group_asym(const T* x, int64_t gs, uint8_t* qw, float* scale_out, uint8_t* zero_out) {
   float lo = 0.0f, hi = 0.0f;  // +0 start: see min_step
   for (int64_t j = 0; j < gs; ++j) {
     const float v = to_f32(x[j]);
@@ -174,7 +169,9 @@ QF_HOST_DEVICE float sym_scale(float amax) { return amax / 7.0f; }
 // One symmetric code; every code of a scale-0 group is 0.
 QF_HOST_DEVICE int sym_code(float x, float scale) { return scale == 0.0f ? 0 : quantize_value_sym(x, scale); }
 // One decoded value from a stored nibble: signed code * scale.
-QF_HOST_DEVICE float decode_sym(int nibble, float scale) { return static_cast<float>(nibble_to_signed(nibble)) * scale; }
+QF_HOST_DEVICE float decode_sym(int nibble, float scale) {
+  return static_cast<float>(nibble_to_signed(nibble)) * scale;
+}
 
 template <class T>
 QF_HOST_DEVICE void quantize_group_sym(const T* x, int64_t gs, uint8_t* qw, float* scale_out) {
@@ -197,8 +194,8 @@ QF_HOST_DEVICE void dequantize_group_sym(const uint8_t* qw, int64_t gs, float sc
 // Groups [g0, g1) of either mode (zeros == nullptr: symmetric) into y (which points at the
 // first value of group g0). Serial: the weight-only GEMM calls it from inside its threads.
 template <class T>
-QF_HOST_DEVICE void dequantize_groups(const uint8_t* qweight, const float* scales, const uint8_t* zeros,
-                                      int64_t gs, int64_t g0, int64_t g1, T* y) {
+QF_HOST_DEVICE void dequantize_groups(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs,
+                                      int64_t g0, int64_t g1, T* y) {
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qw = qweight + g * (gs / 2);
     T* yg = y + (g - g0) * gs;
@@ -217,8 +214,8 @@ void quantize_sym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight
 // zeros == nullptr selects the symmetric decode. T = float, half_t or bf16_t (decoded in
 // float32, rounded once to T).
 template <class T>
-void dequantize_cpu(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
-                    int64_t gs, T* y);
+void dequantize_cpu(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups, int64_t gs,
+                    T* y);
 
 // n_bytes bytes from 2 * n_bytes codes (low 4 bits of each byte of `codes`, so uint8 0..15
 // and int8 -8..7 alike); and back: signed -> int8 -8..7, else uint8 0..15.
@@ -230,19 +227,19 @@ void unpack_cpu(const uint8_t* packed, int64_t n_bytes, bool is_signed, uint8_t*
 // 16384, or > 4096 on the unaligned path) take two extra small kernels and a stream-ordered
 // workspace of a few bytes per 16K values.
 template <class T>
-void quantize_asym_cuda(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales,
-                        uint8_t* zeros, void* stream);
+void quantize_asym_cuda(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales, uint8_t* zeros,
+                        void* stream);
 template <class T>
 void quantize_sym_cuda(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales, void* stream);
 template <class T>
-void dequantize_cuda(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
-                     int64_t gs, T* y, void* stream);
+void dequantize_cuda(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups, int64_t gs,
+                     T* y, void* stream);
 void pack_cuda(const uint8_t* codes, int64_t n_bytes, uint8_t* packed, void* stream);
 void unpack_cuda(const uint8_t* packed, int64_t n_bytes, bool is_signed, uint8_t* codes, void* stream);
 
 // Y [N, M] = X [N, K] . W^T for an int4 weight W [M, K] (zeros == nullptr: symmetric),
 // through gemm::weight_only_gemm_cpu (decodes 16 weight rows at a time, float32 dots).
-void weight_only_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight,
-                          const float* scales, const uint8_t* zeros, int64_t gs, float* Y);
+void weight_only_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
+                          const uint8_t* zeros, int64_t gs, float* Y);
 
 }  // namespace qf::int4

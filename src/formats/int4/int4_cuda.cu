@@ -18,8 +18,8 @@
 // Dequantize: the same split: 4 bytes (one load) -> 8 values (one or two 16-byte stores).
 // pack / unpack: 4 packed bytes per thread (8-byte code loads/stores when aligned).
 #include "common/cuda_utils.cuh"
-#include "formats/int4/int4.h"
 #include "common/unitwise_cuda.cuh"
+#include "formats/int4/int4.h"
 
 namespace qf::int4 {
 namespace {
@@ -43,7 +43,9 @@ enum class Pass {
 
 // Asymmetric: (a, b) = (lo, hi), started at +0; symmetric: a = absmax, started at +0.
 template <bool kAsym, class T, int V, Pass P>
-__global__ void __launch_bounds__(uw::kThreads, 2)  // <= 64 registers: 2 CTAs (1024 threads) per SM
+__global__ void
+__launch_bounds__(uw::kThreads, 2
+)  // <= 64 registers: 2 CTAs (1024 threads) per SM
 quantize_kernel(const T* __restrict__ x, int64_t n_chunks, int log_s, int64_t spu, int64_t n_teams,
                 uint8_t* __restrict__ qweight, float* __restrict__ scales, uint8_t* __restrict__ zeros,
                 float* __restrict__ partial) {

@@ -12,19 +12,25 @@ void int4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_
       nibble_gemm_cpu({zeros ? Nibble::int4_asym : Nibble::int4_sym, qweight, scales, zeros, K, gs}, X, N, M, Y))
     return;
   const Int4CpuKernels& kern = int4_cpu_kernels();
-  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
-    const int64_t len = k1 - k0;
-    for (int64_t m = m0; m < m1; ++m)
-      kern.decode(qweight, scales, zeros, gs, m * K + k0, len, tile + (m - m0) * len);
-  }, Y);
+  weight_only_gemm_tiles(
+      X, N, K, M, kTileK,
+      [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+        const int64_t len = k1 - k0;
+        for (int64_t m = m0; m < m1; ++m)
+          kern.decode(qweight, scales, zeros, gs, m * K + k0, len, tile + (m - m0) * len);
+      },
+      Y);
 }
 
 const Int4CpuKernels& int4_cpu_kernels() {
 #if QF_GEMM_X86
   switch (active_isa()) {
-    case Isa::avx512: return k_avx512::int4_kernels();
-    case Isa::avx2: return k_avx2::int4_kernels();
-    default: break;
+    case Isa::avx512:
+      return k_avx512::int4_kernels();
+    case Isa::avx2:
+      return k_avx2::int4_kernels();
+    default:
+      break;
   }
 #endif
   return k_scalar::int4_kernels();
@@ -35,8 +41,8 @@ const Int4CpuKernels& int4_cpu_kernels() {
 namespace k_scalar {
 namespace {
 
-void decode_int4(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs, int64_t i0,
-                 int64_t len, float* out) {
+void decode_int4(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs, int64_t i0, int64_t len,
+                 float* out) {
   for (int64_t t = 0; t < len; ++t) {
     const int64_t i = i0 + t, g = i / gs;
     const uint8_t byte = qweight[i >> 1];

@@ -20,14 +20,20 @@ void int4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_
 struct Int4CpuKernels {
   // Flat elements [i0, i0 + len) (groups of gs, zeros == nullptr: symmetric), exactly as
   // dequantize (float32), written to out.
-  void (*decode)(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs, int64_t i0,
-                 int64_t len, float* out);
+  void (*decode)(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs, int64_t i0, int64_t len,
+                 float* out);
 };
 const Int4CpuKernels& int4_cpu_kernels();  // the table of active_isa()
-namespace k_scalar { const Int4CpuKernels& int4_kernels(); }
+namespace k_scalar {
+const Int4CpuKernels& int4_kernels();
+}
 #if QF_GEMM_X86
-namespace k_avx2 { const Int4CpuKernels& int4_kernels(); }
-namespace k_avx512 { const Int4CpuKernels& int4_kernels(); }
+namespace k_avx2 {
+const Int4CpuKernels& int4_kernels();
+}
+namespace k_avx512 {
+const Int4CpuKernels& int4_kernels();
+}
 #endif
 
 }  // namespace qf::gemm

@@ -24,7 +24,10 @@ QF_AVX2 void decode_int4(const uint8_t* qweight, const float* scales, const uint
       const __m256i v = zeros ? c[q] : _mm256_xor_si256(c[q], eight);
       _mm256_storeu_ps(out + t + 8 * q, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, z)), s));
     }
-    if ((r += 32) == gs) { r = 0; ++g; }
+    if ((r += 32) == gs) {
+      r = 0;
+      ++g;
+    }
   }
 }
 

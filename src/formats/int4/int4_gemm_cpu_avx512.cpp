@@ -9,8 +9,8 @@
 namespace qf::gemm::k_avx512 {
 namespace {
 
-QF_AVX512 void decode_int4(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs,
-                           int64_t i0, int64_t len, float* out) {
+QF_AVX512 void decode_int4(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t gs, int64_t i0,
+                           int64_t len, float* out) {
   if (((i0 | len | gs) & 31)) return k_scalar::int4_kernels().decode(qweight, scales, zeros, gs, i0, len, out);
   // Codes as floats: 0..15 (asymmetric, then - zero), or the signed nibbles 0..7, -8..-1.
   const __m512 lut = zeros ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
@@ -28,7 +28,10 @@ QF_AVX512 void decode_int4(const uint8_t* qweight, const float* scales, const ui
     }
     _mm512_storeu_ps(out + t, _mm512_mul_ps(v0, s));
     _mm512_storeu_ps(out + t + 16, _mm512_mul_ps(v1, s));
-    if ((r += 32) == gs) { r = 0; ++g; }
+    if ((r += 32) == gs) {
+      r = 0;
+      ++g;
+    }
   }
 }
 

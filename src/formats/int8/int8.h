@@ -105,7 +105,6 @@ void dequantize_cpu(const int8_t* q, const float* scale, int64_t n_units, int64_
 template <class T>
 void quantize_cuda(const T* x, int64_t n_units, int64_t unit_len, int8_t* q, float* scale, void* stream);
 template <class T>
-void dequantize_cuda(const int8_t* q, const float* scale, int64_t n_units, int64_t unit_len, T* y,
-                     void* stream);
+void dequantize_cuda(const int8_t* q, const float* scale, int64_t n_units, int64_t unit_len, T* y, void* stream);
 
 }  // namespace qf::int8

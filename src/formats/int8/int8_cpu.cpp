@@ -75,7 +75,7 @@ void dequantize_cpu(const int8_t* q, const float* scale, int64_t n_units, int64_
   });
 }
 
-#define QF_INSTANTIATE(T)                                                          \
+#define QF_INSTANTIATE(T)                                                     \
   template void quantize_cpu<T>(const T*, int64_t, int64_t, int8_t*, float*); \
   template void dequantize_cpu<T>(const int8_t*, const float*, int64_t, int64_t, T*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)

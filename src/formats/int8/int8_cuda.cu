@@ -16,8 +16,8 @@
 // Dequantize: the same split, no reduction: 8 codes (one 8-byte load) -> 8 values (one or two
 // 16-byte stores) per chunk, the unit's scale read once per thread.
 #include "common/cuda_utils.cuh"
-#include "formats/int8/int8.h"
 #include "common/unitwise_cuda.cuh"
+#include "formats/int8/int8.h"
 
 namespace qf::int8 {
 namespace {
@@ -37,7 +37,9 @@ enum class Pass {
 };
 
 template <class T, int V, Pass P>
-__global__ void __launch_bounds__(uw::kThreads, 2)  // <= 64 registers: 2 CTAs (1024 threads) per SM
+__global__ void
+__launch_bounds__(uw::kThreads, 2
+)  // <= 64 registers: 2 CTAs (1024 threads) per SM
 quantize_kernel(const T* __restrict__ x, int64_t n_chunks, int log_s, int64_t spu, int64_t n_teams,
                 int8_t* __restrict__ q, float* __restrict__ scale, float* __restrict__ partial,
                 const float* __restrict__ amax_in) {

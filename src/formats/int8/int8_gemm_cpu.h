@@ -13,8 +13,8 @@ namespace qf::gemm {
 // codes q [M, K] with one float32 scale per unit of `unit` values along a row: the scale of row
 // m, unit u is scales[m * scale_stride + u] (int8's row granularity: unit = K, stride 1; group:
 // unit = group_size, stride K / unit; tensor: unit = K, stride 0). unit >= 1 divides K.
-void int8_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const int8_t* q, const float* scales,
-                   int64_t unit, int64_t scale_stride, float* Y);
+void int8_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const int8_t* q, const float* scales, int64_t unit,
+                   int64_t scale_stride, float* Y);
 
 // An int8 weight [M, K] with one float32 scale per unit of L values along a row (int8's
 // granularities: row L = K, group L = group_size, tensor L = K with scale_stride 0): the scale
@@ -35,10 +35,16 @@ struct Int8CpuKernels {
   void (*gemm)(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y, int64_t ldy);
 };
 const Int8CpuKernels& int8_cpu_kernels();  // the table of active_isa()
-namespace k_scalar { const Int8CpuKernels& int8_kernels(); }
+namespace k_scalar {
+const Int8CpuKernels& int8_kernels();
+}
 #if QF_GEMM_X86
-namespace k_avx2 { const Int8CpuKernels& int8_kernels(); }
-namespace k_avx512 { const Int8CpuKernels& int8_kernels(); }
+namespace k_avx2 {
+const Int8CpuKernels& int8_kernels();
+}
+namespace k_avx512 {
+const Int8CpuKernels& int8_kernels();
+}
 #endif
 
 }  // namespace qf::gemm

@@ -29,7 +29,8 @@ QF_AVX2 void i8w_micro(const Int8Weights& w, int64_t m0, const float* X, float* 
       for (int i = 0; i < MR; ++i) {
         const int8_t* p = w.q + (m0 + i) * K + k;
         _mm_prefetch(reinterpret_cast<const char*>(p) + MR * K, _MM_HINT_T0);  // as nib_int_micro
-        const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+        const __m256 v0 =
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
         const __m256 v1 =
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
         for (int j = 0; j < NR; ++j) {
@@ -52,22 +53,33 @@ QF_AVX2 void i8w_rows(const Int8Weights& w, int64_t m0, int64_t MR, const float*
   constexpr int64_t R = NR == 1 ? 4 : 2;
   for (int64_t i = 0; i < MR; i += R) {
     switch (std::min<int64_t>(R, MR - i)) {
+// One case per macro call, as written:
+// clang-format off
 #define QF_CASE(Q) case Q: if constexpr (Q <= R) i8w_micro<Q, NR>(w, m0 + i, X, Y + i, ldy); break;
       QF_CASE(1) QF_CASE(2) QF_CASE(3) QF_CASE(4)
 #undef QF_CASE
-      default: break;
+          // clang-format on
+          default : break;
     }
   }
 }
 
-QF_AVX2 void int8_gemm(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y,
-                       int64_t ldy) {
+QF_AVX2 void int8_gemm(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y, int64_t ldy) {
   switch (N) {
-    case 1: i8w_rows<1>(w, m0, MR, X, Y, ldy); break;
-    case 2: i8w_rows<2>(w, m0, MR, X, Y, ldy); break;
-    case 3: i8w_rows<3>(w, m0, MR, X, Y, ldy); break;
-    case 4: i8w_rows<4>(w, m0, MR, X, Y, ldy); break;
-    default: break;
+    case 1:
+      i8w_rows<1>(w, m0, MR, X, Y, ldy);
+      break;
+    case 2:
+      i8w_rows<2>(w, m0, MR, X, Y, ldy);
+      break;
+    case 3:
+      i8w_rows<3>(w, m0, MR, X, Y, ldy);
+      break;
+    case 4:
+      i8w_rows<4>(w, m0, MR, X, Y, ldy);
+      break;
+    default:
+      break;
   }
 }
 

@@ -94,8 +94,7 @@ constexpr int kS4 = 255;            // largest second-order code of a 4-bit grou
 constexpr int kDefaultGroupSize = 16;
 constexpr int kDefaultScaleBlock = 16;
 
-constexpr const char* kTooLargeMessage =
-    "values too large for mixed2bit's fp16 second-order scales (or fp16 outliers)";
+constexpr const char* kTooLargeMessage = "values too large for mixed2bit's fp16 second-order scales (or fp16 outliers)";
 
 // Sizes of one tensor: everything the buffers' shapes follow from.
 struct Dims {
@@ -141,11 +140,10 @@ struct ConstBuffers {
 
 // Throws std::invalid_argument unless the dims are consistent (every kernel checks them).
 inline void check_dims(const Dims& d) {
-  if (d.rows < 0 || d.K < 0 || d.group_size < kGroupMultiple || d.group_size % kGroupMultiple ||
-      d.K % d.group_size || d.scale_block < 1)
+  if (d.rows < 0 || d.K < 0 || d.group_size < kGroupMultiple || d.group_size % kGroupMultiple || d.K % d.group_size ||
+      d.scale_block < 1)
     throw std::invalid_argument("mixed2bit: bad rows/K/group_size/scale_block");
-  if (d.n4 < 0 || d.n4 > d.n_groups())
-    throw std::invalid_argument("mixed2bit: n4 out of range [0, n_groups]");
+  if (d.n4 < 0 || d.n4 > d.n_groups()) throw std::invalid_argument("mixed2bit: n4 out of range [0, n_groups]");
   if (d.n_out < 0 || d.n_out > d.n2() * d.group_size)
     throw std::invalid_argument("mixed2bit: n_out out of range [0, elements of 2-bit groups]");
   if (d.n_out > 0 && d.rows * d.K > int64_t(INT32_MAX))
@@ -217,15 +215,22 @@ QF_HOST_DEVICE uint32_t score_order_key(float f) {
 // group's first flat index; those elements are skipped. Without outliers this is the same loop
 // as range_score, so range_score(x, gs) == range_score_of(mn, mx).
 template <class T>
-QF_HOST_DEVICE void group_min_max(const T* x, int gs, const int32_t* outl, int64_t n_outl, int64_t base,
-                                  float* min_out, float* max_out) {
+QF_HOST_DEVICE void group_min_max(const T* x, int gs, const int32_t* outl, int64_t n_outl, int64_t base, float* min_out,
+                                  float* max_out) {
   bool any = false;
   float mn = 0.0f, mx = 0.0f;
   int64_t o = 0;
   for (int j = 0; j < gs; ++j) {
-    if (o < n_outl && outl[o] == base + j) { ++o; continue; }  // an outlier: not in min/max
+    if (o < n_outl && outl[o] == base + j) {
+      ++o;
+      continue;
+    }  // an outlier: not in min/max
     const float v = read_pos_zero(to_f32(x[j]));
-    if (!any) { mn = mx = v; any = true; continue; }
+    if (!any) {
+      mn = mx = v;
+      any = true;
+      continue;
+    }
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
   }
@@ -238,17 +243,17 @@ QF_HOST_DEVICE float range_score_of(float mn, float mx) { return mx - mn; }
 
 // Step 4 from the min and max: the range hi - lo and m = 0 - lo.
 QF_HOST_DEVICE void range_m_of(float mn, float mx, float* range, float* m) {
-  const float lo = mn < 0.0f ? mn : 0.0f;   // the grid always holds 0 (m >= 0)
-  const float hi = mx;                      // 0 for an empty group
-  *range = hi - lo;                         // >= +0: hi >= lo, and hi is never -0
-  *m = 0.0f - lo;                           // +0 (not -0) when lo = 0
+  const float lo = mn < 0.0f ? mn : 0.0f;  // the grid always holds 0 (m >= 0)
+  const float hi = mx;                     // 0 for an empty group
+  *range = hi - lo;                        // >= +0: hi >= lo, and hi is never -0
+  *m = 0.0f - lo;                          // +0 (not -0) when lo = 0
 }
 
 // Step 4, the part that reads the values: the group's range hi - lo and m = 0 - lo over its
 // non-outlier values (see group_min_max).
 template <class T>
-QF_HOST_DEVICE void group_range_m(const T* x, int gs, const int32_t* outl, int64_t n_outl, int64_t base,
-                                  float* range, float* m) {
+QF_HOST_DEVICE void group_range_m(const T* x, int gs, const int32_t* outl, int64_t n_outl, int64_t base, float* range,
+                                  float* m) {
   float mn, mx;
   group_min_max(x, gs, outl, n_outl, base, &mn, &mx);
   range_m_of(mn, mx, range, m);
@@ -327,8 +332,8 @@ QF_HOST_DEVICE void decode_group(const uint32_t* words, int gs, float s_eff, flo
 // 2-bit or all 4-bit: qmax, S), their ranges and m's by group id -> the fp16 fields d, dm.
 // Every value is >= +0 and not NaN, so the max does not depend on the order.
 template <class Id>
-QF_HOST_DEVICE void second_order_block(const Id* ids, int64_t n, const float* range, const float* m, int qmax,
-                                       int S, uint16_t* d_bits, uint16_t* dm_bits) {
+QF_HOST_DEVICE void second_order_block(const Id* ids, int64_t n, const float* range, const float* m, int qmax, int S,
+                                       uint16_t* d_bits, uint16_t* dm_bits) {
   float ms = 0.0f, mm = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     const float sc = first_order_scale(range[ids[j]], qmax), z = m[ids[j]];
@@ -342,8 +347,8 @@ QF_HOST_DEVICE void second_order_block(const Id* ids, int64_t n, const float* ra
 // Steps 5 + 6 for one group of BITS = 2 or 4 bits: its second-order codes sc, mc against its
 // block's fp16 fields, then its packed codes.
 template <int BITS, class T>
-QF_HOST_DEVICE void quantize_group(const T* x, int gs, float range, float m, uint16_t d_bits, uint16_t dm_bits,
-                                   int* sc, int* mc, uint32_t* words) {
+QF_HOST_DEVICE void quantize_group(const T* x, int gs, float range, float m, uint16_t d_bits, uint16_t dm_bits, int* sc,
+                                   int* mc, uint32_t* words) {
   constexpr int qmax = (1 << BITS) - 1;
   constexpr int S = BITS == 2 ? kS2 : kS4;
   *sc = param_code(first_order_scale(range, qmax), fp16_bits_to_fp32(d_bits), S);
@@ -352,8 +357,7 @@ QF_HOST_DEVICE void quantize_group(const T* x, int gs, float range, float m, uin
 }
 
 // Decoded (effective) scale and offset of the group at slot j of its list (4-bit or 2-bit).
-QF_HOST_DEVICE void group_params(const ConstBuffers& q, bool is4, int64_t j, int64_t B, float* s_eff,
-                                 float* m_eff) {
+QF_HOST_DEVICE void group_params(const ConstBuffers& q, bool is4, int64_t j, int64_t B, float* s_eff, float* m_eff) {
   const int64_t b = j / B;
   if (is4) {
     *s_eff = effective(q.so4[2 * b].bits, q.scales4[2 * j]);
@@ -388,8 +392,7 @@ struct RowIndex {
 RowIndex build_row_index(const ConstBuffers& q, const Dims& dims);
 
 // Decode rows [r0, r1) into y (float32 [(r1 - r0), K]).
-void decode_rows_cpu(const ConstBuffers& q, const Dims& dims, const RowIndex& index, int64_t r0,
-                     int64_t r1, float* y);
+void decode_rows_cpu(const ConstBuffers& q, const Dims& dims, const RowIndex& index, int64_t r0, int64_t r1, float* y);
 
 // Decode the whole tensor into y [rows, K] of T = float, half_t or bf16_t (decoded in float32,
 // outliers included, then rounded once to T), threaded over rows.

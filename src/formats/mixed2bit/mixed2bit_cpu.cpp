@@ -23,13 +23,11 @@ struct GroupKey {
   int64_t id;    // group id
 };
 // "a before b" in step 2: larger score first, then the smaller id.
-bool group_before(const GroupKey& a, const GroupKey& b) {
-  return a.key != b.key ? a.key > b.key : a.id < b.id;
-}
+bool group_before(const GroupKey& a, const GroupKey& b) { return a.key != b.key ? a.key > b.key : a.id < b.id; }
 
 // Step 5 over one list (2-bit or 4-bit groups in id order): [d, dm] fp16 per block of B.
-void second_order_list(const std::vector<int64_t>& list, const float* range, const float* m, int64_t B,
-                       int qmax, int S, half_t* so) {
+void second_order_list(const std::vector<int64_t>& list, const float* range, const float* m, int64_t B, int qmax, int S,
+                       half_t* so) {
   const int64_t n = static_cast<int64_t>(list.size());
   const int64_t n_blocks = (n + B - 1) / B;
   for_each_block(n_blocks, [&](int64_t b) {
@@ -57,10 +55,13 @@ void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers
 
   // 1. Scores.
   std::vector<float> score(static_cast<size_t>(ng));
-  for_each_block(ng, [&](int64_t g) {
-    const T* x = w + g * gs;
-    score[g] = sens ? sensitivity_score(x, sens + (g % G) * gs, gs) : range_score(x, gs);
-  }, kGrainGroups);
+  for_each_block(
+      ng,
+      [&](int64_t g) {
+        const T* x = w + g * gs;
+        score[g] = sens ? sensitivity_score(x, sens + (g % G) * gs, gs) : range_score(x, gs);
+      },
+      kGrainGroups);
   for (float s : score)
     if (s != s) throw std::invalid_argument(kTooLargeMessage);  // 0 * inf: |w| ~ 1e19 or more
 
@@ -105,18 +106,21 @@ void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers
   // 4. First-order range and m per group, outliers left out (they are a contiguous run of the
   // sorted index list: groups are contiguous in flat order); scale = range / qmax.
   std::vector<float> range(static_cast<size_t>(ng)), m(static_cast<size_t>(ng));
-  for_each_block(ng, [&](int64_t g) {
-    const int64_t base = g * gs;
-    const int32_t* const o_begin = oidx.data();
-    const int32_t* const o_end = o_begin + n_out;
-    const int32_t* o0 = o_begin;
-    int64_t n_in = 0;
-    if (n_out > 0) {
-      o0 = std::lower_bound(o_begin, o_end, base);
-      n_in = std::lower_bound(o0, o_end, base + gs) - o0;
-    }
-    group_range_m(w + base, gs, o0, n_in, base, &range[g], &m[g]);
-  }, kGrainGroups);
+  for_each_block(
+      ng,
+      [&](int64_t g) {
+        const int64_t base = g * gs;
+        const int32_t* const o_begin = oidx.data();
+        const int32_t* const o_end = o_begin + n_out;
+        const int32_t* o0 = o_begin;
+        int64_t n_in = 0;
+        if (n_out > 0) {
+          o0 = std::lower_bound(o_begin, o_end, base);
+          n_in = std::lower_bound(o0, o_end, base + gs) - o0;
+        }
+        group_range_m(w + base, gs, o0, n_in, base, &range[g], &m[g]);
+      },
+      kGrainGroups);
 
   // 5. The two lists in id order, each group's slot in its list, and the second order.
   std::vector<int64_t> list2, list4, slot(static_cast<size_t>(ng));
@@ -135,21 +139,24 @@ void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers
 
   // 5 + 6. Second-order codes, then the element codes with the effective parameters.
   const int64_t w2 = dims.words2(), w4 = dims.words4();
-  for_each_block(ng, [&](int64_t g) {
-    const int64_t j = slot[g], b = j / B;
-    const T* x = w + g * gs;
-    int sc, mc;
-    if (is4[g]) {
-      quantize_group<4>(x, gs, range[g], m[g], out.so4[2 * b].bits, out.so4[2 * b + 1].bits, &sc, &mc,
-                        out.codes4 + j * w4);
-      out.scales4[2 * j] = static_cast<uint8_t>(sc);
-      out.scales4[2 * j + 1] = static_cast<uint8_t>(mc);
-    } else {
-      quantize_group<2>(x, gs, range[g], m[g], out.so2[2 * b].bits, out.so2[2 * b + 1].bits, &sc, &mc,
-                        out.codes2 + j * w2);
-      out.scales2[j] = static_cast<uint8_t>(sc | mc << 4);
-    }
-  }, kGrainGroups);
+  for_each_block(
+      ng,
+      [&](int64_t g) {
+        const int64_t j = slot[g], b = j / B;
+        const T* x = w + g * gs;
+        int sc, mc;
+        if (is4[g]) {
+          quantize_group<4>(x, gs, range[g], m[g], out.so4[2 * b].bits, out.so4[2 * b + 1].bits, &sc, &mc,
+                            out.codes4 + j * w4);
+          out.scales4[2 * j] = static_cast<uint8_t>(sc);
+          out.scales4[2 * j + 1] = static_cast<uint8_t>(mc);
+        } else {
+          quantize_group<2>(x, gs, range[g], m[g], out.so2[2 * b].bits, out.so2[2 * b + 1].bits, &sc, &mc,
+                            out.codes2 + j * w2);
+          out.scales2[j] = static_cast<uint8_t>(sc | mc << 4);
+        }
+      },
+      kGrainGroups);
 
   // 7. The group map, LSB first, padding bits 0.
   for (int64_t i = 0; i < dims.map_bytes(); ++i) {
@@ -191,8 +198,7 @@ RowIndex build_row_index(const ConstBuffers& q, const Dims& dims) {
   return ix;
 }
 
-void decode_rows_cpu(const ConstBuffers& q, const Dims& dims, const RowIndex& ix, int64_t r0,
-                     int64_t r1, float* y) {
+void decode_rows_cpu(const ConstBuffers& q, const Dims& dims, const RowIndex& ix, int64_t r0, int64_t r1, float* y) {
   const int gs = static_cast<int>(dims.group_size);
   const int64_t G = dims.groups_per_row(), K = dims.K, B = dims.scale_block;
   const int64_t w2 = dims.words2(), w4 = dims.words4();
@@ -237,27 +243,33 @@ void dequantize_cpu(const ConstBuffers& q, const Dims& dims, T* y) {
 
 void gemm_cpu(const float* X, int64_t N, const ConstBuffers& q, const Dims& dims, float* Y) {
   const RowIndex ix = build_row_index(q, dims);  // once per call, shared by every tile
-  gemm::weight_only_gemm_cpu(X, N, dims.K, dims.rows, [&](int64_t m0, int64_t m1, float* tile) {
-    decode_rows_cpu(q, dims, ix, m0, m1, tile);
-  }, Y);
+  gemm::weight_only_gemm_cpu(
+      X, N, dims.K, dims.rows, [&](int64_t m0, int64_t m1, float* tile) { decode_rows_cpu(q, dims, ix, m0, m1, tile); },
+      Y);
 }
 
 void pack_2bit_cpu(const uint8_t* values, int64_t n_words, uint32_t* out) {
-  for_each_block(n_words, [&](int64_t w) {
-    uint32_t word = 0;
-    for (int i = 0; i < kCodes2PerWord; ++i)
-      word |= static_cast<uint32_t>(values[w * kCodes2PerWord + i] & 3u) << (2 * i);
-    out[w] = word;
-  }, kGrainGroups);
+  for_each_block(
+      n_words,
+      [&](int64_t w) {
+        uint32_t word = 0;
+        for (int i = 0; i < kCodes2PerWord; ++i)
+          word |= static_cast<uint32_t>(values[w * kCodes2PerWord + i] & 3u) << (2 * i);
+        out[w] = word;
+      },
+      kGrainGroups);
 }
 
 void unpack_2bit_cpu(const uint32_t* packed, int64_t n, uint8_t* out) {
-  for_each_block(n, [&](int64_t i) {
-    out[i] = static_cast<uint8_t>((packed[i / kCodes2PerWord] >> (2 * (i % kCodes2PerWord))) & 3u);
-  }, 1 << 16);
+  for_each_block(
+      n,
+      [&](int64_t i) {
+        out[i] = static_cast<uint8_t>((packed[i / kCodes2PerWord] >> (2 * (i % kCodes2PerWord))) & 3u);
+      },
+      1 << 16);
 }
 
-#define QF_INSTANTIATE(T)                                                              \
+#define QF_INSTANTIATE(T)                                                             \
   template void quantize_cpu<T>(const T*, const float*, const Dims&, const Buffers&); \
   template void dequantize_cpu<T>(const ConstBuffers&, const Dims&, T*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)

@@ -18,9 +18,9 @@ bool map_bit(const uint8_t* map, int64_t g) { return (map[g >> 3] >> (g & 7)) & 
 struct PopTable {
   uint8_t v[256];
   constexpr PopTable() : v() {
-    for (int i = 0; i < 256; ++i) v[i] = static_cast<uint8_t>((i & 1) + ((i >> 1) & 1) + ((i >> 2) & 1) +
-                                                              ((i >> 3) & 1) + ((i >> 4) & 1) + ((i >> 5) & 1) +
-                                                              ((i >> 6) & 1) + ((i >> 7) & 1));
+    for (int i = 0; i < 256; ++i)
+      v[i] = static_cast<uint8_t>((i & 1) + ((i >> 1) & 1) + ((i >> 2) & 1) + ((i >> 3) & 1) + ((i >> 4) & 1) +
+                                  ((i >> 5) & 1) + ((i >> 6) & 1) + ((i >> 7) & 1));
   }
 };
 constexpr PopTable kPop;
@@ -88,22 +88,34 @@ void m2_descriptors(const mixed2bit::ConstBuffers& q, int64_t B, int64_t w2, int
     const int64_t g = g0 + t;
     M2Group& o = out[t];
     if ((map[g >> 3] >> (g & 7)) & 1) {
-      if (b4 != loaded4) { block_fields(q.so4, b4, &d4, &dm4); loaded4 = b4; }
+      if (b4 != loaded4) {
+        block_fields(q.so4, b4, &d4, &dm4);
+        loaded4 = b4;
+      }
       o.words = codes4 + j4 * w4;
       o.s = d4 * static_cast<float>(scales4[2 * j4]);  // mixed2bit's effective(): fp16 field * code
       o.m = dm4 * static_cast<float>(scales4[2 * j4 + 1]);
       o.is4 = 1;
       ++j4;
-      if (++r4 == B) { r4 = 0; ++b4; }
+      if (++r4 == B) {
+        r4 = 0;
+        ++b4;
+      }
     } else {
-      if (b2 != loaded2) { block_fields(q.so2, b2, &d2, &dm2); loaded2 = b2; }
+      if (b2 != loaded2) {
+        block_fields(q.so2, b2, &d2, &dm2);
+        loaded2 = b2;
+      }
       const uint8_t c = scales2[j2];
       o.words = codes2 + j2 * w2;
       o.s = d2 * static_cast<float>(c & 0x0F);
       o.m = dm2 * static_cast<float>(c >> 4);
       o.is4 = 0;
       ++j2;
-      if (++r2 == B) { r2 = 0; ++b2; }
+      if (++r2 == B) {
+        r2 = 0;
+        ++b2;
+      }
     }
     __builtin_prefetch(o.words);
   }
@@ -174,62 +186,70 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
         }
       act = {X, K, xt.data(), sx.data(), steps * 128, steps * 8};
     }
-    fused_panels(dims.rows, K, N, [&](int64_t m0, int64_t mr) {
-      thread_local std::vector<float> row;
-      float acc[4 * kPanelRows];
-      for (int64_t m = m0; m < m0 + mr; ++m) {
-        const int64_t j4 = win4[m * n_win];
-        const M2Window w{&q, gs, B, m * G, G, j4, m * G - j4, dims.n4, dims.n2()};
-        if (out_before[m + 1] == out_before[m]) {
-          m2k.gemm_row(w, act, N, Y + m, dims.rows);
-          continue;
-        }
-        row.resize(static_cast<size_t>(K));
-        m2k.decode_window(w, row.data());
-        for (int64_t o = out_before[m]; o < out_before[m + 1]; ++o)
-          row[q.outlier_idx[o] - m * K] = fp16_bits_to_fp32(q.outlier_val[o].bits);
-        kern.f32_panel(X, K, N, row.data(), K, 1, K, acc, false);
-        for (int64_t j = 0; j < N; ++j) Y[j * dims.rows + m] = acc[j * kPanelRows];
-      }
-    }, /*slow=*/true);
+    fused_panels(
+        dims.rows, K, N,
+        [&](int64_t m0, int64_t mr) {
+          thread_local std::vector<float> row;
+          float acc[4 * kPanelRows];
+          for (int64_t m = m0; m < m0 + mr; ++m) {
+            const int64_t j4 = win4[m * n_win];
+            const M2Window w{&q, gs, B, m * G, G, j4, m * G - j4, dims.n4, dims.n2()};
+            if (out_before[m + 1] == out_before[m]) {
+              m2k.gemm_row(w, act, N, Y + m, dims.rows);
+              continue;
+            }
+            row.resize(static_cast<size_t>(K));
+            m2k.decode_window(w, row.data());
+            for (int64_t o = out_before[m]; o < out_before[m + 1]; ++o)
+              row[q.outlier_idx[o] - m * K] = fp16_bits_to_fp32(q.outlier_val[o].bits);
+            kern.f32_panel(X, K, N, row.data(), K, 1, K, acc, false);
+            for (int64_t j = 0; j < N; ++j) Y[j * dims.rows + m] = acc[j * kPanelRows];
+          }
+        },
+        /*slow=*/true);
     return;
   }
-  weight_only_gemm_tiles(X, N, K, dims.rows, kc, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
-    const int64_t len = k1 - k0, c0 = k0 / gs, ng = k1 / gs - c0;
-    if (vector_window) {  // 16 groups' parameters at a time, in vector registers
-      for (int64_t m = m0; m < m1; ++m) {
-        const int64_t j4 = win4[m * n_win + k0 / kc];
-        m2k.decode_window({&q, gs, B, m * G + c0, ng, j4, m * G + c0 - j4, dims.n4, dims.n2()},
+  weight_only_gemm_tiles(
+      X, N, K, dims.rows, kc,
+      [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+        const int64_t len = k1 - k0, c0 = k0 / gs, ng = k1 / gs - c0;
+        if (vector_window) {  // 16 groups' parameters at a time, in vector registers
+          for (int64_t m = m0; m < m1; ++m) {
+            const int64_t j4 = win4[m * n_win + k0 / kc];
+            m2k.decode_window({&q, gs, B, m * G + c0, ng, j4, m * G + c0 - j4, dims.n4, dims.n2()},
                               tile + (m - m0) * len);
-      }
-    } else {  // per-group descriptors, then the decoder
-      thread_local std::vector<M2Group> groups;
-      groups.resize(static_cast<size_t>(kPanelRows * ng));
-      for (int64_t m = m0; m < m1; ++m) {  // this row's slots in the two lists at group c0
-        const int64_t j4 = win4[m * n_win + k0 / kc];
-        m2_descriptors(q, B, w2, w4, m * G + c0, ng, j4, m * G + c0 - j4, groups.data() + (m - m0) * ng);
-      }
-      for (int64_t m = m0; m < m1; ++m)
-        m2k.decode(groups.data() + (m - m0) * ng, ng, gs, tile + (m - m0) * len);
-    }
-    for (int64_t m = m0; m < m1; ++m) {
-      float* row = tile + (m - m0) * len;
-      // Outliers of this row inside [k0, k1) replace their decoded values.
-      const int32_t* ob = q.outlier_idx + out_before[m];
-      const int32_t* oe = q.outlier_idx + out_before[m + 1];
-      for (const int32_t* o = std::lower_bound(ob, oe, m * K + k0); o < oe && *o < m * K + k1; ++o)
-        if (*o >= m * K + k0)  // always, for the buffers the index was made from
-          row[*o - m * K - k0] = fp16_bits_to_fp32(q.outlier_val[o - q.outlier_idx].bits);
-    }
-  }, Y);
+          }
+        } else {  // per-group descriptors, then the decoder
+          thread_local std::vector<M2Group> groups;
+          groups.resize(static_cast<size_t>(kPanelRows * ng));
+          for (int64_t m = m0; m < m1; ++m) {  // this row's slots in the two lists at group c0
+            const int64_t j4 = win4[m * n_win + k0 / kc];
+            m2_descriptors(q, B, w2, w4, m * G + c0, ng, j4, m * G + c0 - j4, groups.data() + (m - m0) * ng);
+          }
+          for (int64_t m = m0; m < m1; ++m) m2k.decode(groups.data() + (m - m0) * ng, ng, gs, tile + (m - m0) * len);
+        }
+        for (int64_t m = m0; m < m1; ++m) {
+          float* row = tile + (m - m0) * len;
+          // Outliers of this row inside [k0, k1) replace their decoded values.
+          const int32_t* ob = q.outlier_idx + out_before[m];
+          const int32_t* oe = q.outlier_idx + out_before[m + 1];
+          for (const int32_t* o = std::lower_bound(ob, oe, m * K + k0); o < oe && *o < m * K + k1; ++o)
+            if (*o >= m * K + k0)  // always, for the buffers the index was made from
+              row[*o - m * K - k0] = fp16_bits_to_fp32(q.outlier_val[o - q.outlier_idx].bits);
+        }
+      },
+      Y);
 }
 
 const Mixed2bitCpuKernels& mixed2bit_cpu_kernels() {
 #if QF_GEMM_X86
   switch (active_isa()) {
-    case Isa::avx512: return k_avx512::mixed2bit_kernels();
-    case Isa::avx2: return k_avx2::mixed2bit_kernels();
-    default: break;
+    case Isa::avx512:
+      return k_avx512::mixed2bit_kernels();
+    case Isa::avx2:
+      return k_avx2::mixed2bit_kernels();
+    default:
+      break;
   }
 #endif
   return k_scalar::mixed2bit_kernels();

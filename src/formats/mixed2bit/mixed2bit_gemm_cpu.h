@@ -81,10 +81,16 @@ struct Mixed2bitCpuKernels {
   void (*gemm_row)(const M2Window& w, const M2Act& a, int64_t N, float* y, int64_t ldy);
 };
 const Mixed2bitCpuKernels& mixed2bit_cpu_kernels();  // the table of active_isa()
-namespace k_scalar { const Mixed2bitCpuKernels& mixed2bit_kernels(); }
+namespace k_scalar {
+const Mixed2bitCpuKernels& mixed2bit_kernels();
+}
 #if QF_GEMM_X86
-namespace k_avx2 { const Mixed2bitCpuKernels& mixed2bit_kernels(); }
-namespace k_avx512 { const Mixed2bitCpuKernels& mixed2bit_kernels(); }
+namespace k_avx2 {
+const Mixed2bitCpuKernels& mixed2bit_kernels();
+}
+namespace k_avx512 {
+const Mixed2bitCpuKernels& mixed2bit_kernels();
+}
 #endif
 
 }  // namespace qf::gemm

@@ -93,8 +93,8 @@ struct M2At {
 // The [d, dm] fp16 pairs (as 32-bit lanes) of the second-order blocks of slots j0 + rank of one
 // list, in the lanes of `mask`: with B >= 8 the 8 lanes span at most two blocks, picked from
 // two scalar loads; else a masked gather.
-QF_AVX2_INLINE __m256i block_pairs(__m256i pairs, const half_t* so, int64_t n_list, __m256i rank, int64_t j0,
-                                   int64_t B, __m256i mask) {
+QF_AVX2_INLINE __m256i block_pairs(__m256i pairs, const half_t* so, int64_t n_list, __m256i rank, int64_t j0, int64_t B,
+                                   __m256i mask) {
   const int* so32 = reinterpret_cast<const int*>(so);
   if (B >= 8) {
     const int64_t b0 = j0 / B, r0 = j0 % B;
@@ -110,10 +110,10 @@ QF_AVX2_INLINE __m256i block_pairs(__m256i pairs, const half_t* so, int64_t n_li
 // The parameters of 8 consecutive groups of a window (fewer at its end): width bits, effective
 // scale and offset per lane, the lanes' slots and their code words' offsets.
 struct M2Eight {
-  uint32_t bits;   // bit t: group t is 4-bit
-  int cnt, c4;     // groups, 4-bit ones among them
-  __m256 s, m;     // effective scale and offset per lane
-  __m256i is4, is2, r2;  // lane masks, and each lane's rank among the 2-bit lanes
+  uint32_t bits;               // bit t: group t is 4-bit
+  int cnt, c4;                 // groups, 4-bit ones among them
+  __m256 s, m;                 // effective scale and offset per lane
+  __m256i is4, is2, r2;        // lane masks, and each lane's rank among the 2-bit lanes
   alignas(32) int32_t off[8];  // code word offset of each lane's group in its list
 };
 
@@ -136,26 +136,25 @@ QF_AVX2_INLINE void m2_eight(const M2Window& w, int64_t t0, int64_t j4, int64_t 
   const int c4 = kPrefixCounts.v[bits][7] + static_cast<int>(bits >> 7), c2 = cnt - c4;
   const __m256i p4 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPrefixCounts.v[bits])));
   const __m256i r2 = _mm256_sub_epi32(lane, p4);  // rank among the 2-bit lanes
-  const __m256i is4 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit),
-                                         lane_bit);
+  const __m256i is4 =
+      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit), lane_bit);
   const __m256i is2 = _mm256_andnot_si256(is4, _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), lane));
   // Second-order codes: 2-bit slots j2.. are consecutive bytes sc | mc << 4, 4-bit slots j4..
   // consecutive byte pairs [sc, mc]; each lane takes its rank's entry.
-  const __m256i v2 =
-      _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(load_upto16(q.scales2 + j2, c2, w.n2 - j2)), r2);
+  const __m256i v2 = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(load_upto16(q.scales2 + j2, c2, w.n2 - j2)), r2);
   __m256i v4 = _mm256_setzero_si256(), pairs = _mm256_setzero_si256();
   if (c2) pairs = block_pairs(pairs, q.so2, w.n2, r2, j2, B, is2);
   if (c4) {
-    v4 = _mm256_permutevar8x32_epi32(
-        _mm256_cvtepu16_epi32(load_upto16(q.scales4 + 2 * j4, 2 * c4, 2 * (w.n4 - j4))), p4);
+    v4 = _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(load_upto16(q.scales4 + 2 * j4, 2 * c4, 2 * (w.n4 - j4))),
+                                     p4);
     pairs = block_pairs(pairs, q.so4, w.n4, p4, j4, B, is4);
   }
   const __m256i sc = _mm256_blendv_epi8(_mm256_and_si256(v2, _mm256_set1_epi32(0x0F)),
                                         _mm256_and_si256(v4, _mm256_set1_epi32(0xFF)), is4);
   const __m256i mc = _mm256_blendv_epi8(_mm256_srli_epi32(v2, 4), _mm256_srli_epi32(v4, 8), is4);
   // 16-bit halves in order: packus per 128-bit lane, then the 64-bit quarters reordered.
-  const __m256i h = _mm256_permute4x64_epi64(
-      _mm256_packus_epi32(_mm256_and_si256(pairs, lo16), _mm256_srli_epi32(pairs, 16)), 0xD8);
+  const __m256i h =
+      _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(pairs, lo16), _mm256_srli_epi32(pairs, 16)), 0xD8);
   e.s = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtepi32_ps(sc));
   e.m = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), _mm256_cvtepi32_ps(mc));
   const __m256i j4v = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j4)), p4);
@@ -277,11 +276,20 @@ QF_AVX2 void m2_row_dot(const M2Window& w, const M2Act& a, float* y, int64_t ldy
 
 QF_AVX2 void m2_gemm_row(const M2Window& w, const M2Act& a, int64_t N, float* y, int64_t ldy) {
   switch (N) {
-    case 1: m2_row_dot<1>(w, a, y, ldy); break;
-    case 2: m2_row_dot<2>(w, a, y, ldy); break;
-    case 3: m2_row_dot<3>(w, a, y, ldy); break;
-    case 4: m2_row_dot<4>(w, a, y, ldy); break;
-    default: break;
+    case 1:
+      m2_row_dot<1>(w, a, y, ldy);
+      break;
+    case 2:
+      m2_row_dot<2>(w, a, y, ldy);
+      break;
+    case 3:
+      m2_row_dot<3>(w, a, y, ldy);
+      break;
+    case 4:
+      m2_row_dot<4>(w, a, y, ldy);
+      break;
+    default:
+      break;
   }
 }
 

@@ -86,18 +86,17 @@ QF_AVX512 void decode_m2_window(const M2Window& w, float* out) {
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPrefixCounts.v[bits & 0xFF])),
         _mm_add_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kPrefixCounts.v[(bits >> 8) & 0xFF])),
                      _mm_set1_epi8(static_cast<char>(lo4))));
-    const __m512i p4 = _mm512_cvtepu8_epi32(pre);                        // 4-bit groups before each lane
+    const __m512i p4 = _mm512_cvtepu8_epi32(pre);  // 4-bit groups before each lane
     const __m512i j4v = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j4)), p4);
     const __m512i j2v = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j2)), _mm512_sub_epi32(lane, p4));
     // Second-order codes: 2-bit slots j2.. are consecutive bytes sc | mc << 4, 4-bit slots j4..
     // consecutive byte pairs [sc, mc]; expanded into their groups' lanes (others 0).
     const __m512i v2 = _mm512_maskz_expand_epi32(
         k2, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << c2) - 1u), q.scales2 + j2)));
-    const __m512i v4 = _mm512_maskz_expand_epi32(
-        k4, _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << c4) - 1u),
-                                                           q.scales4 + 2 * j4)));
-    const __m512i sc = _mm512_or_si512(_mm512_and_si512(v2, _mm512_set1_epi32(0x0F)),
-                                       _mm512_and_si512(v4, _mm512_set1_epi32(0xFF)));
+    const __m512i v4 = _mm512_maskz_expand_epi32(k4, _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                                                         static_cast<__mmask16>((1u << c4) - 1u), q.scales4 + 2 * j4)));
+    const __m512i sc =
+        _mm512_or_si512(_mm512_and_si512(v2, _mm512_set1_epi32(0x0F)), _mm512_and_si512(v4, _mm512_set1_epi32(0xFF)));
     const __m512i mc = _mm512_or_si512(_mm512_srli_epi32(v2, 4), _mm512_srli_epi32(v4, 8));
     // [d, dm] fp16 pair of each lane's block (one 32-bit gather per list, masked to its lanes).
     __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k2, block_of(j2v, j2, B), q.so2, 4);

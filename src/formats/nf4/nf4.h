@@ -91,6 +91,8 @@ constexpr int kPadCode = 7;             // code of 0.0: odd-length padding
 
 // The 16 NF4 values, bitsandbytes get_4bit_type("nf4") (= create_normal_map(0.9677083), the
 // normal-quantile levels of QLoRA, normalized to [-1, 1]) as exact float32 hex literals.
+// The value tables keep their columns:
+// clang-format off
 #define QF_NF4_CODE_VALUES \
     -0x1p+0f,        -0x1.647362p-1f, -0x1.0cd66p-1f,  -0x1.94654p-2f, \
     -0x1.23449ap-2f, -0x1.7a6a7ep-3f, -0x1.74f0e2p-4f, 0.0f, \
@@ -157,6 +159,7 @@ constexpr float kTiny = 0x1.b38fb8p-127f;
     0x1.c2ccccp-1f, 0x1.cap-1f, 0x1.d13334p-1f, 0x1.d86666p-1f, 0x1.df999ap-1f, 0x1.e6ccccp-1f, \
     0x1.eep-1f, 0x1.f53334p-1f, 0x1.fc6666p-1f, 0x1p+0f,
 constexpr float kDynamicMap[256] = {QF_NF4_DYNAMIC_MAP_VALUES};
+// clang-format on
 constexpr int kDynamicLutCells = 65536;  // bitsandbytes' kLUTSize: cells of [-1, 1] in its table
 
 // The tables in device code: nvcc cannot read a host constexpr array with a run-time index there,
@@ -215,7 +218,7 @@ QF_HOST_DEVICE uint8_t code_of(float s) {
 // float32 bit patterns by tests/nf4/code_cells_check.cpp (with the premise of the argument: no
 // cell holds two midpoints).
 constexpr int kCodeCells = 33;
-constexpr float kCellMagic = 12582928.0f;  // 1.5 * 2^23 + 16
+constexpr float kCellMagic = 12582928.0f;         // 1.5 * 2^23 + 16
 constexpr uint32_t kCellMagicBase = 0x4B400000u;  // bits(1.5 * 2^23): bits(w) - this = the cell
 struct CodeCell {
   float mid;  // the midpoint inside the cell, +inf if none
@@ -228,7 +231,7 @@ QF_HOST_DEVICE int cell_of_unclamped(float s) {
 }
 QF_HOST_DEVICE int cell_of(float s) {
   const float c = s > 1.0f ? 1.0f : (s >= -1.0f ? s : -1.0f);  // NaN -> -1
-  return cell_of_unclamped(c);  // 0 .. 32
+  return cell_of_unclamped(c);                                 // 0 .. 32
 }
 
 QF_HOST_DEVICE CodeCell code_cell(int i) {
@@ -290,8 +293,8 @@ QF_HOST_DEVICE uint8_t dynamic_code_of(float v) {
   if (!(v == v)) return 0;  // NaN (0 * inf): bitsandbytes' table lookup yields 0 on x86
   v = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
   constexpr float kLast = static_cast<float>(kDynamicLutCells - 1);  // 65535
-  const float t = ((v + 1.0f) * 0.5f) * kLast + 0.5f;  // four separately rounded operations
-  const int cell = static_cast<int>(t);                 // truncation; t in [0.5, 65535.5]
+  const float t = ((v + 1.0f) * 0.5f) * kLast + 0.5f;                // four separately rounded operations
+  const int cell = static_cast<int>(t);                              // truncation; t in [0.5, 65535.5]
   // The cell's value, as the table was built: -1 + (2 * cell) / 65535.
   const float cv = -1.0f + (2.0f * static_cast<float>(cell)) / kLast;
   // Number of map midpoints below cv (lower_bound), by binary search over the 255 midpoints
@@ -300,7 +303,8 @@ QF_HOST_DEVICE uint8_t dynamic_code_of(float v) {
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
     const float m = 0.5f * (dynamic_map_value(mid) + dynamic_map_value(mid + 1));
-    if (m < cv) lo = mid + 1; else hi = mid;
+    if (m < cv) lo = mid + 1;
+    else hi = mid;
   }
   return static_cast<uint8_t>(lo);
 }
@@ -320,7 +324,7 @@ QF_HOST_DEVICE float double_quant_block(const float* d, int64_t len, uint8_t* q)
 
 QF_HOST_DEVICE float dequantize_absmax_value(uint8_t code, float absmax2, float offset) {
   const float scaled = dynamic_map_value(code) * absmax2;  // rounded ...
-  return scaled + offset;                                   // ... then the add (no FMA)
+  return scaled + offset;                                  // ... then the add (no FMA)
 }
 
 // --- the compressed-statistics offset: torch's float32 mean on one CPU thread ------------------------
@@ -348,15 +352,18 @@ QF_HOST_DEVICE float dequantize_absmax_value(uint8_t code, float absmax2, float 
 // the 32 streams side by side in one pass; the CUDA kernel computes the chunk sums in parallel and
 // pushes them in order. Both use the helpers below, so they share every addition.
 
-constexpr int kSumLanes = 8;                    // torch's Vectorized<float>::size() (AVX2)
-constexpr int kSumStreams = 4 * kSumLanes;      // ilp rows x lanes
-constexpr int kSumStreamsSmall = 4;             // n < 8: ilp rows of scalars
+constexpr int kSumLanes = 8;                // torch's Vectorized<float>::size() (AVX2)
+constexpr int kSumStreams = 4 * kSumLanes;  // ilp rows x lanes
+constexpr int kSumStreamsSmall = 4;         // n < 8: ilp rows of scalars
 
 QF_HOST_DEVICE int64_t sum_ceil_log2(int64_t x) {  // c10 / ATen utils::CeilLog2
   if (x <= 2) return 1;
   int64_t r = 0;
   uint64_t v = static_cast<uint64_t>(x - 1);
-  while (v) { ++r; v >>= 1; }
+  while (v) {
+    ++r;
+    v >>= 1;
+  }
   return r;
 }
 // log2 of the level step for `groups` groups of 4: max(4, ceil_log2(groups) / 4).
@@ -436,8 +443,7 @@ void quantize_cpu(const T* x, int64_t n, int64_t blocksize, uint8_t* packed, flo
 template <class T>
 void dequantize_cpu(const uint8_t* packed, const float* absmax, int64_t n, int64_t blocksize, T* y);
 // Decode elements [i0, i1) of the flat tensor to float32 (used by the GEMM tile decoder).
-void dequantize_range(const uint8_t* packed, const float* absmax, int64_t i0, int64_t i1, int64_t blocksize,
-                      float* y);
+void dequantize_range(const uint8_t* packed, const float* absmax, int64_t i0, int64_t i1, int64_t blocksize, float* y);
 // float32 mean in torch's single-thread CPU summation order (bitsandbytes' absmax.mean()).
 float mean_torch_order(const float* x, int64_t n);
 // absmax[n_blocks] -> q[n_blocks] uint8, absmax2[ceil(n_blocks/256)], *offset.
@@ -452,8 +458,7 @@ void quantize_cuda(const T* x, int64_t n, int64_t blocksize, uint8_t* packed, fl
 template <class T>
 void dequantize_cuda(const uint8_t* packed, const float* absmax, int64_t n, int64_t blocksize, T* y, void* stream);
 // The offset is computed on the device (torch's CPU order, see above) and written to offset[0].
-void double_quant_cuda(const float* absmax, int64_t n_blocks, uint8_t* q, float* absmax2, float* offset,
-                       void* stream);
+void double_quant_cuda(const float* absmax, int64_t n_blocks, uint8_t* q, float* absmax2, float* offset, void* stream);
 // `offset` is a device pointer to the one float32 offset.
 void dequantize_absmax_cuda(const uint8_t* q, const float* absmax2, const float* offset, int64_t n_blocks,
                             float* absmax, void* stream);

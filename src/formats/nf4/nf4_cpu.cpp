@@ -26,8 +26,7 @@ void quantize_cpu(const T* x, int64_t n, int64_t blocksize, uint8_t* packed, flo
       grain);
 }
 
-void dequantize_range(const uint8_t* packed, const float* absmax, int64_t i0, int64_t i1, int64_t blocksize,
-                      float* y) {
+void dequantize_range(const uint8_t* packed, const float* absmax, int64_t i0, int64_t i1, int64_t blocksize, float* y) {
   // Walk block by block so that the scale is loaded once per block, not per element.
   int64_t i = i0;
   while (i < i1) {
@@ -54,7 +53,7 @@ void dequantize_cpu(const uint8_t* packed, const float* absmax, int64_t n, int64
         for (int64_t i = s; i < e; ++i) {
           const uint8_t byte = packed[i >> 1];
           const uint8_t code = (i & 1) ? (byte & 0x0F) : (byte >> 4);  // even element: high nibble
-          from_f32(dequantize_value(code, a), y + i);                   // float32, rounded once to T
+          from_f32(dequantize_value(code, a), y + i);                  // float32, rounded once to T
         }
       },
       grain);
@@ -109,7 +108,7 @@ void dequantize_absmax_cpu(const uint8_t* q, const float* absmax2, float offset,
       128);
 }
 
-#define QF_INSTANTIATE(T)                                                         \
+#define QF_INSTANTIATE(T)                                                      \
   template void quantize_cpu<T>(const T*, int64_t, int64_t, uint8_t*, float*); \
   template void dequantize_cpu<T>(const uint8_t*, const float*, int64_t, int64_t, T*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)

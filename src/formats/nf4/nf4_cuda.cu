@@ -27,26 +27,26 @@
 #include <type_traits>
 
 #include "common/cuda_utils.cuh"
-#include "common/unitwise_cuda.cuh"
 #include "common/fp16.h"
+#include "common/unitwise_cuda.cuh"
 #include "formats/nf4/nf4.h"
 
 namespace qf::nf4 {
 namespace {
 
-constexpr int kThreads = 256;                           // threads per CTA of the codec kernels
+constexpr int kThreads = 256;  // threads per CTA of the codec kernels
 constexpr int kWarps = kThreads / 32;
-constexpr int kQuantVecs = 4;                           // 16-byte vectors per thread in quantize
-constexpr int kQuantMinCtas = 6;                        // quantize: 40 registers, 1536 threads/SM
+constexpr int kQuantVecs = 4;     // 16-byte vectors per thread in quantize
+constexpr int kQuantMinCtas = 6;  // quantize: 40 registers, 1536 threads/SM
 
 // Dequantize layout: a CTA decodes a tile of 4096 values, 16 per thread in kSteps steps.
 constexpr int kValuesPerThread = 16;
-constexpr int kTile = kThreads * kValuesPerThread;      // 4096 values per CTA
+constexpr int kTile = kThreads * kValuesPerThread;  // 4096 values per CTA
 static_assert(kTile == kMaxBlocksize, "a tile holds whole blocks");
 
 template <class T>
 struct Layout {
-  static constexpr int V = 16 / int(sizeof(T));       // values per 16-byte vector: 4 or 8
+  static constexpr int V = 16 / int(sizeof(T));        // values per 16-byte vector: 4 or 8
   static constexpr int kSteps = kValuesPerThread / V;  // vectors per thread: 4 or 2
   static constexpr int kSpan = kThreads * V;           // values per step: 1024 or 2048
   static_assert(kMinBlocksize % V == 0, "a vector never straddles two blocks");
@@ -159,7 +159,8 @@ __device__ __forceinline__ uint32_t add_code(uint32_t word, float s, uint32_t bi
   asm("ld.shared.v2.b32 {%0, %1}, [%2];" : "=f"(mid), "=r"(base) : "r"(__float_as_uint(w) * 8u + biased));
   word += base << kShift;
   asm("{\n\t.reg .pred p;\n\tsetp.gt.f32 p, %1, %2;\n\t@p add.u32 %0, %0, %3;\n\t}"
-      : "+r"(word) : "f"(s), "f"(mid), "n"(1u << kShift));
+      : "+r"(word)
+      : "f"(s), "f"(mid), "n"(1u << kShift));
   return word;
 }
 
@@ -175,8 +176,7 @@ __device__ __forceinline__ uint32_t vector_codes(uint32_t word, uint32_t biased,
   if constexpr (J == V) {
     return word;
   } else {
-    return vector_codes<T, V, kClamp, F, J + 1>(add_element_code<J, kClamp>(word, scaled(J), biased), biased,
-                                                scaled);
+    return vector_codes<T, V, kClamp, F, J + 1>(add_element_code<J, kClamp>(word, scaled(J), biased), biased, scaled);
   }
 }
 
@@ -190,15 +190,16 @@ __device__ __forceinline__ uint32_t vector_codes(uint32_t word, uint32_t biased,
 
 template <class T>
 struct QuantLayout {
-  static constexpr int V = 16 / int(sizeof(T));            // values per 16-byte vector
-  static constexpr int kPerThread = kQuantVecs * V;        // 32 or 16 consecutive values
-  static constexpr int kTile = kThreads * kPerThread;      // values per CTA
-  static constexpr int kOutBytes = kPerThread / 2;         // 16 or 8 bytes of packed codes
+  static constexpr int V = 16 / int(sizeof(T));        // values per 16-byte vector
+  static constexpr int kPerThread = kQuantVecs * V;    // 32 or 16 consecutive values
+  static constexpr int kTile = kThreads * kPerThread;  // values per CTA
+  static constexpr int kOutBytes = kPerThread / 2;     // 16 or 8 bytes of packed codes
   static_assert(kMinBlocksize % kPerThread == 0, "a thread's values lie in one block");
 };
 
 template <class T, int kMinCtas>
-__global__ void __launch_bounds__(kThreads, cuda::unitwise::min_ctas_for_arch(kMinCtas, kThreads))
+__global__ void
+__launch_bounds__(kThreads, cuda::unitwise::min_ctas_for_arch(kMinCtas, kThreads))
 quantize_kernel(const T* __restrict__ x, int64_t n, int lg, uint8_t* __restrict__ packed,
                 float* __restrict__ absmax, bool vec_in, bool vec_out) {
   using L = QuantLayout<T>;

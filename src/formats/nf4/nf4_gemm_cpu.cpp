@@ -14,18 +14,24 @@ void nf4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t
   const Nf4CpuKernels& kern = nf4_cpu_kernels();
   // Rows of W are flat ranges [m K + k0, m K + k1); a 32-aligned run never straddles a block, so
   // the vector decoders take every row when K % 32 == 0 (else the portable decoder does).
-  weight_only_gemm_tiles(X, N, K, M, kTileK, [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
-    const int64_t len = k1 - k0;
-    for (int64_t m = m0; m < m1; ++m) kern.decode(packed, absmax, log2_bs, m * K + k0, len, tile + (m - m0) * len);
-  }, Y);
+  weight_only_gemm_tiles(
+      X, N, K, M, kTileK,
+      [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
+        const int64_t len = k1 - k0;
+        for (int64_t m = m0; m < m1; ++m) kern.decode(packed, absmax, log2_bs, m * K + k0, len, tile + (m - m0) * len);
+      },
+      Y);
 }
 
 const Nf4CpuKernels& nf4_cpu_kernels() {
 #if QF_GEMM_X86
   switch (active_isa()) {
-    case Isa::avx512: return k_avx512::nf4_kernels();
-    case Isa::avx2: return k_avx2::nf4_kernels();
-    default: break;
+    case Isa::avx512:
+      return k_avx512::nf4_kernels();
+    case Isa::avx2:
+      return k_avx2::nf4_kernels();
+    default:
+      break;
   }
 #endif
   return k_scalar::nf4_kernels();

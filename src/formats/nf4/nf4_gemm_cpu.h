@@ -23,10 +23,16 @@ struct Nf4CpuKernels {
   void (*decode)(const uint8_t* packed, const float* absmax, int log2_bs, int64_t i0, int64_t len, float* out);
 };
 const Nf4CpuKernels& nf4_cpu_kernels();  // the table of active_isa()
-namespace k_scalar { const Nf4CpuKernels& nf4_kernels(); }
+namespace k_scalar {
+const Nf4CpuKernels& nf4_kernels();
+}
 #if QF_GEMM_X86
-namespace k_avx2 { const Nf4CpuKernels& nf4_kernels(); }
-namespace k_avx512 { const Nf4CpuKernels& nf4_kernels(); }
+namespace k_avx2 {
+const Nf4CpuKernels& nf4_kernels();
+}
+namespace k_avx512 {
+const Nf4CpuKernels& nf4_kernels();
+}
 #endif
 
 }  // namespace qf::gemm

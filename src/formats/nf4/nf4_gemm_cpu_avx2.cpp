@@ -10,8 +10,7 @@
 namespace qf::gemm::k_avx2 {
 namespace {
 
-QF_AVX2 void decode_nf4(const uint8_t* packed, const float* absmax, int log2_bs, int64_t i0, int64_t len,
-                        float* out) {
+QF_AVX2 void decode_nf4(const uint8_t* packed, const float* absmax, int log2_bs, int64_t i0, int64_t len, float* out) {
   if ((i0 | len) & 31) return k_scalar::nf4_kernels().decode(packed, absmax, log2_bs, i0, len, out);
   const __m256 lut_lo = _mm256_loadu_ps(nf4::kCode), lut_hi = _mm256_loadu_ps(nf4::kCode + 8);
   for (int64_t t = 0; t < len; t += 32) {

@@ -34,17 +34,17 @@ namespace qf::q4_0 {
 constexpr int QK = 32;  // values per block (QK4_0)
 
 struct block_q4_0 {
-  half_t d;             // scale, fp16
-  uint8_t qs[QK / 2];   // nibbles: element j low, element j + QK/2 high
+  half_t d;            // scale, fp16
+  uint8_t qs[QK / 2];  // nibbles: element j low, element j + QK/2 high
 };
 static_assert(sizeof(block_q4_0) == 2 + QK / 2, "wrong q4_0 block size/padding");
 
 // One 4-bit code from a float32 value and the block's reciprocal scale.
 QF_HOST_DEVICE uint8_t quantize_value(float x, float id) {
-  const float scaled = x * id;       // rounded to float32 ...
-  const float v = scaled + 8.5f;     // ... then the add, rounded again (no FMA)
+  const float scaled = x * id;                                 // rounded to float32 ...
+  const float v = scaled + 8.5f;                               // ... then the add, rounded again (no FMA)
   if (!(v == v) || v == INFINITY || v == -INFINITY) return 0;  // see the header comment
-  const int q = static_cast<int>(v);  // truncation toward zero; v >= 0 here
+  const int q = static_cast<int>(v);                           // truncation toward zero; v >= 0 here
   return static_cast<uint8_t>(q < 15 ? q : 15);
 }
 
@@ -54,7 +54,10 @@ QF_HOST_DEVICE void quantize_block(const T* x, block_q4_0* y) {
   for (int j = 0; j < QK; ++j) {
     const float v = to_f32(x[j]);
     const float a = fabsf(v);  // fabsf, not a sign test: |-0.0| must be +0.0
-    if (amax < a) { amax = a; max = v; }
+    if (amax < a) {
+      amax = a;
+      max = v;
+    }
   }
   const float d = max / -8.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;

@@ -18,7 +18,7 @@ void dequantize_cpu(const block_q4_0* x, int64_t n_blocks, T* y) {
   });
 }
 
-#define QF_INSTANTIATE(T)                                             \
+#define QF_INSTANTIATE(T)                                        \
   template void quantize_cpu<T>(const T*, int64_t, block_q4_0*); \
   template void dequantize_cpu<T>(const block_q4_0*, int64_t, T*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)

@@ -21,10 +21,16 @@ struct Q4_0CpuKernels {
   void (*decode)(const q4_0::block_q4_0* blocks, int64_t n_blocks, float* out);
 };
 const Q4_0CpuKernels& q4_0_cpu_kernels();  // the table of active_isa()
-namespace k_scalar { const Q4_0CpuKernels& q4_0_kernels(); }
+namespace k_scalar {
+const Q4_0CpuKernels& q4_0_kernels();
+}
 #if QF_GEMM_X86
-namespace k_avx2 { const Q4_0CpuKernels& q4_0_kernels(); }
-namespace k_avx512 { const Q4_0CpuKernels& q4_0_kernels(); }
+namespace k_avx2 {
+const Q4_0CpuKernels& q4_0_kernels();
+}
+namespace k_avx512 {
+const Q4_0CpuKernels& q4_0_kernels();
+}
 #endif
 
 }  // namespace qf::gemm

@@ -27,16 +27,16 @@ namespace qf::q8_1 {
 constexpr int QK = 32;  // values per block (QK8_1)
 
 struct block_q8_1 {
-  half_t d;        // scale, fp16
-  half_t s;        // d * sum(qs), fp16
-  int8_t qs[QK];   // codes
+  half_t d;       // scale, fp16
+  half_t s;       // d * sum(qs), fp16
+  int8_t qs[QK];  // codes
 };
 static_assert(sizeof(block_q8_1) == 4 + QK, "wrong q8_1 block size/padding");
 
 QF_HOST_DEVICE int8_t quantize_value(float x, float id) {
   const float v = x * id;
   if (!(v == v) || v == INFINITY || v == -INFINITY) return 0;  // see the header comment
-  const float r = roundf(v);  // |v| <= 127 (+ rounding) since |x| <= amax
+  const float r = roundf(v);                                   // |v| <= 127 (+ rounding) since |x| <= amax
   return static_cast<int8_t>(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
 }
 

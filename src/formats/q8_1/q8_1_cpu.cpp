@@ -18,7 +18,7 @@ void dequantize_cpu(const block_q8_1* x, int64_t n_blocks, T* y) {
   });
 }
 
-#define QF_INSTANTIATE(T)                                             \
+#define QF_INSTANTIATE(T)                                        \
   template void quantize_cpu<T>(const T*, int64_t, block_q8_1*); \
   template void dequantize_cpu<T>(const block_q8_1*, int64_t, T*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)

@@ -9,7 +9,9 @@ struct Codec {
   using Block = block_q8_1;
   static constexpr int QK = q8_1::QK;
   template <class T>
-  static __device__ void quantize_block(const T* x, Block* y) { q8_1::quantize_block(x, y); }
+  static __device__ void quantize_block(const T* x, Block* y) {
+    q8_1::quantize_block(x, y);
+  }
   static __device__ void dequantize_block(const Block* b, float* y) { q8_1::dequantize_block(b, y); }
 };
 }  // namespace
@@ -24,7 +26,7 @@ void dequantize_cuda(const block_q8_1* x, int64_t n_blocks, T* y, void* stream) 
   cuda::blockwise_dequantize<Codec>(x, n_blocks, y, stream);
 }
 
-#define QF_INSTANTIATE(T)                                                 \
+#define QF_INSTANTIATE(T)                                                \
   template void quantize_cuda<T>(const T*, int64_t, block_q8_1*, void*); \
   template void dequantize_cuda<T>(const block_q8_1*, int64_t, T*, void*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)

@@ -56,9 +56,41 @@ def device_of(x: Any) -> str:
 
 
 def check_type(x: Any, name: str) -> None:
-    """TypeError unless x is a numpy array or a torch tensor."""
-    if not (isinstance(x, np.ndarray) or is_torch(x)):
+    """TypeError unless x is a numpy array or a dense torch tensor that the native code reads
+    as it is. Refused, each with a message saying what to do instead:
+
+    - numpy masked arrays (the mask is not honoured by any codec; pass ``x.filled(v)`` or
+      ``x.data`` to say what the masked values are);
+    - arrays whose byte order is not the machine's (big-endian ``>f4`` on x86/ARM):
+      ``x.astype(x.dtype.newbyteorder("="))``;
+    - read-only numpy arrays and memory maps (``np.memmap(..., mode="r")``): the native
+      bindings take writable arrays only; pass ``np.array(x)`` (a copy) or open the map with
+      ``mode="c"`` (copy-on-write, no copy of the file);
+    - sparse torch tensors (``x.to_dense()``) and tensors with the lazy negation / conjugation
+      bit set (``torch._neg_view``, ``x.conj()``: ``x.resolve_neg()`` / ``x.resolve_conj()``),
+      whose memory does not hold the values they stand for.
+    """
+    if is_torch(x):
+        t = _torch()
+        if x.layout != t.strided:
+            raise TypeError(f"{name}: sparse or non-strided tensors ({x.layout}) are not "
+                            "supported; pass x.to_dense()")
+        if x.is_neg() or x.is_conj():
+            raise TypeError(f"{name}: tensor has its lazy negation/conjugation bit set (its memory "
+                            "does not hold its values); pass x.resolve_neg().resolve_conj()")
+        return
+    if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name}: numpy masked arrays are not supported (the mask would be "
+                        "ignored); pass x.filled(value) or x.data")
+    if not x.dtype.isnative:
+        raise TypeError(f"{name}: byte order {x.dtype.str!r} is not the machine's; pass "
+                        "x.astype(x.dtype.newbyteorder('='))")
+    if not x.flags.writeable:
+        raise TypeError(f"{name}: read-only array (or a memory map opened with mode='r'); the "
+                        "native code takes writable arrays only: pass np.array(x) (a copy), or "
+                        "open the map with mode='c' (copy-on-write, no copy)")
 
 
 def cuda_built() -> bool:

@@ -59,7 +59,7 @@ class QuantizedTensor:
     buffers: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.shape = tuple(int(s) for s in self.shape)
+        self.shape = _check_shape(self.shape)
 
     # -- decoding ---------------------------------------------------------------------------
     def dequantize(self, dtype: str | None = None):
@@ -142,6 +142,21 @@ class QuantizedTensor:
                 f"params={self.params}, avg_bits={self.avg_bits:.3f}, device={self.device!r})")
 
 
+def _check_shape(shape: Any) -> tuple:
+    """``shape`` as a tuple of Python ints; TypeError for anything but a sequence of integers
+    (a float such as 2.7 is refused, not truncated), ValueError for a negative size."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"shape: expected a sequence of ints, got {type(shape).__name__}")
+    out = []
+    for s in shape:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"shape: expected ints, got {s!r} ({type(s).__name__}) in {tuple(shape)}")
+        if s < 0:
+            raise ValueError(f"shape: sizes must be >= 0, got {tuple(shape)}")
+        out.append(int(s))
+    return tuple(out)
+
+
 def _nbytes(b: Any) -> int:
     if A.is_torch(b):
         return b.numel() * b.element_size()
@@ -150,7 +165,12 @@ def _nbytes(b: Any) -> int:
 
 def validate(qt: QuantizedTensor) -> None:
     """Check that ``qt`` has its format's buffers with the expected dtypes and shapes (each
-    format module's ``expected_buffers(shape, params)``). Raises ValueError otherwise."""
+    format module's ``expected_buffers(shape, params)``). Raises ValueError otherwise, and
+    TypeError for a shape that is not a sequence of ints or a buffer that is not a numpy
+    array / torch tensor (a list, None, a sparse tensor)."""
+    qt.shape = _check_shape(qt.shape)  # the attribute may have been reassigned since __init__
+    if not isinstance(qt.buffers, dict):
+        raise TypeError(f"buffers: expected a dict {{name: array}}, got {type(qt.buffers).__name__}")
     if qt.dtype not in A.FLOAT_DTYPES:
         raise ValueError(f"bad dtype {qt.dtype!r} in a {qt.format} QuantizedTensor")
     mod = format_module(qt.format)
@@ -162,6 +182,7 @@ def validate(qt: QuantizedTensor) -> None:
         raise ValueError(f"{qt.format}: expected buffers {sorted(expected)}, got {sorted(qt.buffers)}")
     for name, (dtype, shape) in expected.items():
         b = qt.buffers[name]
+        A.check_type(b, f"{qt.format} buffer {name!r}")
         if A.dtype_name(b) != dtype or tuple(b.shape) != tuple(shape):
             raise ValueError(f"{qt.format} buffer {name!r}: expected {dtype}{list(shape)}, "
                              f"got {A.dtype_name(b)}{list(b.shape)}")

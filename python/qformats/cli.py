@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import struct
 import sys
 import textwrap
 import warnings
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import __version__, _runtime
+from ._files import read_safetensors_header
 from ._core import FORMATS, format_spec
 from .compare import DEFAULT_MAX_SENTENCES, DEFAULT_MAX_TOKENS, CompareError, _parse_value, compare
 from .config import METHODS, BudgetConfig, SignRoundConfig, check_method
@@ -188,7 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype the model is loaded in, so the dtype its unquantized tensors "
                         "(embeddings, norms, lm_head) are saved in (default: auto = the "
                         "checkpoint's)")
-    q.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    q.add_argument("--out", required=True, metavar="DIR",
+                   help="output folder: a new or empty folder (checked before the model is "
+                        "loaded), never the model's own folder")
+    q.add_argument("--overwrite", action="store_true",
+                   help="allow --out to be a folder that is not empty (files of the same names "
+                        "are replaced)")
     q.add_argument("--threads", type=_positive, metavar="N",
                    help="CPU threads for torch and the qformats codecs (default: all cores)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -281,6 +286,18 @@ def _error(cmd: str, e: BaseException) -> int:
     return 2
 
 
+def _check_writable(out: str) -> None:
+    """ValueError unless folder ``out`` exists and is writable, or could be created: its
+    nearest existing ancestor is a writable folder."""
+    p = Path(out).absolute()
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        raise ValueError(f"--out {out}: {p} is not a folder")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {p} is not writable")
+
+
 def _cmd_quantize(args) -> int:
     try:
         if args.format is not None:
@@ -304,9 +321,11 @@ def _cmd_quantize(args) -> int:
             overrides[pat] = _parse_spec(sp)
         from .model import quantize_model  # needs torch: see the note at the top
         from .plan import resolve_spec
-        from .saving import save_quantized
+        from .saving import check_output_dir, save_quantized
 
-        # Check the choice before the (slower) model load.
+        # Check the choice and the output folder before the (slower) model load.
+        check_output_dir(args.out, args.model, overwrite=args.overwrite)
+        _check_writable(args.out)
         check_method(args.method)
         method_options = {}  # the method's own options (qformats.config): not format parameters
         if args.method in ("signround", "budget"):
@@ -409,15 +428,14 @@ def _stored_size(path, cfg) -> dict:
     """Sizes of a quantized folder as stored, from its safetensors header (exact, whatever
     dtype the model was loaded in): quantized_bytes (packed buffers of the listed layers),
     other_bytes, total_bytes, quantized_layers, avg_bits."""
-    f = Path(path) / cfg.get("weights", "qformats_model.safetensors")
-    with open(f, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
+    header = read_safetensors_header(Path(path) / cfg.get("weights", "qformats_model.safetensors"))
     prefixes = {f"{name}.{b}" for name, layer in cfg["layers"].items() for b in layer["buffers"]}
     qbytes = obytes = 0
     for k, info in header.items():
         if k == "__metadata__":
             continue
+        if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
+            raise ValueError(f"{path}: tensor {k!r} has no shape in the safetensors header")
         nb = math.prod(info["shape"]) * _ST_BYTES.get(info["dtype"], 4)
         if k in prefixes:
             qbytes += nb
@@ -490,11 +508,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help / --version (0) or a usage error (2)
         return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
+    import signal
+    import threading
+
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C: the savers remove their temporaries on the way out
+        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print("qformats: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

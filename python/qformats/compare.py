@@ -16,6 +16,7 @@ Use::
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import os
@@ -23,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 from . import _runtime
 from ._core import FORMATS, format_spec
@@ -201,8 +204,30 @@ def parse_formats(spec: str | Sequence[str] | None) -> list[tuple[str, dict]]:
                 raise CompareError(f"bad format parameter {kv!r} in {item!r}: expected key=value")
             k, v = kv.split("=", 1)
             params[k] = _parse_value(v)
+        _check_params(name, params, item)
         out.append((name, params))
     return out
+
+
+#: Largest block a format may be asked for: the trial quantization below allocates [2, block].
+_MAX_BLOCK = 1 << 20
+
+
+def _check_params(name: str, params: dict, item: str) -> None:
+    """CompareError unless the format accepts ``params``: a quantize keyword it does not have,
+    or a value it rejects (tried on a zero weight of two rows, one block wide, before any model
+    is loaded). A format whose module cannot be loaded is left for its row to report."""
+    mod, _ = _import_format(name)
+    if mod is None:
+        return
+    try:
+        inspect.signature(mod.quantize).bind(None, **params)
+        blk = _block_of(mod, params)
+        if blk > _MAX_BLOCK:
+            raise ValueError(f"a block of {blk} values is larger than {_MAX_BLOCK}")
+        mod.quantize(np.zeros((2, blk * -(-32 // blk)), np.float32), **params)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CompareError(f"bad parameters in {item!r}: {str(e).splitlines()[0]}") from None
 
 
 def _import_format(name: str):

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
-import struct
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ._files import read_safetensors_header
 from .progress import progress_bar
 
 __all__ = [
@@ -178,16 +180,25 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
                             "supported; use a causal LM or an encoder")
         causal = _is_causal(config)
         cls = AutoModelForCausalLM if causal else AutoModel
+        kwargs: dict = {}
         if dtype == "auto":  # `torch_dtype` before transformers 4.56, `dtype` since
             key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-            model = cls.from_pretrained(p, local_files_only=True, **{key: "auto"})
-        else:
-            model = cls.from_pretrained(p, local_files_only=True)
+            kwargs[key] = "auto"
+        with warnings.catch_warnings():
+            # torch's weights-only unpickler warns about the pickle protocol before refusing
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            model = cls.from_pretrained(p, local_files_only=True, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except EvalError:
         raise
-    except (OSError, ValueError, KeyError) as e:
-        raise EvalError(f"cannot load the model in {path}: {str(e).splitlines()[0]}") from e
+    except (OSError, ValueError, KeyError, RecursionError, pickle.UnpicklingError) as e:
+        # a pickle checkpoint (pytorch_model.bin) that torch's weights_only loader refuses, a
+        # config.json nested too deeply, ...: the first line of the reason, no traceback
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, pickle.UnpicklingError) or "weights only load failed" in msg.lower():
+            msg = ("a pickle checkpoint (pytorch_model.bin) holds more than tensors and is refused "
+                   "(loading it could run code); convert it to safetensors where it came from")
+        raise EvalError(f"cannot load the model in {path}: {msg}") from e
     if dtype != "auto":
         model = model.to(getattr(torch, dtype))
     model = model.eval()
@@ -222,10 +233,8 @@ def checkpoint_dtypes(path: str | os.PathLike) -> dict[str, str]:
     out: dict[str, str] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
+            header = read_safetensors_header(f)
+        except (OSError, ValueError):
             continue
         for name, info in header.items():
             if name != "__metadata__" and isinstance(info, dict) and "dtype" in info:

@@ -21,6 +21,11 @@ __all__ = ["DEFAULT_IGNORE", "BITS_FORMATS", "matches", "resolve_spec", "block",
 
 #: Module-name patterns left in float unless ``ignore=`` says otherwise: the output projection
 #: and anything named like an embedding (``nn.Embedding`` is never touched anyway).
+#: Largest block / group (values along in_features) that :func:`resolve_spec` accepts: 2**20,
+#: longer than any Linear's rows, so that a mistyped ``--group-size 268435456`` is refused
+#: before anything of that size is allocated.
+MAX_BLOCK = 1 << 20
+
 DEFAULT_IGNORE = ("lm_head", "embed_out", "*embed*", "*wte", "*wpe")
 
 #: ``bits`` -> (format, default params): a policy of the model level (which format and settings
@@ -106,9 +111,15 @@ def resolve_spec(format: Optional[str] = None, bits: Optional[int] = None,
     except TypeError as e:
         raise ValueError(f"{fmt}: bad parameters {base}: {e}") from e
     # Try the parameters on a tiny weight, so that a bad value fails before any layer changes.
-    blk = block(fmt, base)
     try:
-        mod.quantize(torch.zeros((2, max(blk, 32) if blk > 1 else 32)), **base)
+        blk = block(fmt, base)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{fmt}: bad parameters {base}: {e}") from e
+    if blk > MAX_BLOCK:  # checked before the trial weight [2, blk] is allocated
+        raise ValueError(f"{fmt}: a block/group of {blk} values is larger than any weight row "
+                         f"qformats quantizes (at most {MAX_BLOCK}); use a smaller group size")
+    try:
+        mod.quantize(torch.zeros((2, blk * -(-32 // blk))), **base)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{fmt}: bad parameters {base}: {e}") from e
     return fmt, base

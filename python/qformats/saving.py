@@ -24,6 +24,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
+import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -33,11 +36,13 @@ from torch import nn
 
 from . import __version__
 from ._core import float_dtype
+from ._files import fix_mode, read_json
 from .nn import QuantizedLinear
 from .plan import set_submodule
 from .sizes import model_size
 
 __all__ = ["save_quantized", "load_quantized", "read_quantization_config", "is_quantized_dir",
+           "check_output_dir",
            "empty_weights", "CONFIG_NAME", "WEIGHTS_NAME", "TOKENIZER_FILES"]
 
 CONFIG_NAME = "quantization_config.json"
@@ -106,14 +111,75 @@ def _non_persistent_dtypes(model: nn.Module) -> dict:
     return out
 
 
+def _copy_source_file(src: Path, fname: str, dest: Path) -> None:
+    """Copy ``src/fname`` to ``dest`` when it is a regular file, or a symlink whose target is a
+    regular file inside ``src``; anything else (a link leading out of the folder, a FIFO, a
+    device, a folder) is skipped with a warning. The contents are read from the resolved
+    target opened with O_NOFOLLOW, so a link swapped in after the check is not followed."""
+    p = src / fname
+    if not os.path.lexists(p):
+        return
+    root = src.resolve()
+    target = p.resolve()
+    if p.is_symlink() and not target.is_relative_to(root):
+        warnings.warn(f"{p} is a symlink to {target}, outside the source folder: not copied "
+                      "(save_quantized copies only files inside the model's folder)", stacklevel=3)
+        return
+    try:
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        warnings.warn(f"{p}: cannot read it ({e.strerror}): not copied", stacklevel=3)
+        return
+    with os.fdopen(fd, "rb") as fin:
+        if not stat.S_ISREG(os.fstat(fin.fileno()).st_mode):
+            warnings.warn(f"{p} is not a regular file: not copied", stacklevel=3)
+            return
+        with open(dest, "wb") as fout:
+            shutil.copyfileobj(fin, fout)
+
+
+def check_output_dir(directory: Union[str, os.PathLike], source: Union[str, os.PathLike, None] = None,
+                     *, overwrite: bool = True) -> Path:
+    """``directory`` as a Path, after the checks made before anything is loaded or written
+    (:func:`save_quantized` makes the first two; ``qformats quantize --out`` all of them).
+    Raises ValueError for an empty path, a path that is an existing file, the ``source``
+    folder itself (or a path that resolves to it), or, with ``overwrite=False``, an existing
+    folder that is not empty."""
+    if os.fspath(directory) == "":
+        raise ValueError("directory: empty path; name the output folder")
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a folder")
+    if source is not None and os.fspath(source) != "" and Path(source).is_dir() \
+            and out.resolve() == Path(source).resolve():
+        raise ValueError(f"{out}: is the model's source folder; write the quantized model to "
+                         "another folder")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out}: folder exists and is not empty (use a new folder, or allow "
+                         "overwriting)")
+    return out
+
+
 def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, tokenizer: Any = None,
                    source: Union[str, os.PathLike, None] = None) -> Path:
     """Write a (quantized) model to a folder that :func:`load_quantized` reads back.
 
+    Every file is first written to a temporary folder inside ``directory`` and then renamed
+    into place, ``quantization_config.json`` last (an older one is removed first): an
+    interrupted save (an exception, Ctrl-C) removes its temporaries and leaves either the
+    previous model's files or a folder without ``quantization_config.json``, which
+    :func:`load_quantized` refuses with a clear error; never a mix that loads.
+
+    Files copied from ``source``: only regular files, and symlinks whose target is a regular
+    file inside ``source`` (copied as a regular file). A symlink that leads out of the source
+    folder (to any file on the machine) is never followed: it is skipped with a
+    :class:`UserWarning`, so nothing outside the model's folder ends up in the output.
+
     Args:
         model: a module, typically after :func:`qformats.quantize_model`; its QuantizedLinear
             layers are stored packed, every other tensor as it is (dtype and values).
-        directory: the output folder (created; files of the same names are replaced).
+        directory: the output folder (created; files of the same names are replaced); not
+            ``""``. It may be the folder the model was loaded from (nothing is then copied).
         tokenizer: a Hugging Face tokenizer to save with it (``save_pretrained``); else the
             tokenizer files (and ``generation_config.json``) of ``source`` are copied.
         source: the model's original folder; default: ``model.config._name_or_path`` when it
@@ -121,7 +187,8 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
     Returns:
         the folder's Path.
     Raises:
-        ValueError: tensors on the meta device or non-tensor state.
+        ValueError: tensors on the meta device or non-tensor state; ``directory`` empty or
+            an existing file.
         TypeError: model is not an nn.Module.
         OSError: the folder cannot be written.
     """
@@ -129,8 +196,10 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    src = _source_dir(model, source)
+    out = check_output_dir(directory)
+    if src is not None and src.resolve() == out.resolve():
+        src = None  # re-saving a loaded model into its folder: nothing to copy onto itself
     layers = {name: m.config() for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     tensors, aliases = _dedup_state(model)
     cls = type(model)
@@ -146,26 +215,36 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
         "size": {k: (None if isinstance(v, float) and v != v else v)
                  for k, v in model_size(model).items()},
     }
-    tmp = out / (WEIGHTS_NAME + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "qformats": str(CONFIG_VERSION)})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates it 0600
-    os.replace(tmp, out / WEIGHTS_NAME)
-    hf_config = getattr(model, "config", None)
-    if hf_config is not None and callable(getattr(hf_config, "to_json_file", None)):
-        hf_config.to_json_file(str(out / "config.json"))
-    src = _source_dir(model, source)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    if src is not None and src.resolve() != out.resolve():
-        copy = TOKENIZER_FILES if tokenizer is None else ("generation_config.json",)
-        for fname in copy:
-            if (src / fname).is_file():
-                shutil.copyfile(src / fname, out / fname)
-    with open(out / CONFIG_NAME, "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, sort_keys=False)
-        f.write("\n")
+    out.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".qformats-save-", dir=out))
+    try:
+        save_file(tensors, str(stage / WEIGHTS_NAME),
+                  metadata={"format": "pt", "qformats": str(CONFIG_VERSION)})
+        hf_config = getattr(model, "config", None)
+        if hf_config is not None and callable(getattr(hf_config, "to_json_file", None)):
+            hf_config.to_json_file(str(stage / "config.json"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(stage))
+        if src is not None:
+            copy = TOKENIZER_FILES if tokenizer is None else ("generation_config.json",)
+            for fname in copy:
+                if not (stage / fname).exists():
+                    _copy_source_file(src, fname, stage / fname)
+        with open(stage / CONFIG_NAME, "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2, sort_keys=False)
+            f.write("\n")
+        # into place: the old config goes first and the new one comes last, so that a folder
+        # interrupted in between has no quantization_config.json (load_quantized refuses it)
+        (out / CONFIG_NAME).unlink(missing_ok=True)
+        for entry in sorted(stage.iterdir(), key=lambda e: e.name == CONFIG_NAME):
+            dest = out / entry.name
+            if entry.is_file():
+                fix_mode(entry)
+            if entry.is_dir() and dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
+            os.replace(entry, dest)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return out
 
 
@@ -192,10 +271,7 @@ def read_quantization_config(directory: Union[str, os.PathLike]) -> dict:
     f = p / CONFIG_NAME
     if not f.is_file():
         raise ValueError(f"{directory}: no {CONFIG_NAME}; not a qformats quantized model folder")
-    try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{f}: not valid JSON: {e}") from e
+    cfg = read_json(f, CONFIG_NAME)  # a regular file, <= 64 MiB, <= 64 levels deep
     if not isinstance(cfg, dict):
         raise ValueError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
     method = cfg.get("quant_method")
@@ -210,10 +286,45 @@ def read_quantization_config(directory: Union[str, os.PathLike]) -> dict:
         raise ValueError(f"{f}: 'layers' must be an object {{name: layer config}}")
     if not isinstance(cfg.get("aliases", {}), dict):
         raise ValueError(f"{f}: 'aliases' must be an object")
+    for name, layer in cfg["layers"].items():
+        _check_layer_config(f, name, layer)
+    for k, v in cfg.get("aliases", {}).items():
+        if not isinstance(v, str):
+            raise ValueError(f"{f}: alias {k!r} must name a stored tensor, got {v!r}")
+    computed = cfg.get("computed_buffers", {})
+    if not isinstance(computed, dict) or not all(
+            isinstance(v, str) and v in _COMPUTED_DTYPES for v in computed.values()):
+        raise ValueError(f"{f}: 'computed_buffers' must be an object {{buffer name: dtype}} with "
+                         f"dtypes among {sorted(_COMPUTED_DTYPES)}, got {computed!r}"[:300])
     w = cfg.get("weights", WEIGHTS_NAME)
     if not isinstance(w, str) or not w or Path(w).name != w:
         raise ValueError(f"{f}: 'weights' must be a file name in the folder, got {w!r}")
     return cfg
+
+
+_COMPUTED_DTYPES = {"float32", "float16", "bfloat16", "float64"}
+_LAYER_KEYS = {"format": str, "params": dict, "in_features": int, "out_features": int,
+               "bias": bool, "buffers": dict}
+
+
+def _check_layer_config(f: Path, name: Any, layer: Any) -> None:
+    """ValueError naming the file and the layer unless ``layer`` has every key that
+    :meth:`QuantizedLinear.config` writes, each of the type it writes (sizes positive ints)."""
+    if not isinstance(layer, dict):
+        raise ValueError(f"{f}: layer {name!r}: expected an object, got {type(layer).__name__}")
+    for k, typ in _LAYER_KEYS.items():
+        if k not in layer:
+            raise ValueError(f"{f}: layer {name!r}: missing key {k!r}")
+        v = layer[k]
+        if not isinstance(v, typ) or (typ is int and (isinstance(v, bool) or v < 1)):
+            raise ValueError(f"{f}: layer {name!r}: {k!r} must be "
+                             f"{'a positive int' if typ is int else 'a ' + typ.__name__}, got {v!r}"[:300])
+    for b, rec in layer["buffers"].items():
+        if not (isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], str)
+                and isinstance(rec[1], list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in rec[1])):
+            raise ValueError(f"{f}: layer {name!r}: buffer {b!r} must be [dtype, [sizes]], "
+                             f"got {rec!r}"[:300])
 
 
 @contextmanager
@@ -383,22 +494,39 @@ def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtyp
     if left:
         raise ValueError(f"{directory}: the model has tensors the checkpoint does not provide "
                          f"(still on the meta device): {_few(left)}")
-    computed = cfg.get("computed_buffers", {})
-    if isinstance(computed, dict):
-        for name, dt in computed.items():
-            owner, _, b = name.rpartition(".")
-            try:
-                m = model.get_submodule(owner) if owner else model
-            except AttributeError:
-                continue
-            t = m._buffers.get(b)
-            want = getattr(torch, str(dt), None)
-            if isinstance(t, torch.Tensor) and isinstance(want, torch.dtype) and t.dtype != want:
-                m._buffers[b] = t.to(want)
+    _restore_computed(model, cfg.get("computed_buffers", {}), state)
     if dtype is not None:
         model.to(dtype)  # QuantizedLinear keeps its packed buffers' dtypes
     model.to(device)
     return model.eval()
+
+
+def _restore_computed(model: nn.Module, computed: dict, state: dict) -> None:
+    """Cast the buffers the model computed itself (rotary frequencies...) to the dtypes they
+    had when saved. The record is checked against the model first: its names must be exactly
+    the model's non-persistent floating buffers, and each dtype either the one the model
+    computes it in or one of the stored floating tensors' dtypes (what ``model.half()`` /
+    ``.to(dtype)`` would have given it). ValueError otherwise: a tampered or foreign entry
+    would silently change every output."""
+    mine = _non_persistent_dtypes(model)
+    mine = {k: v for k, v in mine.items() if getattr(torch, v).is_floating_point}
+    if set(computed) != set(mine):
+        extra, missing = sorted(set(computed) - set(mine)), sorted(set(mine) - set(computed))
+        raise ValueError(f"{CONFIG_NAME}: 'computed_buffers' does not match the model's computed "
+                         f"buffers (not in the model: {_few(extra) or 'none'}; not recorded: "
+                         f"{_few(missing) or 'none'})")
+    stored = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    for name, dt in computed.items():
+        if dt != mine[name] and dt not in stored:
+            raise ValueError(f"{CONFIG_NAME}: computed buffer {name!r} is recorded as {dt}, but the "
+                             f"model computes it in {mine[name]} and stores no {dt} tensor; "
+                             "tampered or written for another model")
+    for name, dt in computed.items():
+        owner, _, b = name.rpartition(".")
+        m = model.get_submodule(owner) if owner else model
+        t = m._buffers[b]
+        if t.dtype != getattr(torch, dt):
+            m._buffers[b] = t.to(getattr(torch, dt))
 
 
 def _few(names: list, n: int = 4) -> str:

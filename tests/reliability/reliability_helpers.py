@@ -1,0 +1,41 @@
+"""Helpers of the reliability tests: risky calls run in a child Python with a memory cap
+(RLIMIT_AS) and a timeout, so that a crash, a hang or a memory bomb fails the test instead of
+the test run."""
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared"
+LLAMA = SHARED / "models" / "pydoc-llama-17m"
+
+
+def run_capped(code: str, *, mem_mb: int = 1536, timeout: float = 60.0,
+               args: tuple = ()) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child Python (PYTHONPATH=python) whose address space is capped at
+    ``mem_mb`` MiB; fails the test if it runs past ``timeout`` seconds."""
+    limit = mem_mb << 20
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1", QFORMATS_NUM_THREADS="1")
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+                              preexec_fn=cap, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"child ran past {timeout} s (a hang):\n{code}")
+
+
+def run_cli(*argv: str, mem_mb: int = 4096, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``qformats ARGV`` in a capped child."""
+    return run_capped("import sys; from qformats.cli import main; sys.exit(main(sys.argv[1:]))",
+                      mem_mb=mem_mb, timeout=timeout, args=argv)

@@ -1,0 +1,140 @@
+"""save_quantized / load_quantized against hostile source folders, interrupted saves and
+tampered quantization configs."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import qformats  # noqa: E402
+from qformats.saving import CONFIG_NAME, WEIGHTS_NAME, check_output_dir  # noqa: E402
+
+
+def test_symlink_out_of_source_not_copied(tiny_saved, tmp_path):
+    m, _ = tiny_saved
+    src = tmp_path / "src"
+    src.mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password")
+    os.symlink(secret, src / "generation_config.json")        # leads out: refused
+    (src / "real_vocab.txt").write_text("a\nb\n")
+    os.symlink("real_vocab.txt", src / "vocab.txt")            # stays inside: copied
+    os.mkfifo(src / "merges.txt")                              # not a regular file: skipped
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning, match="outside the source folder"):
+        qformats.save_quantized(m, out, source=src)
+    assert not (out / "generation_config.json").exists()
+    assert not (out / "merges.txt").exists()
+    assert (out / "vocab.txt").read_text() == "a\nb\n" and not (out / "vocab.txt").is_symlink()
+    assert "password" not in "".join(p.read_text(errors="ignore") for p in out.iterdir() if p.is_file())
+
+
+def test_output_dir_checks(tiny_saved, tmp_path):
+    m, src = tiny_saved
+    with pytest.raises(ValueError, match="empty path"):
+        qformats.save_quantized(m, "")
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a folder"):
+        qformats.save_quantized(m, f)
+    with pytest.raises(ValueError, match="source folder"):
+        check_output_dir(src, src)
+    with pytest.raises(ValueError, match="not empty"):
+        check_output_dir(src, None, overwrite=False)
+    assert check_output_dir(tmp_path / "new", src, overwrite=False) == tmp_path / "new"
+
+
+def test_interrupted_save_leaves_old_model_or_clear_error(tiny_saved, monkeypatch):
+    m, d = tiny_saved
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        qformats.save_quantized(m, d)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # untouched, no temporaries
+
+    monkeypatch.undo()
+    import qformats.saving as S
+    real = S.os.replace
+    calls = []
+
+    def replace_then_die(a, b):  # interrupted after the weights are in place
+        calls.append(b)
+        real(a, b)
+        if str(b).endswith(WEIGHTS_NAME):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(S.os, "replace", replace_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        qformats.save_quantized(m, d)
+    monkeypatch.undo()
+    assert not any(p.name.startswith(".") for p in d.iterdir())
+    with pytest.raises(ValueError, match=f"no {CONFIG_NAME}"):
+        qformats.load_quantized(d)
+
+
+def _edit_config(d, fn):
+    cfg = json.loads((d / CONFIG_NAME).read_text())
+    fn(cfg)
+    (d / CONFIG_NAME).write_text(json.dumps(cfg))
+
+
+def test_tampered_computed_buffers(tiny_saved):
+    _, d = tiny_saved
+    cfg = json.loads((d / CONFIG_NAME).read_text())
+    name = next(iter(cfg["computed_buffers"]))
+    _edit_config(d, lambda c: c["computed_buffers"].__setitem__(name, "bfloat16"))
+    with pytest.raises(ValueError, match="computed buffer"):
+        qformats.load_quantized(d)
+    _edit_config(d, lambda c: c["computed_buffers"].__setitem__("model.nope", "float32"))
+    with pytest.raises(ValueError, match="computed_buffers"):
+        qformats.load_quantized(d)
+    _edit_config(d, lambda c: c["computed_buffers"].__setitem__(name, "int64"))
+    with pytest.raises(ValueError, match="computed_buffers"):
+        qformats.load_quantized(d)
+
+
+def test_half_model_computed_buffers_still_load(tmp_path):
+    """The check keeps a legitimate dtype change: model.half() before saving."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    m = LlamaForCausalLM(cfg).eval().half()
+    qformats.quantize_model(m, bits=8)
+    qformats.save_quantized(m, tmp_path / "h")
+    back = qformats.load_quantized(tmp_path / "h")
+    ids = torch.randint(0, 64, (1, 8))
+    assert torch.equal(back(ids).logits, m(ids).logits)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda layer: layer.pop("buffers"), "missing key 'buffers'"),
+    (lambda layer: layer.__setitem__("in_features", 2.5), "in_features"),
+    (lambda layer: layer.__setitem__("bias", "false"), "bias"),
+    (lambda layer: layer.__setitem__("buffers", {"qweight": ["uint8", [-1]]}), "buffer 'qweight'"),
+])
+def test_malformed_layer_config(tiny_saved, edit, match):
+    _, d = tiny_saved
+    _edit_config(d, lambda c: edit(next(iter(c["layers"].values()))))
+    with pytest.raises(ValueError, match=match):
+        qformats.load_quantized(d)
+
+
+def test_deep_and_huge_config(tiny_saved):
+    _, d = tiny_saved
+    (d / CONFIG_NAME).write_text('{"quant_method": "qformats", "x": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    with pytest.raises(ValueError, match="nested"):
+        qformats.load_quantized(d)
+    with open(d / CONFIG_NAME, "wb") as f:
+        f.truncate(6 << 30)  # 6 GB on paper (sparse): refused unread
+    with pytest.raises(ValueError, match="larger than"):
+        qformats.load_quantized(d)

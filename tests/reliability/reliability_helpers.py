@@ -12,21 +12,26 @@ from pathlib import Path
 
 import pytest
 
+import qformats  # (the copy under test: the installed one, or python/ in place)
+
 ROOT = Path(__file__).resolve().parents[2]
+# The child imports the same qformats as this process: the installed package in CI (the
+# source tree has no native modules there), python/ in an in-place build.
+PACKAGE_PARENT = Path(qformats.__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 LLAMA = SHARED / "models" / "pydoc-llama-17m"
 
 
 def run_capped(code: str, *, mem_mb: int = 1536, timeout: float = 60.0,
                args: tuple = ()) -> subprocess.CompletedProcess:
-    """Run ``code`` in a child Python (PYTHONPATH=python) whose address space is capped at
+    """Run ``code`` in a child Python (importing the qformats under test) whose address space is capped at
     ``mem_mb`` MiB; fails the test if it runs past ``timeout`` seconds."""
     limit = mem_mb << 20
 
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), HF_HUB_OFFLINE="1",
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT), HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS="1", QFORMATS_NUM_THREADS="1")
     try:
         return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env,

@@ -17,6 +17,8 @@ mode (``python -I tools/wheel_check.py WHEEL``) from outside the source tree, so
   native quantizer's bytes == the format's ``reference`` codec, dequantize == the reference
   decoder, pack/unpack where offered, and the CPU GEMMs (integer ones exact, float ones within
   1e-5 of the float64 product as tests/gemm does); a format without one fails;
+* the thread pool is one per process: the wheel holds ``qformats/_runtime/libqformats_threads.so``
+  and a format's codec runs on the workers that ``qformats.set_num_threads`` asked for;
 * a safetensors save/load round trip.
 
 Exits 1 listing every failed check.
@@ -118,6 +120,22 @@ def check_imports(cuda_built: bool | None) -> None:
         assert _runtime.cuda_device_count() == 0
 
 
+def check_threads(names: list[str]) -> None:
+    import numpy as np
+
+    import qformats
+    from qformats import _runtime, q4_0
+
+    @check("one thread pool for every format (libqformats_threads, set_num_threads)")
+    def _():
+        assert "qformats/_runtime/libqformats_threads.so" in names, "libqformats_threads.so missing"
+        qformats.set_num_threads(3)
+        q4_0.quantize(np.ones((1024, 4096), np.float32))  # big enough to be split
+        assert _runtime.pool_workers() == 2, f"{_runtime.pool_workers()} workers, expected 2"
+        qformats.set_num_threads(1)
+        assert _runtime.pool_workers() == 0, f"{_runtime.pool_workers()} workers, expected 0"
+
+
 def check_io() -> None:
     import qformats
     from qformats import nf4, q4_0
@@ -152,6 +170,7 @@ def main() -> int:
     for fmt in FORMATS:   # a format without a self-check fails here
         run_format(fmt, check)
     check_io()
+    check_threads(zipfile.ZipFile(args[0]).namelist())
     if failures:
         print(f"wheel check: {len(failures)} failed: {'; '.join(failures)}")
         return 1

@@ -17,6 +17,8 @@ mode (``python -I tools/wheel_check.py WHEEL``) from outside the source tree, so
   native quantizer's bytes == the format's ``reference`` codec, dequantize == the reference
   decoder, pack/unpack where offered, and the CPU GEMMs (integer ones exact, float ones within
   1e-5 of the float64 product as tests/gemm does); a format without one fails;
+* the thread pool is one per process: the wheel holds ``qformats/_runtime/libqformats_threads.so``
+  and a format's codec runs on the workers that ``qformats.set_num_threads`` asked for;
 * a safetensors save/load round trip.
 
 Exits 1 listing every failed check.
@@ -35,6 +37,9 @@ import zipfile
 from qformats._selfcheck import Checks, rand, run_format, same
 
 OPTIONAL = {"torch", "transformers", "tqdm"}   # not dependencies of the wheel
+# Shared libraries that pkgutil lists as modules (any *.so is a candidate) but are not Python
+# extensions: the thread pool every extension links (src/common/thread_pool.h).
+NOT_MODULES = {"qformats._runtime.libqformats_threads"}
 check = Checks()            # check("name") runs the decorated function now: ok / FAIL
 failures = check.failures
 
@@ -90,6 +95,8 @@ def check_imports(cuda_built: bool | None) -> None:
 
     skipped = []
     for info in pkgutil.walk_packages(qformats.__path__, "qformats."):
+        if info.name in NOT_MODULES:
+            continue
         try:
             importlib.import_module(info.name)
         except ModuleNotFoundError as e:
@@ -116,6 +123,22 @@ def check_imports(cuda_built: bool | None) -> None:
             assert not built, "the extensions were compiled with CUDA: was nvcc visible?"
         assert qformats.cuda_available() is False
         assert _runtime.cuda_device_count() == 0
+
+
+def check_threads(names: list[str]) -> None:
+    import numpy as np
+
+    import qformats
+    from qformats import _runtime, q4_0
+
+    @check("one thread pool for every format (libqformats_threads, set_num_threads)")
+    def _():
+        assert "qformats/_runtime/libqformats_threads.so" in names, "libqformats_threads.so missing"
+        qformats.set_num_threads(3)
+        q4_0.quantize(np.ones((1024, 4096), np.float32))  # big enough to be split
+        assert _runtime.pool_workers() == 2, f"{_runtime.pool_workers()} workers, expected 2"
+        qformats.set_num_threads(1)
+        assert _runtime.pool_workers() == 0, f"{_runtime.pool_workers()} workers, expected 0"
 
 
 def check_io() -> None:
@@ -152,6 +175,7 @@ def main() -> int:
     for fmt in FORMATS:   # a format without a self-check fails here
         run_format(fmt, check)
     check_io()
+    check_threads(zipfile.ZipFile(args[0]).namelist())
     if failures:
         print(f"wheel check: {len(failures)} failed: {'; '.join(failures)}")
         return 1

@@ -19,7 +19,7 @@ from .io import load, save
 
 __version__ = "0.1.0"
 __all__ = ["FORMATS", "FormatSpec", "LinearKernel", "format_spec", "QuantizedTensor", "save", "load",
-           "cuda_available", "skip_finite_check", "__version__", *FORMATS,
+           "cuda_available", "num_threads", "set_num_threads", "skip_finite_check", "__version__", *FORMATS,
            "quantize_model", "QuantizationReport", "save_quantized", "load_quantized", "nn", "ops"]
 # Model-level API (needs torch), imported on first use: name -> submodule.
 _LAZY = {"quantize_model": "model", "QuantizationReport": "model", "save_quantized": "saving",
@@ -32,6 +32,36 @@ def cuda_available() -> bool:
     from ._runtime import cuda_built, cuda_device_count
 
     return bool(cuda_built()) and cuda_device_count() > 0
+
+
+def num_threads() -> int:
+    """Threads of the CPU codecs and GEMMs of every format (process-wide; see set_num_threads)."""
+    from ._runtime import num_threads as n
+
+    return n()
+
+
+def set_num_threads(n: int) -> None:
+    """Set the CPU threads of every format's codecs and GEMMs, for the whole process.
+
+    Args:
+        n: threads, an int in [1, 1024]; the calling thread counts as one. A thread pool already
+            started is resized at once (after a running call finishes), so the process's OS
+            threads follow; where the OS refuses a thread (a process or memory limit), the
+            kernels run with those it could create.
+
+    The starting value is ``QFORMATS_NUM_THREADS`` when it is an integer >= 1 (capped at
+    1024; any other value is ignored with a RuntimeWarning at import), else the CPUs this
+    process may run on (``os.sched_getaffinity``). The CLI's ``--threads`` sets it too. Results
+    never depend on it: each output element is computed by one thread, in one order.
+
+    Raises:
+        TypeError: ``n`` is not an int (a bool included).
+        ValueError: ``n`` is outside [1, 1024].
+    """
+    from ._runtime import set_num_threads as set_n
+
+    set_n(n)
 
 
 def __getattr__(name: str):

@@ -1,15 +1,17 @@
 """File plumbing shared by the readers and writers: regular files only, JSON with a size cap
 and a depth limit, safetensors headers read with their length checked against the file, and
 writes that go to a temporary file in the target's folder and are renamed into place (the
-temporary is removed when anything, Ctrl-C included, interrupts them).
+temporary is removed when anything, Ctrl-C or SIGTERM included, interrupts them).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import struct
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -114,25 +116,33 @@ def read_safetensors_header(path: str | os.PathLike, what: str = "safetensors fi
     return header
 
 
+class _Terminated(BaseException):
+    """Raised in the main thread by SIGTERM inside :func:`cleanup_on_sigterm`."""
+
+
 @contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
-    """Context manager: a file object open on a new temporary file beside ``path``; on a clean
-    exit it gets the permissions of a normally created file and replaces ``path`` in one
-    rename; on any exception (KeyboardInterrupt included) the temporary is removed and
-    ``path`` left as it was."""
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+def cleanup_on_sigterm() -> Iterator[None]:
+    """While the block runs, SIGTERM (``kill``'s default signal) unwinds it as Ctrl-C does, so
+    its ``finally`` clauses remove the temporaries; the process then dies of SIGTERM, as it
+    would have. Only in the main thread and while SIGTERM has its default action (a handler the
+    program installed is left alone); elsewhere the block runs unchanged."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-        fix_mode(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # dies here, with the temporaries gone
         raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def temp_path(path: str | os.PathLike) -> Path:

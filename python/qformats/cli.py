@@ -90,6 +90,13 @@ def _positive(s: str) -> int:
     return v
 
 
+def _threads(s: str) -> int:
+    v = _positive(s)
+    if v > _runtime.MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {_runtime.MAX_THREADS} threads, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``qformats`` command (subcommands ``compare``, ``quantize``
     and ``eval``)."""
@@ -133,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--include-lm-head", action="store_true",
                    help="also quantize the output projection (lm_head); by default it stays at "
                         "its checkpoint precision, as llama.cpp, GPTQ and bitsandbytes keep it")
-    c.add_argument("--threads", type=_positive, metavar="N",
-                   help="CPU threads for torch and the qformats codecs (default: all cores)")
+    c.add_argument("--threads", type=_threads, metavar="N",
+                   help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores)")
     c.add_argument("--json", metavar="FILE", help="also write the rows and settings as JSON")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=_cmd_compare)
@@ -194,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--overwrite", action="store_true",
                    help="allow --out to be a folder that is not empty (files of the same names "
                         "are replaced)")
-    q.add_argument("--threads", type=_positive, metavar="N",
-                   help="CPU threads for torch and the qformats codecs (default: all cores)")
+    q.add_argument("--threads", type=_threads, metavar="N",
+                   help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
     q.set_defaults(func=_cmd_quantize)
 
@@ -221,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ref", metavar="MODEL",
                    help="also report the mean per-token KL(ref || model) against this model "
                         "folder (e.g. the unquantized original)")
-    e.add_argument("--threads", type=_positive, metavar="N",
-                   help="CPU threads for torch and the qformats codecs (default: all cores)")
+    e.add_argument("--threads", type=_threads, metavar="N",
+                   help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=_cmd_eval)
     return parser
@@ -258,7 +265,8 @@ def _parse_spec(spec: str) -> dict:
 
 
 class _Threads:
-    """Context manager: torch and qformats CPU threads set to ``n`` (None: all cores)."""
+    """Context manager: torch and qformats CPU threads set to ``n`` (None: qformats' setting,
+    which is QFORMATS_NUM_THREADS or the CPUs this process may run on)."""
 
     def __init__(self, n):
         self.n = n
@@ -266,7 +274,7 @@ class _Threads:
     def __enter__(self):
         import torch  # optional (the demo extra)
 
-        n = int(self.n or os.cpu_count() or 1)
+        n = int(self.n or _runtime.num_threads())
         self.old = (torch.get_num_threads(), _runtime.num_threads())
         torch.set_num_threads(n)
         _runtime.set_num_threads(n)

@@ -328,7 +328,8 @@ def compare(
         max_sentences: encoders: at most this many paragraphs of the text (None or 0: all).
         include_lm_head: also quantize the output projection (``lm_head``); default keeps it
             at its checkpoint precision, as llama.cpp, GPTQ and bitsandbytes do.
-        threads: torch and qformats CPU threads (None: ``os.cpu_count()``); restored after.
+        threads: torch and qformats CPU threads (None: qformats' setting, QFORMATS_NUM_THREADS or
+            the CPUs this process may run on); restored after.
         progress: tqdm progress bars on stderr.
     Returns:
         a :class:`CompareResult`: ``rows[0]`` is the unquantized baseline (fp32 compute,
@@ -357,7 +358,7 @@ def compare(
 
     import torch  # torch is optional (the demo extra): this module imports without it
 
-    n_threads = int(threads or os.cpu_count() or 1)
+    n_threads = int(threads or _runtime.num_threads())
     old_torch_threads, old_qf_threads = torch.get_num_threads(), _runtime.num_threads()
     torch.set_num_threads(n_threads)
     _runtime.set_num_threads(n_threads)

@@ -47,15 +47,16 @@ def save(path: str | os.PathLike, tensors: Mapping[str, QuantizedTensor]) -> Non
         for b, arr in host.buffers.items():
             arrays[f"{name}.{b}"] = np.ascontiguousarray(arr)
         meta[name] = qt.metadata()
-    tmp = _files.temp_path(path)
-    try:
-        save_file(arrays, os.fspath(tmp),
-                  metadata={_META_KEY: json.dumps({"version": _VERSION, "tensors": meta})})
-        _files.fix_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with _files.cleanup_on_sigterm():
+        tmp = _files.temp_path(path)
+        try:
+            save_file(arrays, os.fspath(tmp),
+                      metadata={_META_KEY: json.dumps({"version": _VERSION, "tensors": meta})})
+            _files.fix_mode(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def load(path: str | os.PathLike, device: str | None = None) -> dict[str, QuantizedTensor]:

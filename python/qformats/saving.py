@@ -36,7 +36,7 @@ from torch import nn
 
 from . import __version__
 from ._core import float_dtype
-from ._files import fix_mode, read_json
+from ._files import cleanup_on_sigterm, fix_mode, read_json
 from .nn import QuantizedLinear
 from .plan import set_submodule
 from .sizes import model_size
@@ -166,9 +166,11 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
 
     Every file is first written to a temporary folder inside ``directory`` and then renamed
     into place, ``quantization_config.json`` last (an older one is removed first): an
-    interrupted save (an exception, Ctrl-C) removes its temporaries and leaves either the
-    previous model's files or a folder without ``quantization_config.json``, which
-    :func:`load_quantized` refuses with a clear error; never a mix that loads.
+    interrupted save leaves either the previous model's files or a folder without
+    ``quantization_config.json``, which :func:`load_quantized` refuses with a clear error;
+    never a mix that loads. An exception, Ctrl-C or SIGTERM (in the main thread, while SIGTERM
+    has its default action) also removes the temporaries; SIGKILL cannot be caught and leaves
+    a hidden ``.qformats-save-*`` folder, which loading ignores.
 
     Files copied from ``source``: only regular files, and symlinks whose target is a regular
     file inside ``source`` (copied as a regular file). A symlink that leads out of the source
@@ -216,35 +218,36 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
                  for k, v in model_size(model).items()},
     }
     out.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".qformats-save-", dir=out))
-    try:
-        save_file(tensors, str(stage / WEIGHTS_NAME),
-                  metadata={"format": "pt", "qformats": str(CONFIG_VERSION)})
-        hf_config = getattr(model, "config", None)
-        if hf_config is not None and callable(getattr(hf_config, "to_json_file", None)):
-            hf_config.to_json_file(str(stage / "config.json"))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(stage))
-        if src is not None:
-            copy = TOKENIZER_FILES if tokenizer is None else ("generation_config.json",)
-            for fname in copy:
-                if not (stage / fname).exists():
-                    _copy_source_file(src, fname, stage / fname)
-        with open(stage / CONFIG_NAME, "w", encoding="utf-8") as f:
-            json.dump(cfg, f, indent=2, sort_keys=False)
-            f.write("\n")
-        # into place: the old config goes first and the new one comes last, so that a folder
-        # interrupted in between has no quantization_config.json (load_quantized refuses it)
-        (out / CONFIG_NAME).unlink(missing_ok=True)
-        for entry in sorted(stage.iterdir(), key=lambda e: e.name == CONFIG_NAME):
-            dest = out / entry.name
-            if entry.is_file():
-                fix_mode(entry)
-            if entry.is_dir() and dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
-            os.replace(entry, dest)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    with cleanup_on_sigterm():
+        stage = Path(tempfile.mkdtemp(prefix=".qformats-save-", dir=out))
+        try:
+            save_file(tensors, str(stage / WEIGHTS_NAME),
+                      metadata={"format": "pt", "qformats": str(CONFIG_VERSION)})
+            hf_config = getattr(model, "config", None)
+            if hf_config is not None and callable(getattr(hf_config, "to_json_file", None)):
+                hf_config.to_json_file(str(stage / "config.json"))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(stage))
+            if src is not None:
+                copy = TOKENIZER_FILES if tokenizer is None else ("generation_config.json",)
+                for fname in copy:
+                    if not (stage / fname).exists():
+                        _copy_source_file(src, fname, stage / fname)
+            with open(stage / CONFIG_NAME, "w", encoding="utf-8") as f:
+                json.dump(cfg, f, indent=2, sort_keys=False)
+                f.write("\n")
+            # into place: the old config goes first and the new one comes last, so that a folder
+            # interrupted in between has no quantization_config.json (load_quantized refuses it)
+            (out / CONFIG_NAME).unlink(missing_ok=True)
+            for entry in sorted(stage.iterdir(), key=lambda e: e.name == CONFIG_NAME):
+                dest = out / entry.name
+                if entry.is_file():
+                    fix_mode(entry)
+                if entry.is_dir() and dest.is_dir() and not dest.is_symlink():
+                    shutil.rmtree(dest)
+                os.replace(entry, dest)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
     return out
 
 

@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "common/parallel.h"
+#include "common/thread_pool.h"
 #include "formats/int4/int4.h"
 #include "gemm/cpu_kernels.h"
-#include "gemm/thread_pool.h"
 
 namespace qf::gemm {
 

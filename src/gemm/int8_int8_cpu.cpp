@@ -4,8 +4,8 @@
 
 #include "common/fp16.h"
 #include "common/parallel.h"
+#include "common/thread_pool.h"
 #include "gemm/cpu_kernels.h"
-#include "gemm/thread_pool.h"
 
 namespace qf::gemm {
 

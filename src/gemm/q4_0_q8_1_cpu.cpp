@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "common/parallel.h"
+#include "common/thread_pool.h"
 #include "gemm/cpu_kernels.h"
-#include "gemm/thread_pool.h"
 
 namespace qf::gemm {
 

@@ -3,7 +3,7 @@
 // float32 one tile at a time (the weights are never fully materialized).
 //
 // Work items are panels of kPanelRows weight rows (and, when there are fewer panels than
-// threads, chunks of activation rows), handed out to threads in chunks (gemm/thread_pool.h). A panel is decoded kc
+// threads, chunks of activation rows), handed out to threads in chunks (common/thread_pool.h). A panel is decoded kc
 // columns at a time into a kPanelRows x kc float tile (32 KiB for kc = kTileK: it stays in L1) and multiplied with
 // every activation row by the instruction set's leaf kernel (gemm/cpu_kernels.h: 4 x 4 or 8 x 1 register blocks of FMAs
 // on AVX-512 / AVX2, 8 partial sums in plain C++). Each output element is produced by one thread in one fixed order, so
@@ -15,8 +15,8 @@
 
 #include "common/fp16.h"
 #include "common/parallel.h"
+#include "common/thread_pool.h"
 #include "gemm/cpu_kernels.h"
-#include "gemm/thread_pool.h"
 
 namespace qf::gemm {
 

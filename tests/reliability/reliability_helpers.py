@@ -23,18 +23,24 @@ LLAMA = SHARED / "models" / "pydoc-llama-17m"
 
 
 def run_capped(code: str, *, mem_mb: int = 1536, timeout: float = 60.0,
-               args: tuple = ()) -> subprocess.CompletedProcess:
+               args: tuple = (), env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``code`` in a child Python (importing the qformats under test) whose address space is capped at
-    ``mem_mb`` MiB; fails the test if it runs past ``timeout`` seconds."""
+    ``mem_mb`` MiB; fails the test if it runs past ``timeout`` seconds. ``env`` adds to (or, with
+    None values, removes from) the child's environment."""
     limit = mem_mb << 20
 
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT), HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1", QFORMATS_NUM_THREADS="1")
+    child_env = dict(os.environ, PYTHONPATH=str(PACKAGE_PARENT), HF_HUB_OFFLINE="1",
+                     OMP_NUM_THREADS="1", QFORMATS_NUM_THREADS="1")
+    for k, v in (env or {}).items():
+        if v is None:
+            child_env.pop(k, None)
+        else:
+            child_env[k] = v
     try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=child_env,
                               preexec_fn=cap, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"child ran past {timeout} s (a hang):\n{code}")

@@ -124,3 +124,26 @@ def test_validate_refuses_reassigned_negative_or_float_shape():
     q.shape = (2.0, 64)
     with pytest.raises(TypeError, match="shape"):
         validate(q)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_empty_dims_everywhere(fmt, lib):
+    """Zero rows, zero columns and zero-sized leading dims: a result of the right (empty) shape,
+    or, for shapes a format does not take at all (mixed2bit is 2-D only), a ValueError."""
+    mod = getattr(qformats, fmt)
+    conv = (lambda a: a) if lib == "numpy" else torch.from_numpy
+    for shape in [(0, 256), (3, 0), (0,), (2, 0, 256)]:
+        try:
+            q = mod.quantize(conv(np.zeros(shape, np.float32)))
+        except ValueError as e:
+            assert fmt == "mixed2bit" and "2-D" in str(e), (fmt, shape, e)
+            continue
+        assert tuple(q.shape) == shape and tuple(q.dequantize().shape) == shape
+    if not hasattr(mod, "gemm") or fmt == "q8_1":
+        return
+    w = mod.quantize(conv(_weight(8, 2, 0)))
+    assert tuple(mod.gemm(conv(np.zeros((0, 256), np.float32)), w).shape) == (0, 8)
+    empty_w = mod.quantize(conv(np.zeros((0, 256), np.float32)))
+    y = mod.gemm(conv(np.ones((2, 256), np.float32)), empty_w)
+    assert tuple(y.shape) == (2, 0)

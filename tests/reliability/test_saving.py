@@ -138,3 +138,101 @@ def test_deep_and_huge_config(tiny_saved):
         f.truncate(6 << 30)  # 6 GB on paper (sparse): refused unread
     with pytest.raises(ValueError, match="larger than"):
         qformats.load_quantized(d)
+
+
+KILL_POINTS = """
+import json, os, shutil, signal, sys
+import torch, qformats
+import qformats.saving as S
+import safetensors.torch as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+def model(seed):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg).eval()
+    qformats.quantize_model(m, bits=4, group_size=32)
+    return m
+
+ids = torch.arange(16)[None]
+def logits(d):
+    with torch.no_grad():
+        return qformats.load_quantized(d)(ids).logits
+
+root = sys.argv[1]
+old, new = os.path.join(root, "old"), os.path.join(root, "new")
+B = model(1)
+qformats.save_quantized(model(0), old)
+qformats.save_quantized(B, new)
+l_old, l_new = logits(old), logits(new)
+assert not torch.equal(l_old, l_new)
+real_replace, real_save_file = os.replace, st.save_file
+for sig in (signal.SIGKILL, signal.SIGINT, signal.SIGTERM):
+    for point in ("staged", 0, 1, 2, "done"):
+        d = os.path.join(root, f"{sig.name}-{point}")
+        shutil.copytree(old, d)
+        pid = os.fork()
+        if pid == 0:  # saves B over the old model, and gets the signal at `point`
+            def die():
+                os.kill(os.getpid(), sig)
+            calls = [0]
+            def replace(a, b):
+                if calls[0] == point:
+                    die()
+                calls[0] += 1
+                real_replace(a, b)
+            def save_file(*a, **k):
+                real_save_file(*a, **k)
+                if point == "staged":
+                    die()
+            os.replace, st.save_file = replace, save_file
+            try:
+                qformats.save_quantized(B, d)
+                if point == "done":
+                    die()
+            except KeyboardInterrupt:
+                os._exit(3)
+            os._exit(4)  # the signal did not stop the save
+        _, status = os.waitpid(pid, 0)
+        try:
+            l = logits(d)
+            got = "old" if torch.equal(l, l_old) else "new" if torch.equal(l, l_new) else "MIX"
+        except ValueError as e:
+            got = "error: " + str(e)
+        left = sorted(n for n in os.listdir(d) if n.startswith("."))
+        print(json.dumps({"sig": sig.name, "point": point, "status": status, "got": got, "left": left}))
+"""
+
+
+def test_killed_saves_leave_the_old_model_or_a_clear_error(tmp_path):
+    """SIGKILL, SIGINT and SIGTERM while save_quantized replaces a saved model (after the
+    weights are staged, before each rename, after the last): loading gives the old model,
+    the new one, or a clear error, never a mix; Ctrl-C and SIGTERM leave no temporaries and
+    SIGTERM still ends the process by SIGTERM."""
+    import signal
+
+    from reliability.reliability_helpers import run_capped
+
+    r = run_capped(KILL_POINTS, mem_mb=4096, timeout=240, args=(str(tmp_path),))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    cases = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(cases) == 15, r.stdout
+    for c in cases:
+        where = f"{c['sig']} at {c['point']}: {c}"
+        assert c["got"] in ("old", "new") or (c["got"].startswith("error: ") and CONFIG_NAME in c["got"]), where
+        if c["point"] == "staged":
+            assert c["got"] == "old", where  # nothing renamed yet: the old model, untouched
+        if c["point"] == "done":
+            assert c["got"] == "new", where
+        if c["point"] in (0, 1, 2):
+            assert c["got"].startswith("error: "), where  # old config gone, new one not yet in
+        if c["sig"] == "SIGKILL":
+            assert os.WIFSIGNALED(c["status"]) and os.WTERMSIG(c["status"]) == signal.SIGKILL, where
+        else:
+            if c["point"] != "done":
+                assert c["left"] == [], where  # Ctrl-C / SIGTERM: temporaries removed
+            if c["sig"] == "SIGINT":
+                assert os.WIFEXITED(c["status"]) and os.WEXITSTATUS(c["status"]) == 3, where
+            else:
+                assert os.WIFSIGNALED(c["status"]) and os.WTERMSIG(c["status"]) == signal.SIGTERM, where

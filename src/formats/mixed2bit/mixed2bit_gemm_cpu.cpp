@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "common/fp16.h"
-#include "gemm/thread_pool.h"
+#include "common/thread_pool.h"
 #include "gemm/weight_only_cpu.h"
 
 namespace qf::gemm {

@@ -5,9 +5,11 @@
 // can pass (huge, negative or inconsistent sizes included) reaches a kernel with a size that
 // does not match the arrays it is given.
 //
-// Arrays a call only reads are InArray, arrays it writes OutArray; only OutArray hands out a
-// writable pointer (mptr). Neither constrains dtype, shape or order, so nanobind never makes a
-// silent converted copy: an output that were copied would be written into a temporary and lost.
+// Arrays a call only reads are InArray (nb::ndarray<nb::ro>): read-only numpy arrays and
+// np.memmap(mode="r") are taken as they are, without a copy. Arrays a call writes are OutArray
+// (nb::ndarray<>), which nanobind refuses when read-only; only OutArray hands out a writable
+// pointer (mptr). Neither constrains dtype, shape or order, so nanobind never makes a silent
+// converted copy: an output that were copied would be written into a temporary and lost.
 #pragma once
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -24,7 +26,7 @@ namespace nb = nanobind;
 
 namespace qf::bind {
 
-using InArray = nb::ndarray<>;
+using InArray = nb::ndarray<nb::ro>;
 using OutArray = nb::ndarray<>;
 // Kernels run without the GIL (arguments are converted before it is released).
 using release_gil = nb::call_guard<nb::gil_scoped_release>;
@@ -166,7 +168,7 @@ template <class T, class... Ts>
 const T* cptr(const nb::ndarray<Ts...>& a) {
   return static_cast<const T*>(a.data());
 }
-// Writable pointers come from outputs only.
+// Writable pointers come from outputs only: an InArray may be a read-only numpy array or map.
 template <class T>
 T* mptr(const OutArray& a) {
   return static_cast<T*>(a.data());
@@ -176,7 +178,7 @@ namespace detail {
 template <class Arr, class Fn>
 void dispatch_float_impl(const Arr& a, const char* name, Fn&& fn) {
   const auto dt = a.dtype();
-  // const element types for a read-only array (data() is const void*), mutable otherwise
+  // const element types for inputs (InArray::data() is const void*), mutable for outputs
   constexpr bool kConst = std::is_const_v<std::remove_pointer_t<decltype(a.data())>>;
   using F32 = std::conditional_t<kConst, const float, float>;
   using F16 = std::conditional_t<kConst, const qf::half_t, qf::half_t>;

@@ -57,15 +57,15 @@ def device_of(x: Any) -> str:
 
 def check_type(x: Any, name: str) -> None:
     """TypeError unless x is a numpy array or a dense torch tensor that the native code reads
-    as it is. Refused, each with a message saying what to do instead:
+    as it is. Read-only arrays and memory maps (``np.memmap(..., mode="r")``) are accepted as
+    they are, without a copy: every array the public API is given is an input, which the
+    native code only reads (its outputs are allocated here). Refused, each with a message
+    saying what to do instead:
 
     - numpy masked arrays (the mask is not honoured by any codec; pass ``x.filled(v)`` or
       ``x.data`` to say what the masked values are);
     - arrays whose byte order is not the machine's (big-endian ``>f4`` on x86/ARM):
       ``x.astype(x.dtype.newbyteorder("="))``;
-    - read-only numpy arrays and memory maps (``np.memmap(..., mode="r")``): the native
-      bindings take writable arrays only; pass ``np.array(x)`` (a copy) or open the map with
-      ``mode="c"`` (copy-on-write, no copy of the file);
     - sparse torch tensors (``x.to_dense()``) and tensors with the lazy negation / conjugation
       bit set (``torch._neg_view``, ``x.conj()``: ``x.resolve_neg()`` / ``x.resolve_conj()``),
       whose memory does not hold the values they stand for.
@@ -87,10 +87,6 @@ def check_type(x: Any, name: str) -> None:
     if not x.dtype.isnative:
         raise TypeError(f"{name}: byte order {x.dtype.str!r} is not the machine's; pass "
                         "x.astype(x.dtype.newbyteorder('='))")
-    if not x.flags.writeable:
-        raise TypeError(f"{name}: read-only array (or a memory map opened with mode='r'); the "
-                        "native code takes writable arrays only: pass np.array(x) (a copy), or "
-                        "open the map with mode='c' (copy-on-write, no copy)")
 
 
 def cuda_built() -> bool:

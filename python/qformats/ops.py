@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -93,11 +95,21 @@ def _rebuild(meta: str, buffers: Sequence[torch.Tensor]) -> tuple[QuantizedTenso
 def _as_torch(qt: QuantizedTensor, device) -> QuantizedTensor:
     """``qt`` with torch buffers (numpy ones wrapped without a copy), moved to ``device``
     when one is given."""
-    bufs = {k: torch.from_numpy(v) if not isinstance(v, torch.Tensor) else v
-            for k, v in qt.buffers.items()}
+    bufs = {k: _wrap(v) if not isinstance(v, torch.Tensor) else v for k, v in qt.buffers.items()}
     if device is not None:
         bufs = {k: v.to(device) for k, v in bufs.items()}
     return QuantizedTensor(qt.format, qt.shape, qt.dtype, qt.params, bufs)
+
+
+def _wrap(a: Any) -> torch.Tensor:
+    """A numpy buffer as a torch tensor on its memory. torch warns when that memory is read-only
+    (a loaded memory map): its tensors are writable. These tensors live for one call of this
+    module, which only reads them, so the warning would be about nothing the caller holds."""
+    if not isinstance(a, np.ndarray) or a.flags.writeable:
+        return torch.from_numpy(a)  # (TypeError for what is no array, as before)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -17,15 +17,16 @@ namespace qf::bind {
 
 // Activations x (a C-contiguous CPU array of float32, float16 or bfloat16) as float32: x's own
 // data, or an exact converted copy held in buf. Raises TypeError / ValueError as dispatch_float.
-inline const float* float32_activations(const Array& x, const char* name, std::vector<float>& buf) {
+inline const float* float32_activations(const InArray& x, const char* name, std::vector<float>& buf) {
   const float* p = nullptr;
   dispatch_float(x, name, [&](auto* px) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(px)>>;
     if constexpr (std::is_same_v<T, float>) {
       p = px;
     } else {
-      buf.resize(static_cast<size_t>(numel(x)));
-      gemm::to_float32(px, numel(x), buf.data());
+      const int64_t n = numel(x, name);
+      buf.resize(static_cast<size_t>(n));
+      gemm::to_float32(px, n, buf.data());
       p = buf.data();
     }
   });
@@ -36,14 +37,14 @@ inline const float* float32_activations(const Array& x, const char* name, std::v
 // `dev`, 16-byte aligned (the kernels load 8 values at a time), out of x's dtype; calls
 // fn(const T* x, T* out).
 template <class Fn>
-void dispatch_cuda_x_out(const Array& x, const Array& out, const Device& dev, Fn&& fn) {
+void dispatch_cuda_x_out(const InArray& x, const OutArray& out, const Device& dev, Fn&& fn) {
   require_contiguous_on(out, "out", dev);
   if (out.dtype() != x.dtype()) throw nb::type_error("out: expected the dtype of x");
   if (reinterpret_cast<uintptr_t>(x.data()) % 16)
     throw std::invalid_argument("x: the CUDA GEMM needs a 16-byte aligned array (x.contiguous().clone())");
   dispatch_float(x, "x", dev, [&](auto* px) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(px)>>;
-    fn(px, static_cast<T*>(out.data()));
+    fn(px, mptr<T>(out));
   });
 }
 

@@ -63,9 +63,11 @@ inline const dlx::API* exchange_api(PyTypeObject* tp) {
   return api;
 }
 
-// `h` as an Array (a view that references `h`, no copy): through its type's exchange API when
-// it has one, else nanobind's import (TypeError for what is no array). Needs the GIL.
-inline Array import_array(nb::handle h, const char* name) {
+// `h` as an InArray or OutArray (a view that references `h`, no copy): through its type's
+// exchange API when it has one, else nanobind's import (TypeError for what is no array, and for
+// a read-only array asked for as an OutArray). Needs the GIL.
+template <class Arr>
+Arr import_array(nb::handle h, const char* name) {
   if (const dlx::API* api = exchange_api(Py_TYPE(h.ptr()))) {
     nb::dlpack::dltensor t;
     if (api->dltensor_from_py_object_no_sync(h.ptr(), &t) != 0) nb::raise_python_error();
@@ -76,11 +78,11 @@ inline Array import_array(nb::handle h, const char* name) {
       if (t.shape[i] < 0) throw std::invalid_argument(std::string(name) + ": negative dimension");
       shape[i] = static_cast<size_t>(t.shape[i]);
     }
-    return Array(t.data, static_cast<size_t>(t.ndim), shape, h, t.strides, t.dtype, t.device.device_type,
-                 t.device.device_id, 0, t.byte_offset);
+    return Arr(t.data, static_cast<size_t>(t.ndim), shape, h, t.strides, t.dtype, t.device.device_type,
+               t.device.device_id, 0, t.byte_offset);
   }
   try {
-    return nb::cast<Array>(h);
+    return nb::cast<Arr>(h);
   } catch (const nb::cast_error&) {
     throw nb::type_error((std::string(name) + ": expected a numpy array or a torch tensor").c_str());
   }

@@ -19,14 +19,17 @@ using namespace qf::bind;
 namespace {
 
 void check_group_size(int64_t gs) {
-  if (gs <= 0 || gs % int4::kGroupMultiple) throw std::invalid_argument("group_size must be a positive multiple of 8");
+  if (gs <= 0 || gs % int4::kGroupMultiple)
+    throw std::invalid_argument("group_size must be a positive multiple of 8, got " + std::to_string(gs));
 }
 
-// Checks the packed buffers of n values in groups of gs on device `dev`; returns the group
-// count. zeros may be None (symmetric).
-int64_t check_buffers(int64_t n, int64_t gs, const Array& qweight, const Array& scales,
-                      const std::optional<Array>& zeros, const Device& dev) {
+// Checks the packed buffers of n values in groups of gs on device `dev` (inputs of dequantize
+// and the GEMMs, outputs of quantize); returns the group count. zeros may be None (symmetric).
+template <class Arr>
+int64_t check_buffers(int64_t n, int64_t gs, const Arr& qweight, const Arr& scales, const std::optional<Arr>& zeros,
+                      const Device& dev) {
   check_group_size(gs);
+  nonneg(n, "element count");
   if (n % gs) throw std::invalid_argument("element count must be a multiple of group_size");
   require<uint8_t>(qweight, "qweight", dev);
   require<float>(scales, "scales", dev);
@@ -39,24 +42,19 @@ int64_t check_buffers(int64_t n, int64_t gs, const Array& qweight, const Array& 
   return n / gs;
 }
 
-// The same for CPU-only callers (the GEMMs).
-int64_t check_buffers(int64_t n, int64_t gs, const Array& qweight, const Array& scales,
-                      const std::optional<Array>& zeros) {
-  return check_buffers(n, gs, qweight, scales, zeros, Device{});
-}
-
-const uint8_t* zeros_ptr(const std::optional<Array>& zeros) { return zeros ? cptr<uint8_t>(*zeros) : nullptr; }
+const uint8_t* zeros_ptr(const std::optional<InArray>& zeros) { return zeros ? cptr<uint8_t>(*zeros) : nullptr; }
 
 // x: float [..., K] (C-contiguous); zeros None selects the symmetric mode. All arrays on the
 // CPU, or all on one CUDA device (launched on `stream`).
-void quantize(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
+void quantize(const InArray& x, const OutArray& qweight, const OutArray& scales, const std::optional<OutArray>& zeros,
               int64_t group_size, uintptr_t stream) {
   const Device dev = device_of(x, stream, "x");
-  const int64_t n_groups = check_buffers(numel(x), group_size, qweight, scales, zeros, dev);
+  const int64_t n_groups = check_buffers(numel(x, "x"), group_size, qweight, scales, zeros, dev);
   auto* qw = mptr<uint8_t>(qweight);
   auto* sc = mptr<float>(scales);
   auto* zp = zeros ? mptr<uint8_t>(*zeros) : nullptr;
   dispatch_float(x, "x", dev, [&](auto* px) {
+    if (n_groups == 0) return;  // no output (nb_common.h)
     if (dev.cuda) {
       if (zp) {
         QF_ON_CUDA(qf::int4::quantize_asym_cuda(px, n_groups, group_size, qw, sc, zp, dev.stream));
@@ -72,14 +70,15 @@ void quantize(const Array& x, const Array& qweight, const Array& scales, const s
 }
 
 // out: float32, float16 or bfloat16 (decoded in float32, rounded once).
-void dequantize(const Array& qweight, const Array& scales, const std::optional<Array>& zeros, const Array& out,
+void dequantize(const InArray& qweight, const InArray& scales, const std::optional<InArray>& zeros, const OutArray& out,
                 int64_t group_size, uintptr_t stream) {
   const Device dev = device_of(qweight, stream, "qweight");
-  const int64_t n_groups = check_buffers(numel(out), group_size, qweight, scales, zeros, dev);
+  const int64_t n_groups = check_buffers(numel(out, "out"), group_size, qweight, scales, zeros, dev);
   const auto* qw = cptr<uint8_t>(qweight);
   const auto* sc = cptr<float>(scales);
   const uint8_t* zp = zeros_ptr(zeros);
   dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (n_groups == 0) return;  // no output (nb_common.h)
     if (dev.cuda) {
       QF_ON_CUDA(qf::int4::dequantize_cuda(qw, sc, zp, n_groups, group_size, py, dev.stream));
     } else {
@@ -89,34 +88,36 @@ void dequantize(const Array& qweight, const Array& scales, const std::optional<A
 }
 
 // codes: int8 or uint8 with 2 * numel(out) elements; out: uint8.
-void pack(const Array& codes, const Array& out, uintptr_t stream) {
+void pack(const InArray& codes, const OutArray& out, uintptr_t stream) {
   const Device dev = device_of(codes, stream, "values");
   require_contiguous_on(codes, "values", dev);
   if (codes.dtype() != nb::dtype<uint8_t>() && codes.dtype() != nb::dtype<int8_t>())
     throw nb::type_error("values: expected int8 or uint8");
   require<uint8_t>(out, "out", dev);
-  require_numel(codes, 2 * numel(out), "values");
+  const int64_t n_out = numel(out, "out");
+  require_numel(codes, mul(2, n_out, "values (2 per byte of out)"), "values");
   const auto* pc = static_cast<const uint8_t*>(codes.data());
   if (dev.cuda) {
-    QF_ON_CUDA(qf::int4::pack_cuda(pc, numel(out), mptr<uint8_t>(out), dev.stream));
+    QF_ON_CUDA(qf::int4::pack_cuda(pc, n_out, mptr<uint8_t>(out), dev.stream));
   } else {
-    qf::int4::pack_cpu(pc, numel(out), mptr<uint8_t>(out));
+    qf::int4::pack_cpu(pc, n_out, mptr<uint8_t>(out));
   }
 }
 
 // out: int8 (signed codes) or uint8 (unsigned) with 2 * numel(packed) elements.
-void unpack(const Array& packed, const Array& out, uintptr_t stream) {
+void unpack(const InArray& packed, const OutArray& out, uintptr_t stream) {
   const Device dev = device_of(packed, stream, "packed");
   require<uint8_t>(packed, "packed", dev);
   require_contiguous_on(out, "out", dev);
   const bool is_signed = out.dtype() == nb::dtype<int8_t>();
   if (!is_signed && out.dtype() != nb::dtype<uint8_t>()) throw nb::type_error("out: expected int8 or uint8");
-  require_numel(out, 2 * numel(packed), "out");
-  auto* pc = static_cast<uint8_t*>(out.data());
+  const int64_t n_packed = numel(packed, "packed");
+  require_numel(out, mul(2, n_packed, "out (2 per byte of packed)"), "out");
+  auto* pc = mptr<uint8_t>(out);
   if (dev.cuda) {
-    QF_ON_CUDA(qf::int4::unpack_cuda(cptr<uint8_t>(packed), numel(packed), is_signed, pc, dev.stream));
+    QF_ON_CUDA(qf::int4::unpack_cuda(cptr<uint8_t>(packed), n_packed, is_signed, pc, dev.stream));
   } else {
-    qf::int4::unpack_cpu(cptr<uint8_t>(packed), numel(packed), is_signed, pc);
+    qf::int4::unpack_cpu(cptr<uint8_t>(packed), n_packed, is_signed, pc);
   }
 }
 
@@ -139,15 +140,16 @@ struct Int4Linear {
 
 // The int4 weight [M, K] as a Linear (checked here, once). CUDA: group_size = 32 * 2^j
 // (formats/int4/int4_gemm_cuda.h); CPU: any multiple of 8 dividing K.
-PackedLinear<Int4Linear> make_linear(const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
+PackedLinear<Int4Linear> make_linear(const InArray& qweight, const InArray& scales, const std::optional<InArray>& zeros,
                                      int64_t M, int64_t K, int64_t group_size) {
-  if (M < 0 || K < 0) throw std::invalid_argument("bad M, K");
+  nonneg(M, "M");
+  nonneg(K, "K");
   const Device dev = device_of(qweight, 0, "qweight");
-  check_buffers(M * K, group_size, qweight, scales, zeros, dev);
+  check_buffers(mul(M, K, "M * K"), group_size, qweight, scales, zeros, dev);
   if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
   if (dev.cuda && !gemm::int4_gemm_cuda_supports(group_size))
     throw std::invalid_argument("the CUDA GEMM needs group_size = 32 * 2^j");
-  std::vector<Array> keep{qweight, scales};
+  std::vector<InArray> keep{qweight, scales};
   if (zeros) keep.push_back(*zeros);
   return packed_linear(Int4Linear{cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), M, K, group_size}, M,
                        K, qweight, std::move(keep));
@@ -155,24 +157,32 @@ PackedLinear<Int4Linear> make_linear(const Array& qweight, const Array& scales, 
 
 // x: float [N, K] (float32, float16 or bfloat16); weight buffers of an [M, K] int4 tensor. CPU:
 // x converted to float32 exactly, out float32 [N, M]. CUDA: out [N, M] in x's dtype.
-void weight_only_gemm(const Array& x, const Array& qweight, const Array& scales, const std::optional<Array>& zeros,
-                      const Array& out, int64_t N, int64_t K, int64_t M, int64_t group_size, uintptr_t stream) {
-  if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
-  require_numel(x, N * K, "x");
+void weight_only_gemm(const InArray& x, const InArray& qweight, const InArray& scales,
+                      const std::optional<InArray>& zeros, const OutArray& out, int64_t N, int64_t K, int64_t M,
+                      int64_t group_size, uintptr_t stream) {
+  nonneg(N, "N");
+  nonneg(K, "K");
+  nonneg(M, "M");
+  require_numel(x, mul(N, K, "N * K"), "x");
   make_linear(qweight, scales, zeros, M, K, group_size)(x, out, std::nullopt, stream);
 }
 
 // a: uint8 [N, K/2], b: uint8 [M, K/2] (symmetric packed codes); out: int32 [N, M].
-void int4_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K, uintptr_t stream) {
-  if (N < 0 || M < 0 || K < 0 || K % 2) throw std::invalid_argument("bad N, M, K (K must be even)");
+void int4_matmul(const InArray& a, const InArray& b, const OutArray& out, int64_t N, int64_t M, int64_t K,
+                 uintptr_t stream) {
+  nonneg(N, "N");
+  nonneg(M, "M");
+  nonneg(K, "K");
+  if (K % 2) throw std::invalid_argument("K must be even, got " + std::to_string(K));
   if (K > gemm::kInt4MaxK) throw std::invalid_argument("K > 33554431: the int32 result could overflow");
   const Device dev = device_of(a, stream, "a");
   require<uint8_t>(a, "a", dev);
   require<uint8_t>(b, "b", dev);
   require<int32_t>(out, "out", dev);
-  require_numel(a, N * (K / 2), "a");
-  require_numel(b, M * (K / 2), "b");
-  require_numel(out, N * M, "out");
+  require_numel(a, mul(N, K / 2, "N * K / 2"), "a");
+  require_numel(b, mul(M, K / 2, "M * K / 2"), "b");
+  require_numel(out, mul(N, M, "N * M"), "out");
+  if (N == 0 || M == 0) return;  // no output (nb_common.h)
   if (dev.cuda) {
     QF_ON_CUDA(gemm::int4_matmul_cuda(cptr<uint8_t>(a), cptr<uint8_t>(b), mptr<int32_t>(out), N, M, K, dev.stream));
   } else {

@@ -19,17 +19,19 @@ namespace {
 // x: float [...] (C-contiguous), q: int8 with as many elements, scale: float32 with one
 // element per unit of unit_len consecutive values (numel(x) == numel(scale) * unit_len).
 // All on the CPU, or all on one CUDA device (launched on `stream`).
-void quantize(const Array& x, const Array& q, const Array& scale, int64_t unit_len, uintptr_t stream) {
+void quantize(const InArray& x, const OutArray& q, const OutArray& scale, int64_t unit_len, uintptr_t stream) {
   const Device dev = device_of(x, stream, "x");
   require<int8_t>(q, "q", dev);
   require<float>(scale, "scale", dev);
-  if (unit_len < 0) throw std::invalid_argument("unit_len must be >= 0");
-  const int64_t n = numel(x), n_units = numel(scale);
-  if (n != n_units * unit_len) throw std::invalid_argument("x: element count must be numel(scale) * unit_len");
+  nonneg(unit_len, "unit_len");
+  const int64_t n = numel(x, "x"), n_units = numel(scale, "scale");
+  if (n != mul(n_units, unit_len, "unit_len (numel(scale) * unit_len)"))
+    throw std::invalid_argument("x: element count must be numel(scale) * unit_len");
   require_numel(q, n, "q");
   auto* pq = mptr<int8_t>(q);
   auto* ps = mptr<float>(scale);
   dispatch_float(x, "x", dev, [&](auto* px) {
+    if (n_units == 0) return;  // no output (nb_common.h)
     if (dev.cuda) {
       QF_ON_CUDA(int8::quantize_cuda(px, n_units, unit_len, pq, ps, dev.stream));
     } else {
@@ -39,17 +41,19 @@ void quantize(const Array& x, const Array& q, const Array& scale, int64_t unit_l
 }
 
 // out: float32, float16 or bfloat16 (decoded in float32, rounded once).
-void dequantize(const Array& q, const Array& scale, const Array& out, int64_t unit_len, uintptr_t stream) {
+void dequantize(const InArray& q, const InArray& scale, const OutArray& out, int64_t unit_len, uintptr_t stream) {
   const Device dev = device_of(q, stream, "q");
   require<int8_t>(q, "q", dev);
   require<float>(scale, "scale", dev);
-  if (unit_len < 0) throw std::invalid_argument("unit_len must be >= 0");
-  const int64_t n = numel(q), n_units = numel(scale);
-  if (n != n_units * unit_len) throw std::invalid_argument("q: element count must be numel(scale) * unit_len");
+  nonneg(unit_len, "unit_len");
+  const int64_t n = numel(q, "q"), n_units = numel(scale, "scale");
+  if (n != mul(n_units, unit_len, "unit_len (numel(scale) * unit_len)"))
+    throw std::invalid_argument("q: element count must be numel(scale) * unit_len");
   require_numel(out, n, "out");
   const auto* pq = cptr<int8_t>(q);
   const auto* ps = cptr<float>(scale);
   dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (n_units == 0) return;  // no output (nb_common.h)
     if (dev.cuda) {
       QF_ON_CUDA(int8::dequantize_cuda(pq, ps, n_units, unit_len, py, dev.stream));
     } else {
@@ -59,16 +63,20 @@ void dequantize(const Array& q, const Array& scale, const Array& out, int64_t un
 }
 
 // a: int8 [N, K], b: int8 [M, K], out: int32 [N, M], all on one device (CPU or CUDA).
-void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, int64_t M, int64_t K, uintptr_t stream) {
-  if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
+void int8_matmul(const InArray& a, const InArray& b, const OutArray& out, int64_t N, int64_t M, int64_t K,
+                 uintptr_t stream) {
+  nonneg(N, "N");
+  nonneg(M, "M");
+  nonneg(K, "K");
   if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
   const Device dev = device_of(a, stream, "a");
   require<int8_t>(a, "a", dev);
   require<int8_t>(b, "b", dev);
   require<int32_t>(out, "out", dev);
-  require_numel(a, N * K, "a");
-  require_numel(b, M * K, "b");
-  require_numel(out, N * M, "out");
+  require_numel(a, mul(N, K, "N * K"), "a");
+  require_numel(b, mul(M, K, "M * K"), "b");
+  require_numel(out, mul(N, M, "N * M"), "out");
+  if (N == 0 || M == 0) return;  // no output (nb_common.h)
   if (dev.cuda) {
     QF_ON_CUDA(gemm::int8_matmul_cuda(cptr<int8_t>(a), cptr<int8_t>(b), mptr<int32_t>(out), N, M, K, dev.stream));
   } else {
@@ -79,20 +87,22 @@ void int8_matmul(const Array& a, const Array& b, const Array& out, int64_t N, in
 // The fused int8 linear layer: a int8 [N, K], a_scale float32 [N] or [1], b int8 [M, K],
 // b_scale float32 [M] or [1], bias None or [M] (CPU: float32/float16/bfloat16; CUDA: float32),
 // out [N, M] of float32, float16 or bfloat16: relu?(acc * (a_scale * b_scale * scale_c) + bias).
-void int8_linear(const Array& a, const Array& a_scale, const Array& b, const Array& b_scale,
-                 const std::optional<Array>& bias, bool relu, double scale_c, const Array& out, int64_t N, int64_t M,
-                 int64_t K, uintptr_t stream) {
-  if (N < 0 || M < 0 || K < 0) throw std::invalid_argument("bad N, M, K");
+void int8_linear(const InArray& a, const InArray& a_scale, const InArray& b, const InArray& b_scale,
+                 const std::optional<InArray>& bias, bool relu, double scale_c, const OutArray& out, int64_t N,
+                 int64_t M, int64_t K, uintptr_t stream) {
+  nonneg(N, "N");
+  nonneg(M, "M");
+  nonneg(K, "K");
   if (K > gemm::kInt8MaxK) throw std::invalid_argument("K > 131071: the int32 result could overflow");
   const Device dev = device_of(a, stream, "x_q");
   require<int8_t>(a, "x_q", dev);
   require<int8_t>(b, "w_q", dev);
   require<float>(a_scale, "x_scale", dev);
   require<float>(b_scale, "w_scale", dev);
-  require_numel(a, N * K, "x_q");
-  require_numel(b, M * K, "w_q");
-  require_numel(out, N * M, "out");
-  const int64_t na = numel(a_scale), nw = numel(b_scale);
+  require_numel(a, mul(N, K, "N * K"), "x_q");
+  require_numel(b, mul(M, K, "M * K"), "w_q");
+  require_numel(out, mul(N, M, "N * M"), "out");
+  const int64_t na = numel(a_scale, "x_scale"), nw = numel(b_scale, "w_scale");
   if (na != N && na != 1) throw std::invalid_argument("x_scale: expected N or 1 elements");
   if (nw != M && nw != 1) throw std::invalid_argument("w_scale: expected M or 1 elements");
   std::vector<float> bias_buf;
@@ -107,6 +117,7 @@ void int8_linear(const Array& a, const Array& a_scale, const Array& b, const Arr
     }
   }
   dispatch_float_out(out, "out", dev, [&](auto* py) {
+    if (N == 0 || M == 0) return;  // no output (nb_common.h)
     if (dev.cuda) {
       QF_ON_CUDA(gemm::int8_linear_cuda(cptr<int8_t>(a), cptr<float>(a_scale), na == N, cptr<int8_t>(b),
                                         cptr<float>(b_scale), nw == M, pbias, relu, static_cast<float>(scale_c), py, N,
@@ -138,30 +149,34 @@ struct Int8Linear {
 // The int8 weight [M, K] (q int8, scale float32 with one element per unit of unit_len values:
 // unit_len = M * K per tensor, K per row, or a divisor of K per group) as a Linear, checked here
 // once. CPU buffers only.
-PackedLinear<Int8Linear> make_linear(const Array& q, const Array& scale, int64_t M, int64_t K, int64_t unit_len) {
-  if (M < 0 || K < 0) throw std::invalid_argument("bad M, K");
+PackedLinear<Int8Linear> make_linear(const InArray& q, const InArray& scale, int64_t M, int64_t K, int64_t unit_len) {
+  nonneg(M, "M");
+  nonneg(K, "K");
+  const int64_t n = mul(M, K, "M * K");
   const Device dev = device_of(q, 0, "q");
   if (dev.cuda) throw std::invalid_argument("int8: the weight-only GEMM runs on the CPU only");
   require<int8_t>(q, "q", dev);
   require<float>(scale, "scale", dev);
-  require_numel(q, M * K, "q");
+  require_numel(q, n, "q");
   int64_t unit = 1, stride = 0;  // an empty weight reads no scale
-  if (M * K > 0) {
-    if (unit_len <= 0 || (unit_len != M * K && K % unit_len))
+  if (n > 0) {
+    if (unit_len <= 0 || (unit_len != n && K % unit_len))
       throw std::invalid_argument("unit_len must be M * K (per tensor) or divide K");
-    const bool per_tensor = unit_len == M * K && numel(scale) == 1;
+    const bool per_tensor = unit_len == n && numel(scale, "scale") == 1;
     unit = per_tensor ? K : unit_len;
     stride = per_tensor ? 0 : K / unit;
-    require_numel(scale, per_tensor ? 1 : M * stride, "scale");
+    require_numel(scale, per_tensor ? 1 : mul(M, stride, "M * (K / unit_len)"), "scale");
   }
   return packed_linear(Int8Linear{cptr<int8_t>(q), cptr<float>(scale), M, K, unit, stride}, M, K, q, {q, scale});
 }
 
 // x: float [N, K] (float32, float16 or bfloat16, converted exactly); out float32 [N, M].
-void weight_only_gemm(const Array& x, const Array& q, const Array& scale, const Array& out, int64_t N, int64_t K,
-                      int64_t M, int64_t unit_len) {
-  if (N < 0 || K < 0 || M < 0) throw std::invalid_argument("bad N, K, M");
-  require_numel(x, N * K, "x");
+void weight_only_gemm(const InArray& x, const InArray& q, const InArray& scale, const OutArray& out, int64_t N,
+                      int64_t K, int64_t M, int64_t unit_len) {
+  nonneg(N, "N");
+  nonneg(K, "K");
+  nonneg(M, "M");
+  require_numel(x, mul(N, K, "N * K"), "x");
   make_linear(q, scale, M, K, unit_len)(x, out, std::nullopt, 0);
 }
 

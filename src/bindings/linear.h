@@ -32,23 +32,25 @@ template <class Impl>
 struct PackedLinear {
   Impl impl;
   int64_t M = 0, K = 0;
-  Device dev;               // where the weight lives (stream unset)
-  std::vector<Array> keep;  // the buffers Impl points into
+  Device dev;                 // where the weight lives (stream unset)
+  std::vector<InArray> keep;  // the buffers Impl points into
 
   // x [..., K] (float32 / float16 / bfloat16, C-contiguous) on the weight's device; out [N, M]
   // with N = numel(x) / K: x's dtype on CUDA, float32 on the CPU; bias [M] of out's dtype or None.
   // CUDA: launched on `stream` of the current device (the caller makes the weight's device
   // current), x and out 16-byte aligned. CPU: threaded; the bias is added after the product.
-  void operator()(const Array& x, const Array& out, const std::optional<Array>& bias, uintptr_t stream) const {
+  void operator()(const InArray& x, const OutArray& out, const std::optional<InArray>& bias, uintptr_t stream) const {
     Device d = device_of(x, stream, "x");
     if (d.cuda != dev.cuda || (d.cuda && d.id != dev.id))
       throw std::invalid_argument("x: all arrays of a call must be on the same device (x is not on the weight's)");
     require_contiguous_on(x, "x", d);
     if (x.ndim() < 1 || static_cast<int64_t>(x.shape(x.ndim() - 1)) != K)
       throw std::invalid_argument("x: expected shape [..., " + std::to_string(K) + "]");
-    int64_t N = 1;  // x's rows: the product of its leading dimensions (K may be 0)
-    for (size_t i = 0; i + 1 < x.ndim(); ++i) N *= static_cast<int64_t>(x.shape(i));
-    require_numel(out, N * M, "out");
+    // x's rows: the product of its leading dimensions, checked (with K = 0 they are not
+    // bounded by x's element count)
+    int64_t N = 1;
+    for (size_t i = 0; i + 1 < x.ndim(); ++i) N = mul(N, static_cast<int64_t>(x.shape(i)), "x (rows)");
+    require_numel(out, mul(N, M, "out (N * M)"), "out");
     if (bias) {
       require_contiguous_on(*bias, "bias", d);
       require_numel(*bias, M, "bias");
@@ -57,7 +59,8 @@ struct PackedLinear {
     if (d.cuda) {
       dispatch_cuda_x_out(x, out, d, [&](auto* px, auto* py) {
         using T = std::remove_pointer_t<decltype(py)>;
-        const T* pb = bias ? static_cast<const T*>(bias->data()) : nullptr;
+        const T* pb = bias ? cptr<T>(*bias) : nullptr;
+        if (N == 0 || M == 0) return;  // no output (nb_common.h)
         QF_ON_CUDA(impl.cuda(px, N, py, pb, d.stream));
         (void)pb;
       });
@@ -67,6 +70,7 @@ struct PackedLinear {
     std::vector<float> buf;
     const float* px = float32_activations(x, "x", buf);
     float* py = mptr<float>(out);
+    if (N == 0 || M == 0) return;  // no output (nb_common.h)
     impl.cpu(px, N, py);
     if (bias) {
       const float* pb = cptr<float>(*bias);
@@ -78,9 +82,10 @@ struct PackedLinear {
   // The Python-facing call: arguments imported without the __dlpack__ protocol where their type
   // allows (bindings/dlpack_exchange.h), then the product without the GIL.
   void call(nb::handle x, nb::handle out, nb::handle bias, uintptr_t stream) const {
-    const Array xa = import_array(x, "x"), oa = import_array(out, "out");
-    std::optional<Array> ba;
-    if (!bias.is_none()) ba = import_array(bias, "bias");
+    const InArray xa = import_array<InArray>(x, "x");
+    const OutArray oa = import_array<OutArray>(out, "out");
+    std::optional<InArray> ba;
+    if (!bias.is_none()) ba = import_array<InArray>(bias, "bias");
     nb::gil_scoped_release release;
     (*this)(xa, oa, ba, stream);
   }
@@ -106,8 +111,9 @@ void bind_linear(nb::module_& m, const char* doc) {
 // A PackedLinear on the device of `first` (every buffer in `keep` must be there too, which the
 // format's own checks ensure).
 template <class Impl>
-PackedLinear<Impl> packed_linear(Impl impl, int64_t M, int64_t K, const Array& first, std::vector<Array> keep) {
-  if (M < 0 || K < 0) throw std::invalid_argument("bad M, K");
+PackedLinear<Impl> packed_linear(Impl impl, int64_t M, int64_t K, const InArray& first, std::vector<InArray> keep) {
+  nonneg(M, "M");
+  nonneg(K, "K");
   PackedLinear<Impl> l{std::move(impl), M, K, device_of(first, 0, "weight"), std::move(keep)};
   return l;
 }

@@ -21,17 +21,25 @@ namespace m2 = qf::mixed2bit;
 namespace {
 
 // float16 arrays (numpy float16 / torch.float16): dtype code Float, 16 bits, on device d.
-void require_f16(const Array& a, const char* name, const Device& d) {
+template <class Arr>
+void require_f16(const Arr& a, const char* name, const Device& d) {
   require_contiguous_on(a, name, d);
   const auto dt = a.dtype();
   if (!(dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && dt.bits == 16 && dt.lanes == 1))
     throw nb::type_error((std::string(name) + ": expected float16").c_str());
 }
 
+// The dims of a call, checked: every buffer size of mixed2bit.h follows from them within int64
+// once rows * K does (the group counts are at most rows * K / 16, the ceilings of Dims do not
+// add before dividing).
 m2::Dims make_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4, int64_t n_out) {
-  if (rows < 0 || K < 0 || group_size < m2::kGroupMultiple || group_size % m2::kGroupMultiple || K % group_size ||
-      scale_block < 1)
-    throw std::invalid_argument("mixed2bit: bad rows/K/group_size/scale_block");
+  nonneg(rows, "rows");
+  nonneg(K, "K");
+  if (group_size < m2::kGroupMultiple || group_size % m2::kGroupMultiple)
+    throw std::invalid_argument("group_size must be a positive multiple of 16, got " + std::to_string(group_size));
+  if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
+  if (scale_block < 1) throw std::invalid_argument("scale_block must be >= 1, got " + std::to_string(scale_block));
+  mul(rows, K, "rows * K");
   m2::Dims d;
   d.rows = rows;
   d.K = K;
@@ -39,15 +47,23 @@ m2::Dims make_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_bl
   d.scale_block = scale_block;
   d.n4 = n4;
   d.n_out = n_out;
-  if (n4 < 0 || n4 > d.n_groups()) throw std::invalid_argument("mixed2bit: n4 out of range");
-  if (n_out < 0 || n_out > d.n2() * group_size) throw std::invalid_argument("mixed2bit: n_out out of range");
+  if (n4 < 0 || n4 > d.n_groups()) throw std::invalid_argument("n4 out of range [0, rows * K / group_size]");
+  if (n_out < 0 || n_out > d.n2() * group_size)
+    throw std::invalid_argument("n_out out of range [0, values in 2-bit groups]");
   return d;
 }
 
+// mixed2bit_chunk_index_size (rows * ceil(groups_per_row / 32) + 1 entries), checked.
+int64_t chunk_index_size(int64_t rows, int64_t groups_per_row) {
+  add(mul(rows, ceil_div(groups_per_row, 32), "rows * ceil(groups_per_row / 32)"), 1, "n4_before entries");
+  return ::qf::gemm::mixed2bit_chunk_index_size(rows, groups_per_row);
+}
+
 // Checks the nine buffers against the dims: device, dtypes, contiguity, element counts.
-void check_buffers(const m2::Dims& d, const Device& dev, const Array& group_map, const Array& codes2,
-                   const Array& codes4, const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
-                   const Array& outlier_idx, const Array& outlier_val) {
+template <class Arr>
+void check_buffers(const m2::Dims& d, const Device& dev, const Arr& group_map, const Arr& codes2, const Arr& codes4,
+                   const Arr& scales2, const Arr& scales4, const Arr& so2, const Arr& so4, const Arr& outlier_idx,
+                   const Arr& outlier_val) {
   require<uint8_t>(group_map, "group_map", dev);
   require<int32_t>(codes2, "codes2", dev);
   require<int32_t>(codes4, "codes4", dev);
@@ -58,19 +74,19 @@ void check_buffers(const m2::Dims& d, const Device& dev, const Array& group_map,
   require<int32_t>(outlier_idx, "outlier_idx", dev);
   require_f16(outlier_val, "outlier_val", dev);
   require_numel(group_map, d.map_bytes(), "group_map");
-  require_numel(codes2, d.n2() * d.words2(), "codes2");
-  require_numel(codes4, d.n4 * d.words4(), "codes4");
+  require_numel(codes2, mul(d.n2(), d.words2(), "codes2 (2-bit groups * words)"), "codes2");
+  require_numel(codes4, mul(d.n4, d.words4(), "codes4 (n4 * words)"), "codes4");
   require_numel(scales2, d.n2(), "scales2");
-  require_numel(scales4, 2 * d.n4, "scales4");
-  require_numel(so2, 2 * d.blocks2(), "so2");
-  require_numel(so4, 2 * d.blocks4(), "so4");
+  require_numel(scales4, mul(2, d.n4, "scales4 (2 * n4)"), "scales4");
+  require_numel(so2, mul(2, d.blocks2(), "so2 (2 per scale block)"), "so2");
+  require_numel(so4, mul(2, d.blocks4(), "so4 (2 per scale block)"), "so4");
   require_numel(outlier_idx, d.n_out, "outlier_idx");
   require_numel(outlier_val, d.n_out, "outlier_val");
 }
 
-m2::ConstBuffers const_buffers(const Array& group_map, const Array& codes2, const Array& codes4, const Array& scales2,
-                               const Array& scales4, const Array& so2, const Array& so4, const Array& outlier_idx,
-                               const Array& outlier_val) {
+m2::ConstBuffers const_buffers(const InArray& group_map, const InArray& codes2, const InArray& codes4,
+                               const InArray& scales2, const InArray& scales4, const InArray& so2, const InArray& so4,
+                               const InArray& outlier_idx, const InArray& outlier_val) {
   return {cptr<uint8_t>(group_map), cptr<uint32_t>(codes2),     cptr<uint32_t>(codes4),
           cptr<uint8_t>(scales2),   cptr<uint8_t>(scales4),     cptr<half_t>(so2),
           cptr<half_t>(so4),        cptr<int32_t>(outlier_idx), cptr<half_t>(outlier_val)};
@@ -81,13 +97,13 @@ struct Workspace {
   void* data = nullptr;
   int64_t bytes = 0;
 };
-Workspace workspace_of(const Array& ws, const Device& dev) {
+Workspace workspace_of(const OutArray& ws, const Device& dev) {
   Workspace w;
   if (!dev.cuda) return w;  // the CPU kernels allocate their own scratch; a workspace is ignored
   if (!ws.is_valid()) throw std::invalid_argument("workspace: a CUDA call needs a workspace array");
   require<uint8_t>(ws, "workspace", dev);
-  w.data = ws.data();
-  w.bytes = numel(ws);
+  w.data = mptr<void>(ws);
+  w.bytes = numel(ws, "workspace");
   return w;
 }
 
@@ -109,10 +125,10 @@ int64_t dequantize_workspace_bytes(int64_t rows, int64_t K, int64_t group_size, 
 
 // w: float [rows, K]; sensitivity: float32 [K] or None; outputs as in mixed2bit.h; workspace:
 // uint8 of quantize_workspace_bytes() on CUDA (None on the CPU).
-void quantize(const Array& w, const Array& sensitivity, int64_t group_size, int64_t scale_block, int64_t n4,
-              int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4, const Array& scales2,
-              const Array& scales4, const Array& so2, const Array& so4, const Array& outlier_idx,
-              const Array& outlier_val, const Array& workspace, uintptr_t stream) {
+void quantize(const InArray& w, const InArray& sensitivity, int64_t group_size, int64_t scale_block, int64_t n4,
+              int64_t n_out, const OutArray& group_map, const OutArray& codes2, const OutArray& codes4,
+              const OutArray& scales2, const OutArray& scales4, const OutArray& so2, const OutArray& so4,
+              const OutArray& outlier_idx, const OutArray& outlier_val, const OutArray& workspace, uintptr_t stream) {
   const Device dev = device_of(w, stream, "w");
   if (w.ndim() != 2) throw std::invalid_argument("w: expected a 2-D array");
   const m2::Dims d =
@@ -130,6 +146,7 @@ void quantize(const Array& w, const Array& sensitivity, int64_t group_size, int6
                         mptr<uint8_t>(scales2),   mptr<uint8_t>(scales4),     mptr<half_t>(so2),
                         mptr<half_t>(so4),        mptr<int32_t>(outlier_idx), mptr<half_t>(outlier_val)};
   dispatch_float(w, "w", dev, [&](auto* pw) {
+    if (d.n_groups() == 0) return;  // no output (nb_common.h)
     if (dev.cuda) {
       QF_ON_CUDA(m2::quantize_cuda(pw, sens, d, out, ws.data, ws.bytes, dev.stream));
     } else {
@@ -141,9 +158,9 @@ void quantize(const Array& w, const Array& sensitivity, int64_t group_size, int6
 // out: float32, float16 or bfloat16 [rows * K] (decoded in float32, rounded once); workspace:
 // uint8 of dequantize_workspace_bytes() on CUDA (None on the CPU).
 void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4, int64_t n_out,
-                const Array& group_map, const Array& codes2, const Array& codes4, const Array& scales2,
-                const Array& scales4, const Array& so2, const Array& so4, const Array& outlier_idx,
-                const Array& outlier_val, const Array& out, const Array& workspace, uintptr_t stream) {
+                const InArray& group_map, const InArray& codes2, const InArray& codes4, const InArray& scales2,
+                const InArray& scales4, const InArray& so2, const InArray& so4, const InArray& outlier_idx,
+                const InArray& outlier_val, const OutArray& out, const OutArray& workspace, uintptr_t stream) {
   const Device dev = device_of(out, stream, "out");
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
   check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
@@ -152,7 +169,8 @@ void dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block
   const m2::ConstBuffers q =
       const_buffers(group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
   dispatch_float_out(out, "out", dev, [&](auto* py) {
-    require_numel(out, rows * K, "out");
+    require_numel(out, mul(rows, K, "rows * K"), "out");
+    if (d.n_groups() == 0) return;  // no output (nb_common.h)
     if (dev.cuda) {
       QF_ON_CUDA(m2::dequantize_cuda(q, d, py, ws.data, ws.bytes, dev.stream));
     } else {
@@ -182,18 +200,19 @@ struct Mixed2Linear {
 // here once. CUDA: n4_before = row_index()'s chunk index (mixed2bit_gemm_cuda.h) and the
 // parameters gemm_cuda_supports() accepts.
 PackedLinear<Mixed2Linear> make_linear(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
-                                       int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
-                                       const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
-                                       const Array& outlier_idx, const Array& outlier_val, const Array& n4_before) {
+                                       int64_t n_out, const InArray& group_map, const InArray& codes2,
+                                       const InArray& codes4, const InArray& scales2, const InArray& scales4,
+                                       const InArray& so2, const InArray& so4, const InArray& outlier_idx,
+                                       const InArray& outlier_val, const InArray& n4_before) {
   const Device dev = device_of(group_map, 0, "group_map");
   const m2::Dims d = make_dims(rows, K, group_size, scale_block, n4, n_out);
   check_buffers(d, dev, group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val);
-  std::vector<Array> keep{group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val};
+  std::vector<InArray> keep{group_map, codes2, codes4, scales2, scales4, so2, so4, outlier_idx, outlier_val};
   const uint64_t* index = nullptr;
   if (dev.cuda) {
     if (!n4_before.is_valid()) throw std::invalid_argument("n4_before: required for CUDA arrays");
     require<int64_t>(n4_before, "n4_before", dev);
-    require_numel(n4_before, ::qf::gemm::mixed2bit_chunk_index_size(rows, d.groups_per_row()), "n4_before");
+    require_numel(n4_before, chunk_index_size(rows, d.groups_per_row()), "n4_before");
     if (!::qf::gemm::mixed2bit_gemm_cuda_supports(d))
       throw std::invalid_argument(
           "the CUDA GEMM needs group_size = 16 * 2^j <= 512, a power-of-two "
@@ -211,11 +230,11 @@ PackedLinear<Mixed2Linear> make_linear(int64_t rows, int64_t K, int64_t group_si
 
 // Y [N, rows] = X [N, K] . W^T, X float32, float16 or bfloat16 [N, K]: make_linear's product for
 // one call (out float32 on the CPU, x's dtype on CUDA).
-void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
-                      int64_t n_out, const Array& group_map, const Array& codes2, const Array& codes4,
-                      const Array& scales2, const Array& scales4, const Array& so2, const Array& so4,
-                      const Array& outlier_idx, const Array& outlier_val, const Array& out, const Array& n4_before,
-                      uintptr_t stream) {
+void weight_only_gemm(const InArray& x, int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4,
+                      int64_t n_out, const InArray& group_map, const InArray& codes2, const InArray& codes4,
+                      const InArray& scales2, const InArray& scales4, const InArray& so2, const InArray& so4,
+                      const InArray& outlier_idx, const InArray& outlier_val, const OutArray& out,
+                      const InArray& n4_before, uintptr_t stream) {
   if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K) throw std::invalid_argument("x: expected float [N, K]");
   make_linear(rows, K, group_size, scale_block, n4, n_out, group_map, codes2, codes4, scales2, scales4, so2, so4,
               outlier_idx, outlier_val, n4_before)(x, out, std::nullopt, stream);
@@ -225,14 +244,19 @@ void weight_only_gemm(const Array& x, int64_t rows, int64_t K, int64_t group_siz
 // with the chunk index of mixed2bit_gemm_cuda.h (per row and 32-group chunk: the 4-bit
 // groups before it in the low 32 bits, its map bits in the high 32; the last entry is the total).
 // CUDA only (the CPU GEMM indexes itself).
-void row_index(const Array& group_map, int64_t rows, int64_t groups_per_row, const Array& n4_before, uintptr_t stream) {
+void row_index(const InArray& group_map, int64_t rows, int64_t groups_per_row, const OutArray& n4_before,
+               uintptr_t stream) {
+  nonneg(rows, "rows");
+  nonneg(groups_per_row, "groups_per_row");
   const Device dev = device_of(group_map, stream, "group_map");
   if (!dev.cuda) throw std::invalid_argument("group_map: row_index is for CUDA arrays");
-  if (rows < 0 || groups_per_row < 0) throw std::invalid_argument("bad rows / groups_per_row");
   require<uint8_t>(group_map, "group_map", dev);
-  require_numel(group_map, (rows * groups_per_row + 7) / 8, "group_map");
+  require_numel(group_map, ceil_div(mul(rows, groups_per_row, "rows * groups_per_row"), 8), "group_map");
   require<int64_t>(n4_before, "n4_before", dev);
-  require_numel(n4_before, ::qf::gemm::mixed2bit_chunk_index_size(rows, groups_per_row), "n4_before");
+  require_numel(n4_before, chunk_index_size(rows, groups_per_row), "n4_before");
+  // With no rows the index is its total alone (0); groups_per_row, which no array bounds then,
+  // does not reach the kernel.
+  if (rows == 0) groups_per_row = 0;
   QF_ON_CUDA(::qf::gemm::mixed2bit_row_index_cuda(cptr<uint8_t>(group_map), rows, groups_per_row,
                                                   reinterpret_cast<uint64_t*>(mptr<int64_t>(n4_before)), dev.stream));
 }
@@ -242,29 +266,32 @@ bool gemm_cuda_supports(int64_t rows, int64_t K, int64_t group_size, int64_t sca
 }
 
 // values: uint8 with 16 * numel(out) elements; out: int32.
-void pack_2bit(const Array& values, const Array& out, uintptr_t stream) {
+void pack_2bit(const InArray& values, const OutArray& out, uintptr_t stream) {
   const Device dev = device_of(values, stream, "values");
   require<uint8_t>(values, "values", dev);
   require<int32_t>(out, "out", dev);
-  require_numel(values, numel(out) * m2::kCodes2PerWord, "values");
+  const int64_t n_words = numel(out, "out");
+  require_numel(values, mul(n_words, m2::kCodes2PerWord, "values (16 per word of out)"), "values");
   if (dev.cuda) {
-    QF_ON_CUDA(m2::pack_2bit_cuda(cptr<uint8_t>(values), numel(out), mptr<uint32_t>(out), dev.stream));
+    QF_ON_CUDA(m2::pack_2bit_cuda(cptr<uint8_t>(values), n_words, mptr<uint32_t>(out), dev.stream));
   } else {
-    m2::pack_2bit_cpu(cptr<uint8_t>(values), numel(out), mptr<uint32_t>(out));
+    m2::pack_2bit_cpu(cptr<uint8_t>(values), n_words, mptr<uint32_t>(out));
   }
 }
 
 // packed: int32; out: uint8 with at most 16 * numel(packed) elements.
-void unpack_2bit(const Array& packed, const Array& out, uintptr_t stream) {
+void unpack_2bit(const InArray& packed, const OutArray& out, uintptr_t stream) {
   const Device dev = device_of(packed, stream, "packed");
   require<int32_t>(packed, "packed", dev);
   require<uint8_t>(out, "out", dev);
-  if (numel(out) > numel(packed) * m2::kCodes2PerWord)
+  const int64_t n_out = numel(out, "out");
+  // Compared as out / 16 <= words (rounded up), not out <= words * 16, which can wrap.
+  if (ceil_div(n_out, m2::kCodes2PerWord) > numel(packed, "packed"))
     throw std::invalid_argument("out: more elements than the packed words hold");
   if (dev.cuda) {
-    QF_ON_CUDA(m2::unpack_2bit_cuda(cptr<uint32_t>(packed), numel(out), mptr<uint8_t>(out), dev.stream));
+    QF_ON_CUDA(m2::unpack_2bit_cuda(cptr<uint32_t>(packed), n_out, mptr<uint8_t>(out), dev.stream));
   } else {
-    m2::unpack_2bit_cpu(cptr<uint32_t>(packed), numel(out), mptr<uint8_t>(out));
+    m2::unpack_2bit_cpu(cptr<uint32_t>(packed), n_out, mptr<uint8_t>(out));
   }
 }
 

@@ -22,7 +22,7 @@ void check_blocksize(int64_t blocksize) {
     throw std::invalid_argument("blocksize must be a power of two in [32, 4096], got " + std::to_string(blocksize));
 }
 
-int64_t n_blocks_of(int64_t n, int64_t blocksize) { return (n + blocksize - 1) / blocksize; }
+int64_t n_blocks_of(int64_t n, int64_t blocksize) { return ceil_div(n, blocksize); }
 
 // Each codec adapter runs where its first array lives: CPU arrays on the CPU kernels, CUDA arrays on
 // the CUDA kernels, launched on `stream` (torch's current stream, passed by the Python layer, which
@@ -30,13 +30,13 @@ int64_t n_blocks_of(int64_t n, int64_t blocksize) { return (n + blocksize - 1) /
 
 // x: float32/float16/bfloat16, any shape (flattened), C-contiguous.
 // packed: uint8 [ceil(n/2)], absmax: float32 [ceil(n/blocksize)].
-void quantize(const Array& x, int64_t blocksize, const Array& packed, const Array& absmax, uintptr_t stream) {
+void quantize(const InArray& x, int64_t blocksize, const OutArray& packed, const OutArray& absmax, uintptr_t stream) {
   check_blocksize(blocksize);
   const Device dev = device_of(x, stream, "x");
   require<uint8_t>(packed, "packed", dev);
   require<float>(absmax, "absmax", dev);
-  const int64_t n = numel(x);
-  require_numel(packed, (n + 1) / 2, "packed");
+  const int64_t n = numel(x, "x");
+  require_numel(packed, ceil_div(n, 2), "packed");
   require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
   auto* pk = mptr<uint8_t>(packed);
   auto* am = mptr<float>(absmax);
@@ -51,13 +51,14 @@ void quantize(const Array& x, int64_t blocksize, const Array& packed, const Arra
 
 // packed uint8 [ceil(n/2)], absmax float32 [ceil(n/blocksize)] -> out [n] (n = out's size) of
 // float32, float16 or bfloat16 (decoded in float32, rounded once).
-void dequantize(const Array& packed, const Array& absmax, int64_t blocksize, const Array& out, uintptr_t stream) {
+void dequantize(const InArray& packed, const InArray& absmax, int64_t blocksize, const OutArray& out,
+                uintptr_t stream) {
   check_blocksize(blocksize);
   const Device dev = device_of(packed, stream, "packed");
   require<uint8_t>(packed, "packed", dev);
   require<float>(absmax, "absmax", dev);
-  const int64_t n = numel(out);
-  require_numel(packed, (n + 1) / 2, "packed");
+  const int64_t n = numel(out, "out");
+  require_numel(packed, ceil_div(n, 2), "packed");
   require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
   const auto* pk = cptr<uint8_t>(packed);
   const auto* am = cptr<float>(absmax);
@@ -71,13 +72,14 @@ void dequantize(const Array& packed, const Array& absmax, int64_t blocksize, con
 }
 
 // absmax float32 [nb] -> q uint8 [nb], absmax2 float32 [ceil(nb/256)], offset float32 [1].
-void double_quant(const Array& absmax, const Array& q, const Array& absmax2, const Array& offset, uintptr_t stream) {
+void double_quant(const InArray& absmax, const OutArray& q, const OutArray& absmax2, const OutArray& offset,
+                  uintptr_t stream) {
   const Device dev = device_of(absmax, stream, "absmax");
   require<float>(absmax, "absmax", dev);
   require<uint8_t>(q, "q", dev);
   require<float>(absmax2, "absmax2", dev);
   require<float>(offset, "offset", dev);
-  const int64_t nb = numel(absmax);
+  const int64_t nb = numel(absmax, "absmax");
   require_numel(q, nb, "q");
   require_numel(absmax2, n_blocks_of(nb, nf4::kDoubleQuantBlock), "absmax2");
   require_numel(offset, 1, "offset");
@@ -90,13 +92,14 @@ void double_quant(const Array& absmax, const Array& q, const Array& absmax2, con
 }
 
 // q uint8 [nb], absmax2 float32 [ceil(nb/256)], offset float32 [1] -> out float32 [nb].
-void dequantize_absmax(const Array& q, const Array& absmax2, const Array& offset, const Array& out, uintptr_t stream) {
+void dequantize_absmax(const InArray& q, const InArray& absmax2, const InArray& offset, const OutArray& out,
+                       uintptr_t stream) {
   const Device dev = device_of(q, stream, "q");
   require<uint8_t>(q, "q", dev);
   require<float>(absmax2, "absmax2", dev);
   require<float>(offset, "offset", dev);
   require<float>(out, "out", dev);
-  const int64_t nb = numel(q);
+  const int64_t nb = numel(q, "q");
   require_numel(out, nb, "out");
   require_numel(absmax2, n_blocks_of(nb, nf4::kDoubleQuantBlock), "absmax2");
   require_numel(offset, 1, "offset");
@@ -128,14 +131,16 @@ struct Nf4Linear {
 
 // An nf4 weight [M, K] (packed uint8 [ceil(M K / 2)], absmax float32 [ceil(M K / blocksize)]) as a
 // Linear, checked here once. CUDA needs K % 32 == 0 (nf4_gemm_cuda.h).
-PackedLinear<Nf4Linear> make_linear(const Array& packed, const Array& absmax, int64_t M, int64_t K, int64_t blocksize) {
+PackedLinear<Nf4Linear> make_linear(const InArray& packed, const InArray& absmax, int64_t M, int64_t K,
+                                    int64_t blocksize) {
   check_blocksize(blocksize);
-  if (M < 0 || K < 0) throw std::invalid_argument("M and K must be >= 0");
+  nonneg(M, "M");
+  nonneg(K, "K");
   const Device dev = device_of(packed, 0, "packed");
   require<uint8_t>(packed, "packed", dev);
   require<float>(absmax, "absmax", dev);
-  const int64_t n = M * K;
-  require_numel(packed, (n + 1) / 2, "packed");
+  const int64_t n = mul(M, K, "M * K");
+  require_numel(packed, ceil_div(n, 2), "packed");
   require_numel(absmax, n_blocks_of(n, blocksize), "absmax");
   if (dev.cuda && K % 32) throw std::invalid_argument("the CUDA GEMM needs K % 32 == 0");
   return packed_linear(Nf4Linear{cptr<uint8_t>(packed), cptr<float>(absmax), M, K, blocksize}, M, K, packed,
@@ -143,7 +148,7 @@ PackedLinear<Nf4Linear> make_linear(const Array& packed, const Array& absmax, in
 }
 
 // x: float [N, K] (float32, float16 or bfloat16); out: CPU float32 [N, M], CUDA x's dtype.
-void gemm_nf4(const Array& x, const Array& packed, const Array& absmax, const Array& out, int64_t M, int64_t K,
+void gemm_nf4(const InArray& x, const InArray& packed, const InArray& absmax, const OutArray& out, int64_t M, int64_t K,
               int64_t blocksize, uintptr_t stream) {
   if (x.ndim() != 2) throw std::invalid_argument("x: expected shape [N, " + std::to_string(K) + "]");
   make_linear(packed, absmax, M, K, blocksize)(x, out, std::nullopt, stream);
@@ -160,9 +165,9 @@ nb::dict constants() {
 }
 
 // Exposed for tests: the torch-order mean, and the 8-bit code of one scaled value.
-float mean_torch_order(const Array& x) {
+float mean_torch_order(const InArray& x) {
   require<float>(x, "x");
-  return nf4::mean_torch_order(cptr<float>(x), numel(x));
+  return nf4::mean_torch_order(cptr<float>(x), numel(x, "x"));
 }
 
 }  // namespace

@@ -14,13 +14,13 @@ using namespace qf::bind;
 namespace {
 
 // x: float [rows, K] (any leading shape, C-contiguous), out: uint8 with K/32 * 18 bytes per row.
-void quantize(const Array& x, const Array& out, uintptr_t stream) {
+void quantize(const InArray& x, const OutArray& out, uintptr_t stream) {
   const Device dev = device_of(x, stream, "x");
   require<uint8_t>(out, "out", dev);
-  const int64_t n = numel(x);
+  const int64_t n = numel(x, "x");
   if (n % q4_0::QK) throw std::invalid_argument("x: element count must be a multiple of 32");
   const int64_t n_blocks = n / q4_0::QK;
-  require_numel(out, n_blocks * int64_t(sizeof(q4_0::block_q4_0)), "out");
+  require_numel(out, mul(n_blocks, int64_t(sizeof(q4_0::block_q4_0)), "out (18 bytes per block of x)"), "out");
   auto* y = mptr<q4_0::block_q4_0>(out);
   dispatch_float(x, "x", dev, [&](auto* px) {
     if (dev.cuda) {
@@ -32,14 +32,14 @@ void quantize(const Array& x, const Array& out, uintptr_t stream) {
 }
 
 // out: float32, float16 or bfloat16 with 32 values per block (decoded in float32, rounded once).
-void dequantize(const Array& blocks, const Array& out, uintptr_t stream) {
+void dequantize(const InArray& blocks, const OutArray& out, uintptr_t stream) {
   const Device dev = device_of(blocks, stream, "blocks");
   require<uint8_t>(blocks, "blocks", dev);
-  const int64_t nbytes = numel(blocks);
+  const int64_t nbytes = numel(blocks, "blocks");
   if (nbytes % int64_t(sizeof(q4_0::block_q4_0)))
     throw std::invalid_argument("blocks: size must be a multiple of 18 bytes");
   const int64_t n_blocks = nbytes / int64_t(sizeof(q4_0::block_q4_0));
-  require_numel(out, n_blocks * q4_0::QK, "out");
+  require_numel(out, mul(n_blocks, q4_0::QK, "out (32 values per block)"), "out");
   const auto* x = cptr<q4_0::block_q4_0>(blocks);
   dispatch_float_out(out, "out", dev, [&](auto* py) {
     if (dev.cuda) {
@@ -50,10 +50,26 @@ void dequantize(const Array& blocks, const Array& out, uintptr_t stream) {
   });
 }
 
+// M, N, K of the q4_0 x q8_1 GEMM: non-negative, K a multiple of 32, and the sizes the CPU and
+// CUDA paths compute from them (the operands' bytes, the output, the CUDA workspace's
+// (M + N) * K codes and (M + N) * K / 32 float scales) within int64.
+void check_gemm_dims(int64_t M, int64_t N, int64_t K) {
+  nonneg(M, "M");
+  nonneg(N, "N");
+  nonneg(K, "K");
+  if (K % q4_0::QK) throw std::invalid_argument("K must be a multiple of 32, got " + std::to_string(K));
+  const int64_t rows = add(M, N, "M + N");
+  add(mul(rows, K, "(M + N) * K"), mul({rows, K / q4_0::QK, int64_t(sizeof(float))}, "(M + N) * K / 32 * 4"),
+      "workspace bytes");
+  mul({M, K / q4_0::QK, int64_t(sizeof(q4_0::block_q4_0))}, "M * K / 32 * 18");
+  mul({N, K / q8_1::QK, int64_t(sizeof(q8_1::block_q8_1))}, "N * K / 32 * 36");
+  mul(M, N, "M * N");
+}
+
 // Bytes of CUDA workspace gemm_q4_0_q8_1 can use for these dims (0: none needed; CPU-only
 // builds: 0).
 int64_t gemm_q4_0_q8_1_workspace_bytes(int64_t M, int64_t N, int64_t K) {
-  if (M < 0 || N < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, N, K");
+  check_gemm_dims(M, N, K);
 #if defined(QFORMATS_WITH_CUDA)
   return gemm::q4_0_q8_1_cuda_workspace_bytes(M, N, K);
 #else
@@ -65,15 +81,16 @@ int64_t gemm_q4_0_q8_1_workspace_bytes(int64_t M, int64_t N, int64_t K) {
 // CPU: float32. CUDA: float32, float16 or bfloat16 (the float32 sum rounded once).
 // workspace (CUDA, optional): uint8 of at least gemm_q4_0_q8_1_workspace_bytes(M, N, K) on the
 // call's device; with it, N > 16 runs on the pipelined int8 tensor-core kernel.
-void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M, int64_t N, int64_t K, bool out_nm,
-                    const Array& workspace, uintptr_t stream) {
-  if (M < 0 || N < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, N, K");
+void gemm_q4_0_q8_1(const InArray& w, const InArray& a, const OutArray& out, int64_t M, int64_t N, int64_t K,
+                    bool out_nm, const OutArray& workspace, uintptr_t stream) {
+  check_gemm_dims(M, N, K);
   const Device dev = device_of(w, stream, "weight_q");
   require<uint8_t>(w, "weight_q", dev);
   require<uint8_t>(a, "activation_q", dev);
-  require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "weight_q");
-  require_numel(a, N * (K / q8_1::QK) * int64_t(sizeof(q8_1::block_q8_1)), "activation_q");
-  require_numel(out, M * N, "out");
+  require_numel(w, mul({M, K / q4_0::QK, int64_t(sizeof(q4_0::block_q4_0))}, "M * K / 32 * 18"), "weight_q");
+  require_numel(a, mul({N, K / q8_1::QK, int64_t(sizeof(q8_1::block_q8_1))}, "N * K / 32 * 36"), "activation_q");
+  require_numel(out, mul(M, N, "M * N"), "out");
+  const bool empty = M == 0 || N == 0;  // no output (nb_common.h)
   const int64_t ldo_m = out_nm ? 1 : N, ldo_n = out_nm ? M : 1;
   const auto* pw = cptr<q4_0::block_q4_0>(w);
   const auto* pa = cptr<q8_1::block_q8_1>(a);
@@ -81,37 +98,45 @@ void gemm_q4_0_q8_1(const Array& w, const Array& a, const Array& out, int64_t M,
     void* ws = nullptr;
     if (workspace.is_valid()) {
       require<uint8_t>(workspace, "workspace", dev);
-      if (numel(workspace) < gemm_q4_0_q8_1_workspace_bytes(M, N, K))
+      if (numel(workspace, "workspace") < gemm_q4_0_q8_1_workspace_bytes(M, N, K))
         throw std::invalid_argument("workspace: smaller than gemm_q4_0_q8_1_workspace_bytes(M, N, K)");
       ws = workspace.data();
     }
     dispatch_float_out(out, "out", dev, [&](auto* py) {
+      if (empty) return;
       QF_ON_CUDA(gemm::q4_0_q8_1_cuda(pw, pa, M, N, K, py, ldo_m, ldo_n, ws, dev.stream));
     });
     return;
   }
   require<float>(out, "out");
+  if (empty) return;
   gemm::q4_0_q8_1_cpu(pw, pa, M, N, K, mptr<float>(out), ldo_m, ldo_n);
 }
 
 // Checks of the weight-side GEMMs: x [N, K] float (float32/float16/bfloat16), w q4_0 blocks of
 // an [M, K] tensor, out float32 [N, M]; all CPU, C-contiguous.
-void check_x_w_out(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K) {
-  if (M < 0 || N < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, N, K (K must be a multiple of 32)");
+void check_x_w_out(const InArray& x, const InArray& w, const OutArray& out, int64_t M, int64_t N, int64_t K) {
+  nonneg(M, "M");
+  nonneg(N, "N");
+  nonneg(K, "K");
+  if (K % q4_0::QK) throw std::invalid_argument("K must be a multiple of 32, got " + std::to_string(K));
   require<uint8_t>(w, "w");
   require<float>(out, "out");
   require_cpu_contiguous(x, "x");
-  require_numel(x, N * K, "x");
-  require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "w");
-  require_numel(out, N * M, "out");
+  require_numel(x, mul(N, K, "N * K"), "x");
+  require_numel(w, mul({M, K / q4_0::QK, int64_t(sizeof(q4_0::block_q4_0))}, "M * K / 32 * 18"), "w");
+  require_numel(out, mul(N, M, "N * M"), "out");
 }
 
 // llama.cpp's linear layer: x quantized to q8_1 on the fly, then the integer q4_0 x q8_1 GEMM;
 // out [N, M] = (W . x_q^T)^T.
-void linear(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K) {
+void linear(const InArray& x, const InArray& w, const OutArray& out, int64_t M, int64_t N, int64_t K) {
   check_x_w_out(x, w, out, M, N, K);
   const auto* pw = cptr<q4_0::block_q4_0>(w);
-  dispatch_float(x, "x", [&](auto* px) { gemm::linear_q4_0_cpu(px, N, K, pw, M, mptr<float>(out)); });
+  dispatch_float(x, "x", [&](auto* px) {
+    if (N == 0 || M == 0) return;  // no output (nb_common.h)
+    gemm::linear_q4_0_cpu(px, N, K, pw, M, mptr<float>(out));
+  });
 }
 
 // The policy of bindings/linear.h over q4_0 blocks of an [M, K] weight. CUDA: the weight-only
@@ -135,20 +160,23 @@ struct Q4_0Linear {
 };
 
 // q4_0 blocks (uint8 [M, K / 32, 18]) of an [M, K] weight as a Linear, checked here once.
-PackedLinear<Q4_0Linear> make_linear(const Array& w, int64_t M, int64_t K, bool q8_1_activations) {
-  if (M < 0 || K < 0 || K % q4_0::QK) throw std::invalid_argument("bad M, K (K must be a multiple of 32)");
+PackedLinear<Q4_0Linear> make_linear(const InArray& w, int64_t M, int64_t K, bool q8_1_activations) {
+  nonneg(M, "M");
+  nonneg(K, "K");
+  if (K % q4_0::QK) throw std::invalid_argument("K must be a multiple of 32, got " + std::to_string(K));
   const Device dev = device_of(w, 0, "w");
   require<uint8_t>(w, "w", dev);
-  require_numel(w, M * (K / q4_0::QK) * int64_t(sizeof(q4_0::block_q4_0)), "w");
+  require_numel(w, mul({M, K / q4_0::QK, int64_t(sizeof(q4_0::block_q4_0))}, "M * K / 32 * 18"), "w");
   return packed_linear(Q4_0Linear{cptr<q4_0::block_q4_0>(w), M, K, q8_1_activations}, M, K, w, {w});
 }
 
 // Weight-only: out [N, M] = x . W^T, W decoded a tile at a time (CPU: float32 out) or in
 // registers (CUDA: out in x's dtype).
-void weight_only_gemm(const Array& x, const Array& w, const Array& out, int64_t M, int64_t N, int64_t K,
+void weight_only_gemm(const InArray& x, const InArray& w, const OutArray& out, int64_t M, int64_t N, int64_t K,
                       uintptr_t stream) {
-  if (N < 0) throw std::invalid_argument("bad N");
-  require_numel(x, N * K, "x");
+  nonneg(N, "N");
+  nonneg(K, "K");
+  require_numel(x, mul(N, K, "N * K"), "x");
   make_linear(w, M, K, false)(x, out, std::nullopt, stream);
 }
 

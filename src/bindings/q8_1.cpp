@@ -7,13 +7,13 @@ using namespace qf::bind;
 
 namespace {
 
-void quantize(const Array& x, const Array& out, uintptr_t stream) {
+void quantize(const InArray& x, const OutArray& out, uintptr_t stream) {
   const Device dev = device_of(x, stream, "x");
   require<uint8_t>(out, "out", dev);
-  const int64_t n = numel(x);
+  const int64_t n = numel(x, "x");
   if (n % q8_1::QK) throw std::invalid_argument("x: element count must be a multiple of 32");
   const int64_t n_blocks = n / q8_1::QK;
-  require_numel(out, n_blocks * int64_t(sizeof(q8_1::block_q8_1)), "out");
+  require_numel(out, mul(n_blocks, int64_t(sizeof(q8_1::block_q8_1)), "out (36 bytes per block of x)"), "out");
   auto* y = mptr<q8_1::block_q8_1>(out);
   dispatch_float(x, "x", dev, [&](auto* px) {
     if (dev.cuda) {
@@ -25,14 +25,14 @@ void quantize(const Array& x, const Array& out, uintptr_t stream) {
 }
 
 // out: float32, float16 or bfloat16 with 32 values per block (decoded in float32, rounded once).
-void dequantize(const Array& blocks, const Array& out, uintptr_t stream) {
+void dequantize(const InArray& blocks, const OutArray& out, uintptr_t stream) {
   const Device dev = device_of(blocks, stream, "blocks");
   require<uint8_t>(blocks, "blocks", dev);
-  const int64_t nbytes = numel(blocks);
+  const int64_t nbytes = numel(blocks, "blocks");
   if (nbytes % int64_t(sizeof(q8_1::block_q8_1)))
     throw std::invalid_argument("blocks: size must be a multiple of 36 bytes");
   const int64_t n_blocks = nbytes / int64_t(sizeof(q8_1::block_q8_1));
-  require_numel(out, n_blocks * q8_1::QK, "out");
+  require_numel(out, mul(n_blocks, q8_1::QK, "out (32 values per block)"), "out");
   const auto* x = cptr<q8_1::block_q8_1>(blocks);
   dispatch_float_out(out, "out", dev, [&](auto* py) {
     if (dev.cuda) {

@@ -109,9 +109,10 @@ struct Dims {
   int64_t n2() const { return n_groups() - n4; }
   int64_t words2() const { return group_size / kCodes2PerWord; }  // int32 words per 2-bit group
   int64_t words4() const { return group_size / kCodes4PerWord; }  // int32 words per 4-bit group
-  int64_t map_bytes() const { return (n_groups() + 7) / 8; }
-  int64_t blocks2() const { return (n2() + scale_block - 1) / scale_block; }
-  int64_t blocks4() const { return (n4 + scale_block - 1) / scale_block; }
+  // Ceilings that divide first: n + scale_block - 1 wraps for a scale_block near 2^63.
+  int64_t map_bytes() const { return n_groups() / 8 + (n_groups() % 8 != 0); }
+  int64_t blocks2() const { return n2() / scale_block + (n2() % scale_block != 0); }
+  int64_t blocks4() const { return n4 / scale_block + (n4 % scale_block != 0); }
 };
 
 // The packed buffers (codes as uint32 words: the int32 arrays reinterpreted, bit 31 included).

@@ -135,7 +135,9 @@ Mixed2bitCpuIndex mixed2bit_cpu_index(const mixed2bit::ConstBuffers& q, const mi
   mixed2bit_row_index(q, dims, n4_before.data(), index.out_before.data());
   const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), kc = m2_tile(dims);
   // 4-bit groups before each tile of each row (the slot of the tile's first 4-bit group).
-  const int64_t n_win = (K + kc - 1) / kc, gw = kc / gs;
+  // (K / kc rounded up without K + kc - 1: the index is built for any weight, an empty one with
+  // a K that no array bounds included)
+  const int64_t n_win = K / kc + (K % kc != 0), gw = kc / gs;
   index.win4.resize(static_cast<size_t>(dims.rows * n_win));
   parallel_chunks(dims.rows, 256, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -160,7 +162,7 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
   const Mixed2bitCpuKernels& m2k = mixed2bit_cpu_kernels();
   const int64_t K = dims.K, gs = dims.group_size, G = dims.groups_per_row(), B = dims.scale_block;
   const int64_t w2 = dims.words2(), w4 = dims.words4();
-  const int64_t kc = m2_tile(dims), n_win = (K + kc - 1) / kc;
+  const int64_t kc = m2_tile(dims), n_win = K / kc + (K % kc != 0);  // as mixed2bit_cpu_index
   const int64_t* const win4 = index.win4.data();
   const int64_t* const out_before = index.out_before.data();
   const bool vector_window = m2k.decode_window && dims.n2() * w2 < (int64_t(1) << 31) &&

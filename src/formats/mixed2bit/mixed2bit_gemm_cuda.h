@@ -27,7 +27,7 @@ inline bool mixed2bit_gemm_cuda_supports(const mixed2bit::Dims& d) {
 // which the caller compares with dims.n4 to reject inconsistent buffers. With it, any unit finds
 // its group's slot in either list with one load and a popcount.
 inline int64_t mixed2bit_chunk_index_size(int64_t rows, int64_t groups_per_row) {
-  return rows * ((groups_per_row + 31) / 32) + 1;
+  return rows * (groups_per_row / 32 + (groups_per_row % 32 != 0)) + 1;
 }
 void mixed2bit_row_index_cuda(const uint8_t* group_map, int64_t rows, int64_t groups_per_row, uint64_t* index,
                               void* stream);

@@ -250,7 +250,10 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
             32 * 2^j (32, 64, 128, ...).
     Returns:
         ``[N, M]`` in the library and on the device of ``x``: float32 on the CPU, ``x``'s dtype
-        on CUDA (one rounding of the float32 result).
+        on CUDA (one rounding of the float32 result). Range: with float16 activations on CUDA
+        the tensor-core decoder forms ``16 * w`` in float16 for half of the nibbles, so weights
+        of magnitude 4096 or more (a scale above about 270) come out as Inf / NaN; real
+        checkpoints are orders of magnitude below that.
     Raises:
         TypeError: x not a float array/tensor, w not a QuantizedTensor.
         ValueError: x not 2-D, w not 2-D or not int4, K mismatch, non-contiguous, NaN/Inf,

@@ -233,7 +233,10 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         ``[N, M]`` in the library and on the device of ``x`` (float32 on the CPU, ``x``'s dtype
         on CUDA): float32 dot products of x with exactly the values :func:`dequantize` gives
         (``(q - 8) * d``), FMA-accumulated in an order fixed by the CPU's instruction set (not
-        by the thread count); on the GPU each block's ``d`` multiplies the block's sum.
+        by the thread count); on the GPU each block's ``d`` multiplies the block's sum. Range:
+        with float16 activations on CUDA the tensor-core decoder forms ``16 * (q - 8) * d`` in
+        float16 for half of the nibbles, so weights of magnitude 4096 or more (``|d| > 512``)
+        come out as Inf / NaN; real checkpoints are orders of magnitude below that.
     Raises:
         TypeError: x not a float array/tensor, w not a QuantizedTensor.
         ValueError: x not 2-D, w not 2-D or not q4_0, K mismatch, non-contiguous, NaN/Inf, x and

@@ -155,13 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "OUT` measures it; qformats.load_quantized(OUT) loads it.",
         epilog=_QUANTIZE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("model", metavar="MODEL", help="Hugging Face model folder, loaded offline")
-    g = q.add_mutually_exclusive_group(required=True)
+    g = q.add_mutually_exclusive_group()  # one is needed, except with --method budget
     g.add_argument("--format", metavar="F[:k=v...]",
                    help="a qformats format, optionally with quantize parameters: "
                         "int4:group_size=64:symmetric=true")
     g.add_argument("--bits", type=int, metavar="B",
                    help="8 (int8, per-row scales), 4 (int4 asymmetric, groups of 128) or 2 "
-                        "(mixed2bit, 2-bit groups of 16)")
+                        f"(mixed2bit, 2-bit groups of 16); --method budget: default {BudgetConfig.DEFAULT_BITS}")
     q.add_argument("--group-size", type=_positive, metavar="G",
                    help="values per group along in_features (nf4: blocksize)")
     q.add_argument("--method", default="rtn", choices=METHODS,
@@ -321,6 +321,10 @@ def _cmd_quantize(args) -> int:
                 args.group_size = params.pop("group_size")
         else:
             fmt, params = None, {}
+        if fmt is None and args.bits is None:
+            if args.method != "budget":
+                raise ValueError("one of the arguments --format --bits is required")
+            args.bits = BudgetConfig.DEFAULT_BITS  # the layers eligible for the budget's choice
         overrides = {}
         for item in args.override:
             pat, sep, sp = item.partition("=")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 __all__ = ["METHODS", "SELECTIONS", "CANDIDATE_METHODS", "DEFAULT_CANDIDATES", "check_method",
            "check_selection", "RTNConfig", "SignRoundConfig", "BudgetConfig", "METHOD_CONFIGS"]
@@ -179,6 +179,9 @@ class BudgetConfig(_Options):
             calibration, an empty candidate list, a malformed candidate, a bad ``selection`` /
             ``sensitivity_power``, or unknown ``signround`` options.
     """
+
+    #: The eligibility rule when neither ``format`` nor ``bits`` is given: ``bits=4``.
+    DEFAULT_BITS: ClassVar[int] = 4
 
     calibration: Any = None
     tokenizer: Any = None

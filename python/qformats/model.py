@@ -245,7 +245,7 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
     if method == "budget":
         config = BudgetConfig.pop(params)
         if format is None and bits is None:
-            bits = 4
+            bits = BudgetConfig.DEFAULT_BITS
     if method == "signround":  # trainable rounding: qformats.signround (int4 asym., plain 2-bit)
         config = SignRoundConfig.pop(params)
         config = config.replace(seqlen=context_length(model, config.seqlen))

@@ -80,6 +80,8 @@ ARGPARSE = ("not allowed", "one of the arguments", "invalid choice")
      "needs --calibration"),
     (["quantize", "{llama}", "--bits", "4", "--method", "budget", "--out", "{tmp}/x"],
      "needs --calibration"),
+    # no --bits needed with budget (bits=4 decides the eligible layers, as in the Python API)
+    (["quantize", "{llama}", "--method", "budget", "--out", "{tmp}/x"], "needs --calibration"),
     (["quantize", "{llama}", "--bits", "4", "--method", "autoround", "--out", "{tmp}/x"],
      "invalid choice"),
     (["quantize", "{llama}", "--bits", "4", "--override", "nothing=8", "--out", "{tmp}/x"],

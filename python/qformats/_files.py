@@ -14,7 +14,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Union
 
 #: Largest JSON file read (quantization_config.json, config.json, ...): 64 MiB.
 MAX_JSON_BYTES = 64 << 20
@@ -159,3 +159,25 @@ def fix_mode(path: str | os.PathLike) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+def check_output_dir(directory: Union[str, os.PathLike], source: Union[str, os.PathLike, None] = None,
+                     *, overwrite: bool = True) -> Path:
+    """``directory`` as a Path, after the checks made before anything is loaded or written
+    (:func:`save_quantized` makes the first two; ``qformats quantize --out`` all of them).
+    Raises ValueError for an empty path, a path that is an existing file, the ``source``
+    folder itself (or a path that resolves to it), or, with ``overwrite=False``, an existing
+    folder that is not empty."""
+    if os.fspath(directory) == "":
+        raise ValueError("directory: empty path; name the output folder")
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a folder")
+    if source is not None and os.fspath(source) != "" and Path(source).is_dir() \
+            and out.resolve() == Path(source).resolve():
+        raise ValueError(f"{out}: is the model's source folder; write the quantized model to "
+                         "another folder")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out}: folder exists and is not empty (use a new folder, or allow "
+                         "overwriting)")
+    return out

@@ -23,15 +23,16 @@ from pathlib import Path
 from typing import Sequence
 
 from . import __version__, _runtime
-from ._files import read_safetensors_header
+from ._files import check_output_dir, read_safetensors_header
 from ._core import FORMATS, format_spec
+from .choice import resolve_spec
 from .compare import DEFAULT_MAX_SENTENCES, DEFAULT_MAX_TOKENS, CompareError, _parse_value, compare
 from .config import METHODS, BudgetConfig, SignRoundConfig, check_method
 from .evaluate import (_ST_BYTES, EvalError, kl_divergence, lm_windows, load_model, load_text,
                        perplexity)
 from .progress import progress_bar
 
-# qformats.model (quantize_model, resolve_spec) and qformats.saving need torch, an optional
+# qformats.model (quantize_model) and qformats.saving need torch, an optional
 # dependency (the demo extra): the subcommands that use them import them when they run, so that
 # `qformats --help` and `qformats compare` start without loading them.
 
@@ -331,11 +332,8 @@ def _cmd_quantize(args) -> int:
             if not sep or not pat or not sp:
                 raise ValueError(f"--override expects PATTERN=SPEC, got {item!r}")
             overrides[pat] = _parse_spec(sp)
-        from .model import quantize_model  # needs torch: see the note at the top
-        from .plan import resolve_spec
-        from .saving import check_output_dir, save_quantized
-
-        # Check the choice and the output folder before the (slower) model load.
+        # Check the choice, the method's options and the output folder before torch is imported
+        # and the model loaded (each takes seconds).
         check_output_dir(args.out, args.model, overwrite=args.overwrite)
         _check_writable(args.out)
         check_method(args.method)
@@ -355,6 +353,9 @@ def _cmd_quantize(args) -> int:
                 method_options.update(max_perplexity_increase=args.max_perplexity_increase,
                                       max_per_token_kl_divergence=args.max_kl)
         resolve_spec(fmt, args.bits, args.group_size, **params)
+        from .model import quantize_model  # needs torch: see the note at the top
+        from .saving import save_quantized
+
         with _Threads(args.threads):
             bar = progress_bar(total=3, enabled=not args.no_progress, desc="quantize", unit="step")
             try:

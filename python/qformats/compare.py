@@ -29,6 +29,7 @@ import numpy as np
 
 from . import _runtime
 from ._core import FORMATS, format_spec
+from .choice import MAX_BLOCK
 from .evaluate import (EvalError, checkpoint_dtypes, cosine_stats, default_model_path,
                        dtype_bytes, embed, encoder_sentences, lm_windows, load_model,
                        load_text, perplexity)
@@ -209,10 +210,6 @@ def parse_formats(spec: str | Sequence[str] | None) -> list[tuple[str, dict]]:
     return out
 
 
-#: Largest block a format may be asked for: the trial quantization below allocates [2, block].
-_MAX_BLOCK = 1 << 20
-
-
 def _check_params(name: str, params: dict, item: str) -> None:
     """CompareError unless the format accepts ``params``: a quantize keyword it does not have,
     or a value it rejects (tried on a zero weight of two rows, one block wide, before any model
@@ -223,8 +220,8 @@ def _check_params(name: str, params: dict, item: str) -> None:
     try:
         inspect.signature(mod.quantize).bind(None, **params)
         blk = _block_of(mod, params)
-        if blk > _MAX_BLOCK:
-            raise ValueError(f"a block of {blk} values is larger than {_MAX_BLOCK}")
+        if blk > MAX_BLOCK:
+            raise ValueError(f"a block of {blk} values is larger than {MAX_BLOCK}")
         mod.quantize(np.zeros((2, blk * -(-32 // blk)), np.float32), **params)
     except (TypeError, ValueError, KeyError) as e:
         raise CompareError(f"bad parameters in {item!r}: {str(e).splitlines()[0]}") from None

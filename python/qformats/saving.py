@@ -36,7 +36,7 @@ from torch import nn
 
 from . import __version__
 from ._core import float_dtype
-from ._files import cleanup_on_sigterm, fix_mode, read_json
+from ._files import check_output_dir, cleanup_on_sigterm, fix_mode, read_json
 from .nn import QuantizedLinear
 from .plan import set_submodule
 from .sizes import model_size
@@ -136,28 +136,6 @@ def _copy_source_file(src: Path, fname: str, dest: Path) -> None:
             return
         with open(dest, "wb") as fout:
             shutil.copyfileobj(fin, fout)
-
-
-def check_output_dir(directory: Union[str, os.PathLike], source: Union[str, os.PathLike, None] = None,
-                     *, overwrite: bool = True) -> Path:
-    """``directory`` as a Path, after the checks made before anything is loaded or written
-    (:func:`save_quantized` makes the first two; ``qformats quantize --out`` all of them).
-    Raises ValueError for an empty path, a path that is an existing file, the ``source``
-    folder itself (or a path that resolves to it), or, with ``overwrite=False``, an existing
-    folder that is not empty."""
-    if os.fspath(directory) == "":
-        raise ValueError("directory: empty path; name the output folder")
-    out = Path(directory)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a folder")
-    if source is not None and os.fspath(source) != "" and Path(source).is_dir() \
-            and out.resolve() == Path(source).resolve():
-        raise ValueError(f"{out}: is the model's source folder; write the quantized model to "
-                         "another folder")
-    if not overwrite and out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"{out}: folder exists and is not empty (use a new folder, or allow "
-                         "overwriting)")
-    return out
 
 
 def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, tokenizer: Any = None,

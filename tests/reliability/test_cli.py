@@ -6,7 +6,7 @@ import json
 import pickle
 
 import pytest
-from reliability.reliability_helpers import run_cli
+from reliability.reliability_helpers import run_capped, run_cli
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -93,3 +93,19 @@ def test_quantize_pickle_checkpoint(tmp_path):
     r = run_cli("quantize", str(d), "--bits", "8", "--out", str(tmp_path / "o"), "--no-progress")
     _user_error(r)
     assert "pwned" not in r.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("--bits", "3"), ("--format", "int5"), ("--format", "int4:group_size=12"),
+    ("--bits", "4", "--group-size", "268435456"), ("--bits", "4", "--method", "signround"),
+    ("--method", "budget"), ("--bits", "4", "--override", "oops"),
+])
+def test_flag_errors_found_before_torch_is_imported(llama_dir, tmp_path, args):
+    """Usage errors of `qformats quantize` take a fraction of a second: found before torch
+    (seconds to import) is loaded."""
+    r = run_capped("import sys; from qformats.cli import main; rc = main(sys.argv[1:]); "
+                   "print('torch' in sys.modules); sys.exit(rc)",
+                   args=("quantize", str(llama_dir), *args, "--out", str(tmp_path / "o")))
+    assert r.returncode == 2, r.stderr
+    assert r.stdout.strip() == "False", "torch was imported before the error"
+    assert r.stderr.startswith("qformats quantize: error: "), r.stderr

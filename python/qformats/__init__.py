@@ -35,7 +35,10 @@ def cuda_available() -> bool:
 
 
 def num_threads() -> int:
-    """Threads of the CPU codecs and GEMMs of every format (process-wide; see set_num_threads)."""
+    """The CPU threads of every format's codecs and GEMMs, for the whole process: an int in
+    [1, 1024], the calling thread included (see :func:`set_num_threads` for the default).
+    Raises nothing."""
+    # on first use, as cuda_available: `import qformats` loads no native module
     from ._runtime import num_threads as n
 
     return n()
@@ -59,7 +62,7 @@ def set_num_threads(n: int) -> None:
         TypeError: ``n`` is not an int (a bool included).
         ValueError: ``n`` is outside [1, 1024].
     """
-    from ._runtime import set_num_threads as set_n
+    from ._runtime import set_num_threads as set_n  # on first use, as above
 
     set_n(n)
 

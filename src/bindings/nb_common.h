@@ -44,12 +44,14 @@ inline int64_t nonneg(int64_t v, const char* name) {
   return v;
 }
 
+[[noreturn]] inline void throw_overflow(const char* what, int64_t a, const char* op, int64_t b) {
+  throw std::overflow_error(std::string(what) + ": " + std::to_string(a) + op + std::to_string(b) + " overflows int64");
+}
+
 // a * b, or OverflowError naming `what` (the arguments the product is made of).
 inline int64_t mul(int64_t a, int64_t b, const char* what) {
   int64_t r;
-  if (__builtin_mul_overflow(a, b, &r))
-    throw std::overflow_error(std::string(what) + ": " + std::to_string(a) + " * " + std::to_string(b) +
-                              " overflows int64");
+  if (__builtin_mul_overflow(a, b, &r)) throw_overflow(what, a, " * ", b);
   return r;
 }
 
@@ -63,9 +65,7 @@ inline int64_t mul(std::initializer_list<int64_t> factors, const char* what) {
 // a + b, or OverflowError naming `what`.
 inline int64_t add(int64_t a, int64_t b, const char* what) {
   int64_t r;
-  if (__builtin_add_overflow(a, b, &r))
-    throw std::overflow_error(std::string(what) + ": " + std::to_string(a) + " + " + std::to_string(b) +
-                              " overflows int64");
+  if (__builtin_add_overflow(a, b, &r)) throw_overflow(what, a, " + ", b);
   return r;
 }
 

@@ -11,6 +11,9 @@ Formats: q4_0, q8_1 (GGML blocks), int8, int4, nf4 (bitsandbytes), mixed2bit (2/
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 from ._arrays import skip_finite_check
 from ._core import FORMATS, QuantizedTensor, format_spec
@@ -20,10 +23,11 @@ from .io import load, save
 __version__ = "0.1.0"
 __all__ = ["FORMATS", "FormatSpec", "LinearKernel", "format_spec", "QuantizedTensor", "save", "load",
            "cuda_available", "num_threads", "set_num_threads", "skip_finite_check", "__version__", *FORMATS,
-           "quantize_model", "QuantizationReport", "save_quantized", "load_quantized", "nn", "ops"]
+           "quantize_model", "QuantizationReport", "save_quantized", "load_quantized", "nn", "ops",
+           "QFormatsConfig"]
 # Model-level API (needs torch), imported on first use: name -> submodule.
 _LAZY = {"quantize_model": "model", "QuantizationReport": "model", "save_quantized": "saving",
-         "load_quantized": "saving", "nn": "nn", "ops": "ops"}
+         "load_quantized": "saving", "nn": "nn", "ops": "ops", "QFormatsConfig": "hf"}
 
 
 def cuda_available() -> bool:
@@ -76,3 +80,51 @@ def __getattr__(name: str):
         mod = importlib.import_module(f"qformats.{_LAZY[name]}")
         return mod if name == _LAZY[name] else getattr(mod, name)
     raise AttributeError(f"module 'qformats' has no attribute {name!r}")
+
+
+# -- transformers' from_pretrained / save_pretrained (qformats.hf) ------------------------------
+# `import qformats` registers quant_method "qformats" with transformers, but only once
+# transformers.modeling_utils has been imported: importing transformers (and torch) here would
+# cost seconds on the numpy-only paths and the CLI's argument checks. A finder at the front of
+# sys.meta_path wraps that one module's loader and registers right after it has run; if it was
+# imported before qformats, registration happens now.
+_HF_TRIGGER = "transformers.modeling_utils"
+
+
+def _register_with_transformers() -> None:
+    try:
+        importlib.import_module("qformats.hf").register()
+    except ImportError:  # transformers < 5 has no third-party quantizer loading: not registered
+        pass
+
+
+class _RegisterAfter(importlib.abc.Loader):
+    """Runs the real loader of transformers.modeling_utils, then registers qformats."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.inner
+        self.inner.exec_module(module)
+        _register_with_transformers()
+
+
+class _TransformersHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _HF_TRIGGER:
+            return None
+        sys.meta_path.remove(self)  # once; the other finders locate the real module
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RegisterAfter(spec.loader)
+        return spec
+
+
+if _HF_TRIGGER in sys.modules:
+    _register_with_transformers()
+else:
+    sys.meta_path.insert(0, _TransformersHook())

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import __version__, _runtime
-from ._files import check_output_dir, read_safetensors_header
+from ._files import check_output_dir, read_json, read_safetensors_header
 from ._core import FORMATS, format_spec
 from .choice import resolve_spec
 from .compare import DEFAULT_MAX_SENTENCES, DEFAULT_MAX_TOKENS, CompareError, _parse_value, compare
@@ -441,7 +441,14 @@ def _stored_size(path, cfg) -> dict:
     """Sizes of a quantized folder as stored, from its safetensors header (exact, whatever
     dtype the model was loaded in): quantized_bytes (packed buffers of the listed layers),
     other_bytes, total_bytes, quantized_layers, avg_bits."""
-    header = read_safetensors_header(Path(path) / cfg.get("weights", "qformats_model.safetensors"))
+    wfile = Path(path) / cfg.get("weights", "qformats_model.safetensors")
+    files = [wfile]
+    if wfile.name.endswith(".index.json"):  # shards: model-0000i-of-0000n.safetensors
+        wmap = read_json(wfile, wfile.name).get("weight_map", {})
+        files = [Path(path) / f for f in sorted(set(wmap.values()))]
+    header = {}
+    for f in files:
+        header.update(read_safetensors_header(f))
     prefixes = {f"{name}.{b}" for name, layer in cfg["layers"].items() for b in layer["buffers"]}
     qbytes = obytes = 0
     for k, info in header.items():

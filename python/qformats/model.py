@@ -21,6 +21,7 @@ trainable rounding (``"signround"``, :mod:`qformats.signround`) and budgeted per
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -289,6 +290,10 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
         report.layers[i] = LayerReport(name, "quantized", q.format, dict(q.params), q.in_features,
                                        q.out_features, q.nbytes, q.avg_bits, seconds=secs)
     report.size = model_size(model)
+    if "transformers" in sys.modules:  # a transformers model: save_pretrained keeps the layers
+        from .hf import attach  # needs transformers (optional), imported by then
+
+        attach(model)
     report.seconds = time.perf_counter() - t0
     if budget_stats is not None:
         report.budget = budget_stats  # the outcome: holds, ppl, avg_bits, per-layer choices

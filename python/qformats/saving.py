@@ -1,28 +1,34 @@
 """Save and load whole quantized models.
 
-A quantized model folder (what :func:`save_quantized` writes)::
+A quantized model folder (what :func:`save_quantized` writes) is a Hugging Face folder that
+``transformers.AutoModel*.from_pretrained`` loads once qformats is imported (see
+:mod:`qformats.hf`)::
 
-    qformats_model.safetensors   every tensor of model.state_dict(): the packed buffers of
+    model.safetensors            every tensor of model.state_dict(): the packed buffers of
+    (or model-0000i-of-0000n.safetensors + model.safetensors.index.json, with max_shard_size)
                                  each QuantizedLinear ("<layer>.<buffer>") and every other
                                  parameter / persistent buffer at its dtype (tied ones once)
+    config.json                  the Hugging Face config (when the model has one), with
+                                 quantization_config = {"quant_method": "qformats", "layers": ...}
     quantization_config.json     {"quant_method": "qformats", "qformats_version", "config_version",
                                   "weights", "model_class", "layers": {name: {format, params,
                                   in_features, out_features, bias, weight_dtype, buffers}},
                                   "aliases": {tied name: stored name}, "size": {...}}
-    config.json                  the Hugging Face config (when the model has one)
     tokenizer files, generation_config.json   copied from the model's source folder
 
 :func:`load_quantized` rebuilds the model without materializing full-precision weights: the
 skeleton is built from ``config.json`` with every parameter on the meta device (buffers that
 the checkpoint does not hold, such as rotary frequencies, are computed as usual), the listed
 Linears are swapped for empty :class:`~qformats.nn.QuantizedLinear` layers, and the stored
-tensors are assigned. The weights file is deliberately not named ``model.safetensors``, so
-``transformers.AutoModel.from_pretrained`` refuses the folder instead of loading it wrongly.
+tensors are assigned. It also reads folders written by earlier qformats versions (weights in
+``qformats_model.safetensors``, named by ``quantization_config.json``), and folders written by
+``model.save_pretrained`` (through ``from_pretrained``).
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import shutil
 import stat
 import tempfile
@@ -46,7 +52,9 @@ __all__ = ["save_quantized", "load_quantized", "read_quantization_config", "is_q
            "empty_weights", "CONFIG_NAME", "WEIGHTS_NAME", "TOKENIZER_FILES"]
 
 CONFIG_NAME = "quantization_config.json"
-WEIGHTS_NAME = "qformats_model.safetensors"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_OLD_WEIGHTS_NAME = "qformats_model.safetensors"  # earlier qformats' weights file (still read)
 QUANT_METHOD = "qformats"
 CONFIG_VERSION = 1
 
@@ -139,16 +147,20 @@ def _copy_source_file(src: Path, fname: str, dest: Path) -> None:
 
 
 def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, tokenizer: Any = None,
-                   source: Union[str, os.PathLike, None] = None) -> Path:
-    """Write a (quantized) model to a folder that :func:`load_quantized` reads back.
+                   source: Union[str, os.PathLike, None] = None,
+                   max_shard_size: Union[int, str, None] = None) -> Path:
+    """Write a (quantized) model to a folder that :func:`load_quantized` reads back and, for a
+    Hugging Face model, ``transformers.AutoModel*.from_pretrained`` too (with qformats
+    imported; ``config.json`` carries the :class:`~qformats.hf.QFormatsConfig`).
 
     Every file is first written to a temporary folder inside ``directory`` and then renamed
-    into place, ``quantization_config.json`` last (an older one is removed first): an
-    interrupted save leaves either the previous model's files or a folder without
-    ``quantization_config.json``, which :func:`load_quantized` refuses with a clear error;
-    never a mix that loads. An exception, Ctrl-C or SIGTERM (in the main thread, while SIGTERM
-    has its default action) also removes the temporaries; SIGKILL cannot be caught and leaves
-    a hidden ``.qformats-save-*`` folder, which loading ignores.
+    into place, ``config.json`` and then ``quantization_config.json`` last (older ones, and
+    older weight files, are removed first): an interrupted save leaves either the previous
+    model's files or a folder without those two, which :func:`load_quantized` and
+    ``from_pretrained`` refuse with a clear error; never a mix that loads. An exception, Ctrl-C
+    or SIGTERM (in the main thread, while SIGTERM has its default action) also removes the
+    temporaries; SIGKILL cannot be caught and leaves a hidden ``.qformats-save-*`` folder,
+    which loading ignores.
 
     Files copied from ``source``: only regular files, and symlinks whose target is a regular
     file inside ``source`` (copied as a regular file). A symlink that leads out of the source
@@ -164,11 +176,15 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
             tokenizer files (and ``generation_config.json``) of ``source`` are copied.
         source: the model's original folder; default: ``model.config._name_or_path`` when it
             is a folder (transformers sets it in ``from_pretrained``).
+        max_shard_size: None (one ``model.safetensors``), or the largest shard in bytes (an
+            int, or a string such as ``"5GB"``): ``model-0000i-of-0000n.safetensors`` plus
+            ``model.safetensors.index.json``, as ``save_pretrained`` writes them
+            (``huggingface_hub.split_torch_state_dict_into_shards``).
     Returns:
         the folder's Path.
     Raises:
         ValueError: tensors on the meta device or non-tensor state; ``directory`` empty or
-            an existing file.
+            an existing file; a bad ``max_shard_size``.
         TypeError: model is not an nn.Module.
         OSError: the folder cannot be written.
     """
@@ -182,12 +198,14 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
         src = None  # re-saving a loaded model into its folder: nothing to copy onto itself
     layers = {name: m.config() for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     tensors, aliases = _dedup_state(model)
+    shards = _shards(tensors, max_shard_size)
+    _attach_hf(model)  # config.json gets the quantization_config
     cls = type(model)
     cfg = {
         "quant_method": QUANT_METHOD,
         "qformats_version": __version__,
         "config_version": CONFIG_VERSION,
-        "weights": WEIGHTS_NAME,
+        "weights": WEIGHTS_NAME if len(shards) == 1 else INDEX_NAME,
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "layers": layers,
         "aliases": aliases,
@@ -195,14 +213,26 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
         "size": {k: (None if isinstance(v, float) and v != v else v)
                  for k, v in model_size(model).items()},
     }
+    last = ("config.json", CONFIG_NAME)  # moved into place in this order, after everything else
     out.mkdir(parents=True, exist_ok=True)
     with cleanup_on_sigterm():
         stage = Path(tempfile.mkdtemp(prefix=".qformats-save-", dir=out))
         try:
-            save_file(tensors, str(stage / WEIGHTS_NAME),
-                      metadata={"format": "pt", "qformats": str(CONFIG_VERSION)})
+            meta = {"format": "pt", "qformats": str(CONFIG_VERSION)}
+            for fname, names in shards.items():
+                save_file({k: tensors[k] for k in names}, str(stage / fname), metadata=meta)
+            if len(shards) > 1:
+                index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                        for t in tensors.values())},
+                         "weight_map": {k: f for f, names in shards.items() for k in names}}
+                (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
             hf_config = getattr(model, "config", None)
             if hf_config is not None and callable(getattr(hf_config, "to_json_file", None)):
+                # what from_pretrained builds, and in which dtype (as save_pretrained records them)
+                if hasattr(hf_config, "architectures"):
+                    hf_config.architectures = [cls.__name__]
+                if isinstance(getattr(model, "dtype", None), torch.dtype) and hasattr(hf_config, "dtype"):
+                    hf_config.dtype = str(model.dtype).removeprefix("torch.")
                 hf_config.to_json_file(str(stage / "config.json"))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(stage))
@@ -214,10 +244,13 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
             with open(stage / CONFIG_NAME, "w", encoding="utf-8") as f:
                 json.dump(cfg, f, indent=2, sort_keys=False)
                 f.write("\n")
-            # into place: the old config goes first and the new one comes last, so that a folder
-            # interrupted in between has no quantization_config.json (load_quantized refuses it)
-            (out / CONFIG_NAME).unlink(missing_ok=True)
-            for entry in sorted(stage.iterdir(), key=lambda e: e.name == CONFIG_NAME):
+            # into place: the old configs and weights go first and the new configs come last,
+            # so that a folder interrupted in between has neither config (both loaders refuse it)
+            for name in last:
+                (out / name).unlink(missing_ok=True)
+            for old in _weight_files(out):
+                old.unlink()
+            for entry in sorted(stage.iterdir(), key=lambda e: last.index(e.name) if e.name in last else -1):
                 dest = out / entry.name
                 if entry.is_file():
                     fix_mode(entry)
@@ -227,6 +260,37 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     return out
+
+
+def _weight_files(directory: Path) -> list:
+    """The weight files a save replaces: ``model*.safetensors``, the shard index and the weights
+    file of earlier qformats versions."""
+    return [p for p in directory.iterdir() if p.is_file() and (
+        (p.name.startswith("model") and p.name.endswith(".safetensors")) or p.name == INDEX_NAME
+        or p.name == _OLD_WEIGHTS_NAME)]
+
+
+def _shards(tensors: dict, max_shard_size) -> dict:
+    """``{file name: [tensor names]}``: one ``model.safetensors``, or shards of at most
+    ``max_shard_size`` bytes named as transformers names them."""
+    if max_shard_size is None:
+        return {WEIGHTS_NAME: list(tensors)}
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    try:
+        split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"max_shard_size={max_shard_size!r}: {e}") from e
+    return {f: list(names) for f, names in split.filename_to_tensors.items()}
+
+
+def _attach_hf(model: nn.Module) -> None:
+    """:func:`qformats.hf.attach` for a transformers model (whose class means transformers is
+    imported); other modules are left alone without importing transformers."""
+    if "transformers" in sys.modules:
+        from .hf import attach  # needs transformers (optional), imported by then
+
+        attach(model)
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -331,8 +395,8 @@ def empty_weights():
         nn.Module.register_parameter = old
 
 
-def _hf_skeleton(directory: Path, cfg: dict) -> nn.Module:
-    """The Hugging Face model of ``config.json``, parameters on the meta device."""
+def _hf_class(directory: Path, cfg: dict):
+    """``(model class, config)`` of the Hugging Face model of ``config.json``."""
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory}: no config.json to rebuild the model from; pass "
                          "model= (a module or a function that builds one)")
@@ -358,6 +422,14 @@ def _hf_skeleton(directory: Path, cfg: dict) -> nn.Module:
     if cls is None:
         raise ValueError(f"{directory}: cannot find the model class ({names}) in transformers "
                          f"{transformers.__version__}; pass model=")
+    return cls, config
+
+
+def _hf_skeleton(directory: Path, cfg: dict) -> nn.Module:
+    """The Hugging Face model of ``config.json``, parameters on the meta device."""
+    import transformers
+
+    cls, config = _hf_class(directory, cfg)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
@@ -392,9 +464,9 @@ def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtyp
             safetensors file, a missing ``config.json`` (without ``model=``), tensors that
             the file does not provide left on the meta device.
     """
-    from safetensors import safe_open
-
     directory = Path(directory)
+    if model is None and not (directory / CONFIG_NAME).is_file() and _hf_quantized(directory):
+        return _from_pretrained(directory, device, dtype)
     cfg = read_quantization_config(directory)
     wfile = directory / cfg.get("weights", WEIGHTS_NAME)
     if not wfile.is_file():
@@ -438,15 +510,7 @@ def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtyp
     # 3. the tensors
     aliases = cfg.get("aliases", {})
     expected = model.state_dict(keep_vars=True)
-    try:
-        with safe_open(str(wfile), framework="pt") as f:
-            keys = set(f.keys())
-            state = {k: f.get_tensor(k) for k in keys}
-    except Exception as e:  # safetensors raises its own error types for truncated files
-        if isinstance(e, (MemoryError, KeyboardInterrupt)):
-            raise
-        raise ValueError(f"{wfile}: cannot read it as safetensors (truncated or corrupt?): "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    state = _read_weights(wfile)
     for alias, target in aliases.items():
         if target not in state:
             raise ValueError(f"{CONFIG_NAME}: alias {alias!r} -> {target!r}, which the weights "
@@ -479,7 +543,61 @@ def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtyp
     if dtype is not None:
         model.to(dtype)  # QuantizedLinear keeps its packed buffers' dtypes
     model.to(device)
+    _attach_hf(model)  # so that model.save_pretrained keeps the quantized layers
     return model.eval()
+
+
+def _hf_quantized(directory: Path) -> bool:
+    """Whether ``config.json`` names a qformats quantization_config (a ``save_pretrained``
+    folder of a qformats model)."""
+    try:
+        qc = read_json(directory / "config.json", "config.json").get("quantization_config")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+
+
+def _from_pretrained(directory: Path, device: Any, dtype: Any) -> nn.Module:
+    """A ``save_pretrained`` folder of a qformats model, through transformers (which reaches
+    :mod:`qformats.hf`): the class of ``config.json``'s ``architectures``."""
+    cls, _ = _hf_class(directory, {})
+    kwargs = {"dtype": getattr(torch, float_dtype(dtype))} if dtype is not None else {}
+    return cls.from_pretrained(str(directory), local_files_only=True, device_map=device,
+                                 **kwargs).eval()
+
+
+def _read_weights(wfile: Path) -> dict:
+    """Every tensor of a safetensors file, or of the shards a ``model.safetensors.index.json``
+    names (each shard a file in the same folder, each tensor in the shard the index says)."""
+    from safetensors import safe_open
+
+    files = {wfile: None}
+    if wfile.name == INDEX_NAME:
+        index = read_json(wfile, INDEX_NAME)
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wmap, dict) or not all(
+                isinstance(v, str) and v and Path(v).name == v for v in wmap.values()):
+            raise ValueError(f"{wfile}: expected {{'weight_map': {{tensor: shard file name}}}}")
+        files = {}
+        for k, v in wmap.items():
+            files.setdefault(wfile.parent / v, set()).add(k)
+    state: dict = {}
+    for path, names in files.items():
+        if not path.is_file():
+            raise ValueError(f"{wfile.parent}: the weights file {path.name} is missing")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                part = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # safetensors raises its own error types for truncated files
+            if isinstance(e, (MemoryError, KeyboardInterrupt)):
+                raise
+            raise ValueError(f"{path}: cannot read it as safetensors (truncated or corrupt?): "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        if names is not None and set(part) != names:
+            raise ValueError(f"{path.name} holds other tensors than {INDEX_NAME} lists "
+                             f"(e.g. {_few(sorted(set(part) ^ names))})")
+        state.update(part)
+    return state
 
 
 def _restore_computed(model: nn.Module, computed: dict, state: dict) -> None:

@@ -32,7 +32,8 @@ def test_real_model_round_trip_identical_logits(llama, tmp_path):
     names = {p.name for p in out.iterdir()}
     assert {WEIGHTS_NAME, CONFIG_NAME, "config.json", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json"} <= names
-    assert "model.safetensors" not in names  # transformers must not mistake it for its own
+    # a Hugging Face folder: config.json says how transformers rebuilds the quantized layers
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "qformats"
     cfg = read_quantization_config(out)
     assert cfg["quant_method"] == "qformats" and cfg["qformats_version"] == qformats.__version__
     assert len(cfg["layers"]) == 42 and cfg["layers"]["model.layers.0.mlp.up_proj"]["format"] == "nf4"
@@ -188,7 +189,8 @@ CORRUPTIONS = {
     "json list": (lambda d: (d / CONFIG_NAME).write_text("[1, 2]"), "JSON object"),
     "newer config": (lambda d: _edit_config(d, lambda c: c.update(config_version=99)),
                      "config_version"),
-    "no quantization config": (lambda d: (d / CONFIG_NAME).unlink(), "no quantization_config.json"),
+    "no quantization config": (lambda d: ((d / CONFIG_NAME).unlink(), (d / "config.json").unlink()),
+                               "no quantization_config.json"),
     "no config.json": (lambda d: (d / "config.json").unlink(), "no config.json"),
     "weights path escape": (lambda d: _edit_config(d, lambda c: c.update(weights="../x.safetensors")),
                             "file name in the folder"),

@@ -70,7 +70,7 @@ def test_eval_deep_json(tiny_saved):
 
 def test_eval_huge_safetensors_header(tiny_saved):
     _, d = tiny_saved
-    w = d / "qformats_model.safetensors"
+    w = d / "model.safetensors"
     w.write_bytes((2**63).to_bytes(8, "little") + w.read_bytes()[8:])
     _user_error(run_cli("eval", str(d), "--no-progress"))
 

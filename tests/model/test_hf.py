@@ -1,0 +1,220 @@
+"""transformers integration (qformats.hf): save_pretrained / from_pretrained of quantized
+models with bit-identical logits for every format, quantize on load equal to quantize_model,
+sharded folders, folders written by save_quantized and the CLI, and clear errors for folders
+with missing or mismatched packed weights (never randomly initialized layers)."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("qformats' transformers integration needs transformers >= 5", allow_module_level=True)
+
+import qformats  # noqa: E402
+from qformats import FORMATS  # noqa: E402
+from qformats.hf import QFormatsConfig  # noqa: E402
+from qformats.nn import QuantizedLinear  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from .conftest import LLAMA  # noqa: E402
+
+IDS = torch.randint(0, 8192, (2, 48), generator=torch.Generator().manual_seed(0))
+# each format at settings that divide the model's in_features (384, 1024)
+CHOICES = {"int4": {"bits": 4}, "nf4": {"format": "nf4", "blocksize": 64},
+           "q4_0": {"format": "q4_0"}, "q8_1": {"format": "q8_1"}, "int8": {"bits": 8},
+           "mixed2bit": {"format": "mixed2bit", "ratio_4bit": 0.1}}
+
+
+def _logits(model, ids=IDS):
+    with torch.inference_mode():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _quantized(llama, **choice):
+    m = copy.deepcopy(llama.model)
+    qformats.quantize_model(m, **choice)
+    return m
+
+
+def _load(d, **kw):
+    return AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **kw)
+
+
+def test_every_format_has_a_case():
+    assert set(CHOICES) == set(FORMATS)
+
+
+@pytest.mark.parametrize("fmt", sorted(CHOICES))
+def test_save_pretrained_from_pretrained_identical_logits(llama, tmp_path, fmt):
+    m = _quantized(llama, **CHOICES[fmt])
+    before = _logits(m)
+    m.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "qformats" and len(cfg["layers"]) == 42
+    assert {layer["format"] for layer in cfg["layers"].values()} == {fmt}
+    back = _load(tmp_path)
+    assert sum(isinstance(x, QuantizedLinear) for x in back.modules()) == 42
+    assert torch.equal(_logits(back), before)
+    # no float weight was made for a quantized layer, and the packed bytes are the same
+    for name, q in back.named_modules():
+        if isinstance(q, QuantizedLinear):
+            ref = m.get_submodule(name)
+            assert all(torch.equal(getattr(q, b), getattr(ref, b)) for b in q.buffer_names)
+
+
+def test_quantize_on_load_equals_quantize_model(llama, tmp_path):
+    choice = {"bits": 4, "group_size": 64, "overrides": {"*.down_proj": {"format": "nf4"}}}
+    m = _quantized(llama, **choice)
+    got = _load(LLAMA, dtype=torch.float32, quantization_config=QFormatsConfig(**choice))
+    assert type(got.lm_head) is torch.nn.Linear
+    assert {n for n, x in got.named_modules() if isinstance(x, QuantizedLinear)} == \
+        {n for n, x in m.named_modules() if isinstance(x, QuantizedLinear)}
+    for name, q in got.named_modules():
+        if isinstance(q, QuantizedLinear):
+            ref = m.get_submodule(name)
+            assert (q.format, q.params) == (ref.format, ref.params), name
+            assert all(torch.equal(getattr(q, b), getattr(ref, b)) for b in q.buffer_names), name
+    assert torch.equal(_logits(got), _logits(m))
+    # and it saves and loads like any quantized model
+    got.save_pretrained(tmp_path)
+    assert torch.equal(_logits(_load(tmp_path)), _logits(m))
+
+
+def test_quantize_on_load_bad_config_fails_before_loading():
+    with pytest.raises(ValueError, match="format= or bits="):
+        QFormatsConfig()
+    with pytest.raises(ValueError, match="bits must be one of"):
+        QFormatsConfig(bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        QFormatsConfig(bits=4, group_size=12)
+
+
+def test_save_quantized_folder_loads_with_from_pretrained(llama, tmp_path):
+    m = _quantized(llama, bits=4, overrides={"*.down_proj": {"bits": 2}})
+    qformats.save_quantized(m, tmp_path / "one")
+    qformats.save_quantized(m, tmp_path / "sharded", max_shard_size=2_000_000)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    before = _logits(m)
+    for d in ("one", "sharded"):
+        assert torch.equal(_logits(_load(tmp_path / d)), before), d
+        assert torch.equal(_logits(qformats.load_quantized(tmp_path / d)), before), d
+
+
+def test_sharded_save_pretrained(llama, tmp_path):
+    m = _quantized(llama, format="nf4")
+    m.save_pretrained(tmp_path, max_shard_size="3MB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    assert torch.equal(_logits(_load(tmp_path)), _logits(m))
+
+
+def test_load_quantized_then_save_pretrained_keeps_the_weights(llama, tmp_path):
+    """The path that once loaded random weights: load_quantized -> save_pretrained ->
+    from_pretrained."""
+    m = _quantized(llama, bits=4)
+    qformats.save_quantized(m, tmp_path / "q")
+    back = qformats.load_quantized(tmp_path / "q")
+    back.save_pretrained(tmp_path / "hf")
+    assert torch.equal(_logits(_load(tmp_path / "hf")), _logits(m))
+    # and load_quantized reads a save_pretrained folder too
+    assert torch.equal(_logits(qformats.load_quantized(tmp_path / "hf")), _logits(m))
+
+
+def test_cli_quantize_output_loads_with_from_pretrained(llama, tmp_path):
+    out = tmp_path / "cli"
+    r = subprocess.run([sys.executable, "-m", "qformats.cli", "quantize", str(LLAMA), "--out", str(out),
+                        "--bits", "4", "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref = qformats.load_quantized(out)
+    got = _load(out)
+    assert sum(isinstance(x, QuantizedLinear) for x in got.modules()) == 42
+    assert torch.equal(_logits(got), _logits(ref))
+
+
+@pytest.fixture()
+def saved(llama, tmp_path):
+    m = _quantized(llama, bits=4)
+    m.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _edit_weights(d, fn):
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(d / "model.safetensors"))
+    fn(t)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_packed_weight_raises(saved):
+    _edit_weights(saved, lambda t: t.pop("model.layers.2.mlp.up_proj.qweight"))
+    with pytest.raises(ValueError, match=r"does not hold.*model\.layers\.2\.mlp\.up_proj\.qweight"):
+        _load(saved)
+
+
+def test_mismatched_packed_weight_raises(saved):
+    def shrink(t):
+        t["model.layers.1.self_attn.q_proj.scales"] = t["model.layers.1.self_attn.q_proj.scales"][:-1]
+    _edit_weights(saved, shrink)
+    with pytest.raises(ValueError, match=r"q_proj\.scales.*records"):
+        _load(saved)
+
+
+def test_retyped_packed_weight_raises(saved):
+    def retype(t):
+        k = "model.layers.0.mlp.gate_proj.scales"
+        t[k] = t[k].to(torch.float64)
+    _edit_weights(saved, retype)
+    with pytest.raises(ValueError, match=r"gate_proj\.scales.*float64.*records"):
+        _load(saved)
+
+
+def test_float_weights_under_a_quantized_config_raise(llama, saved):
+    """A float checkpoint whose config.json claims qformats layers: the packed tensors are
+    missing, so loading refuses instead of initializing them at random."""
+    (saved / "model.safetensors").unlink()
+    import shutil
+
+    for f in LLAMA.glob("model*.safetensors*"):
+        shutil.copy(f, saved / f.name)
+    with pytest.raises(ValueError, match="does not hold the packed weight"):
+        _load(saved)
+
+
+def test_config_without_layers_raises(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "qformats", "bits": 4}
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="lists no quantized layers"):
+        _load(saved)
+
+
+def test_import_qformats_registers_without_importing_transformers():
+    code = ("import sys, qformats; assert 'transformers' not in sys.modules and 'torch' not in sys.modules; "
+            "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING; "
+            "import transformers.modeling_utils; "
+            "assert AUTO_QUANTIZER_MAPPING['qformats'].__name__ == 'QFormatsHfQuantizer'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_from_pretrained_peak_memory():
+    """Peak host memory while from_pretrained loads a quantized folder (and runs a first
+    forward, which reads every weight page) <= 1.2x the packed weights plus the unquantized
+    tensors (benchmarks/hf_load_memory.py, on a smaller model)."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_load_memory.py"
+    r = subprocess.run([sys.executable, str(bench), "--hidden", "1024", "--layers", "4", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["quantized_layers"] == 28
+    assert m["anon_ratio"] <= 1.2 and m["rss_ratio"] <= 1.2 and m["rss_forward_ratio"] <= 1.2, m

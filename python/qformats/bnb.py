@@ -41,7 +41,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["from_bnb_state", "to_bnb_state", "load_bnb", "save_bnb", "is_bnb_dir",
+__all__ = ["from_bnb_state", "to_bnb_state", "bnb_weight_dtype", "load_bnb", "save_bnb", "is_bnb_dir",
            "bnb_quantization_config", "BNB_BLOCKSIZES", "QUANT_STATE_PREFIX"]
 
 #: The ``blocksize`` values bitsandbytes 0.50 accepts (``bitsandbytes/_ops.py``); the same set

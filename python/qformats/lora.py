@@ -106,9 +106,9 @@ def _lora_class() -> type:
         ``adapter_names=`` (mixed batches), dropout, rsLoRA and ``lora_bias`` work as for
         ``torch.nn.Linear``.
 
-        Raises (at construction):
-            TypeError: the base layer is not a QuantizedLinear.
-            ValueError: a LoRA variant (DoRA, aLoRA, QALoRA, Arrow, VeLoRA) or an
+        Raises:
+            TypeError: (at construction) the base layer is not a QuantizedLinear.
+            ValueError: (at construction) a LoRA variant (DoRA, aLoRA, QALoRA, Arrow, VeLoRA) or an
                 ``init_lora_weights`` that reads the float base weight (PiSSA, OLoRA, LoftQ,
                 CorDA, EVA, ...): only ``True``, ``False`` and ``"gaussian"`` are supported.
 

@@ -18,9 +18,10 @@ Use (one line before ``peft.get_peft_model``; importing this module does not imp
 patch two private methods of PEFT's ``LoraModel`` (its docstring says which and why).
 
 Merging is refused: adding ``B @ A * scaling`` to a quantized weight would mean quantizing it
-again, which changes the base weight by up to a quantization step (far more than a trained
-LoRA delta typically is) and makes ``unmerge`` inexact. ``merge`` / ``merge_and_unload`` raise
-NotImplementedError; ``unload()`` (no merge) gives the QuantizedLinear layers back unchanged.
+again: the sum is rounded to the format's grid (a delta below half a step is mostly lost, and
+the groups' scales may change), and ``unmerge`` could not restore the original bytes.
+``merge`` / ``merge_and_unload`` raise NotImplementedError; ``unload()`` (no merge) gives the
+QuantizedLinear layers back unchanged.
 To deploy a merged float model, add :meth:`QuantizedLoraLinear.get_delta_weight` to
 ``base_layer.dequantize_weight()`` yourself (and quantize the result again if you want).
 
@@ -50,8 +51,9 @@ MIN_PEFT = "0.19"
 #: QuantizedLinear does not have).
 _INITS = (True, False, "gaussian")
 
-#: LoraConfig fields that select a LoRA variant (DoRA, aLoRA, ...): all of them read or change
-#: the base weight, so only plain LoRA is supported.
+#: LoraConfig fields that select a LoRA variant (DoRA, aLoRA, ...). Variants need code of their
+#: own in the layer (DoRA reads the base weight's norms, aLoRA takes extra forward arguments),
+#: which this layer does not have: only plain LoRA is supported.
 _VARIANT_FIELDS = ("use_dora", "use_qalora", "alora_invocation_tokens", "arrow_config", "velora_config")
 
 _MERGE_ERROR = (

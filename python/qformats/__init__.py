@@ -82,27 +82,31 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'qformats' has no attribute {name!r}")
 
 
-# -- transformers' from_pretrained / save_pretrained (qformats.hf) ------------------------------
-# `import qformats` registers quant_method "qformats" with transformers, but only once
-# transformers.modeling_utils has been imported: importing transformers (and torch) here would
-# cost seconds on the numpy-only paths and the CLI's argument checks. A finder at the front of
-# sys.meta_path wraps that one module's loader and registers right after it has run; if it was
-# imported before qformats, registration happens now.
-_HF_TRIGGER = "transformers.modeling_utils"
+# -- transformers (qformats.hf) and PEFT (qformats.lora) -----------------------------------------
+# `import qformats` registers quant_method "qformats" with transformers (from_pretrained /
+# save_pretrained) and QuantizedLinear with PEFT's LoRA, each once that library is imported, not
+# before: importing them (and torch) here would cost seconds on the numpy-only paths and the
+# CLI's argument checks. A finder at the front of sys.meta_path wraps the loader of the module
+# after which registration can run (transformers.modeling_utils; peft, the package, whose
+# __init__ ends with every tuner imported) and registers right after it has run; a library
+# imported before qformats is registered now. A library too old for the integration is left
+# alone (ImportError / RuntimeError from register()); calling qformats.hf / qformats.lora
+# directly says why.
+_AFTER_IMPORT = {"transformers.modeling_utils": "qformats.hf", "peft": "qformats.lora"}
 
 
-def _register_with_transformers() -> None:
+def _register(module: str) -> None:
     try:
-        importlib.import_module("qformats.hf").register()
-    except ImportError:  # transformers < 5 has no third-party quantizer loading: not registered
+        importlib.import_module(module).register()
+    except (ImportError, RuntimeError):
         pass
 
 
 class _RegisterAfter(importlib.abc.Loader):
-    """Runs the real loader of transformers.modeling_utils, then registers qformats."""
+    """Runs a module's real loader, then registers the qformats integration that waited for it."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, hook, name):
+        self.inner, self.hook, self.name = inner, hook, name
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
@@ -110,21 +114,38 @@ class _RegisterAfter(importlib.abc.Loader):
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.inner
         self.inner.exec_module(module)
-        _register_with_transformers()
+        self.hook.loaded(self.name)
 
 
-class _TransformersHook(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _HF_TRIGGER:
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Answers for the modules in ``waiting`` with their real spec, its loader wrapped. A spec
+    asked for without an import (``importlib.util.find_spec``, as availability checks do) costs
+    nothing: the module stays waiting until it is executed."""
+
+    def __init__(self, waiting: dict):
+        self.waiting, self.busy = dict(waiting), set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.waiting or fullname in self.busy:
             return None
-        sys.meta_path.remove(self)  # once; the other finders locate the real module
-        spec = importlib.util.find_spec(fullname)
+        self.busy.add(fullname)
+        try:  # the other finders locate the real module (this one declines while busy)
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.busy.discard(fullname)
         if spec is not None and spec.loader is not None:
-            spec.loader = _RegisterAfter(spec.loader)
+            spec.loader = _RegisterAfter(spec.loader, self, fullname)
         return spec
 
+    def loaded(self, fullname):
+        integration = self.waiting.pop(fullname, None)
+        if not self.waiting and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        if integration is not None:
+            _register(integration)
 
-if _HF_TRIGGER in sys.modules:
-    _register_with_transformers()
-else:
-    sys.meta_path.insert(0, _TransformersHook())
+
+for _trigger in [t for t in _AFTER_IMPORT if t in sys.modules]:
+    _register(_AFTER_IMPORT.pop(_trigger))
+if _AFTER_IMPORT:
+    sys.meta_path.insert(0, _ImportHook(_AFTER_IMPORT))

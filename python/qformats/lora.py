@@ -7,10 +7,10 @@ gradients reach ``A`` and ``B`` (and the earlier layers) through the backward of
 (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv 2305.14314), where
 the frozen base is NF4 and the adapters are trained in a higher precision.
 
-Use (one line before ``peft.get_peft_model``; importing this module does not import peft)::
+Use (``import qformats`` calls :func:`register` once peft is imported; importing qformats or
+this module does not import peft)::
 
-    import qformats.lora
-    qformats.lora.register()          # idempotent; needs peft >= 0.19
+    import peft, qformats
     model = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
 
 :func:`register` makes every ``LoraConfig`` map :class:`~qformats.nn.QuantizedLinear` to

@@ -238,7 +238,9 @@ class QuantizedLinear(nn.Module):
         """The decoded weight ``[out_features, in_features]`` in ``dtype`` (default: the
         original weight dtype) on the module's device."""
         dt = _torch_dtype(float_dtype(self.weight_dtype if dtype is None else dtype))
-        return ops.dequantize_packed(self._meta, [getattr(self, n) for n in self.buffer_names], dt)
+        # self._meta names the derived tensors too (nf4's decoded absmax...): pass them along
+        names = self.buffer_names + self.derived_names
+        return ops.dequantize_packed(self._meta, [getattr(self, n) for n in names], dt)
 
     @property
     def nbytes(self) -> int:
@@ -303,6 +305,19 @@ class QuantizedLinear(nn.Module):
                 f"bits={self.avg_bits:.3f}")
 
     # -- conversions and state --------------------------------------------------------------
+    def __getstate__(self):
+        # copy.deepcopy / pickle: the bound native kernel is not picklable; drop it (and what
+        # refers to it) and bind again in __setstate__
+        state = self.__dict__.copy()
+        state.update(_kernel=None, _watch=(), _bias_cast=None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self._filled and all(self._buffers.get(n) is not None and self._buffers[n].device.type != "meta"
+                                for n in self.buffer_names):
+            self.prepare()
+
     def _apply(self, fn, recurse=True):
         # Packed buffers get only the device part of `fn`: apply it to a uint8 view (which
         # no dtype conversion touches) and view the result back, so .half() / .to(dtype)

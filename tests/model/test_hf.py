@@ -196,12 +196,24 @@ def test_config_without_layers_raises(saved):
 
 
 def test_import_qformats_registers_without_importing_transformers():
-    code = ("import sys, qformats; assert 'transformers' not in sys.modules and 'torch' not in sys.modules; "
-            "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING; "
+    code = ("import sys, importlib.util, qformats; "
+            "assert 'transformers' not in sys.modules and 'torch' not in sys.modules; "
+            "assert importlib.util.find_spec('transformers.modeling_utils') is not None; "  # a check
+            "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING; "           # is no import
             "import transformers.modeling_utils; "
             "assert AUTO_QUANTIZER_MAPPING['qformats'].__name__ == 'QFormatsHfQuantizer'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_import_qformats_registers_lora_with_peft():
+    pytest.importorskip("peft")
+    for order in ("import qformats, peft", "import peft, qformats"):
+        code = (f"import importlib.util; assert importlib.util.find_spec('peft'); {order}; "
+                "from peft.tuners.lora.model import LoraModel; "
+                "assert LoraModel.__dict__['_create_new_module'].__func__._qformats_lora")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (order, r.stderr[-2000:])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")

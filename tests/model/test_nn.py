@@ -145,6 +145,28 @@ def test_state_dict_round_trip(fmt, params):
     assert torch.equal(skel(x), q(x))
 
 
+@pytest.mark.parametrize("fmt,params", CASES, ids=IDS)
+def test_deepcopy_pickle_and_dequantize_weight(fmt, params):
+    """copy.deepcopy and torch.save of a whole layer (the bound kernel is made again), and
+    dequantize_weight equal to the format's own dequantize (formats with derived tensors,
+    such as nf4 with compressed statistics, included)."""
+    import copy
+
+    q = QuantizedLinear.from_linear(_linear(), fmt, **params)
+    x = torch.randn(3, 256)
+    y = q(x)
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(q), torch.load(buf, weights_only=False)):
+        assert other._kernel is not None or q._kernel is None
+        assert torch.equal(other(x), y)
+        assert all(getattr(other, n).data_ptr() != getattr(q, n).data_ptr()  # copies
+                   for n in q.buffer_names if getattr(q, n).numel())
+    mod = getattr(qformats, fmt)
+    assert torch.equal(q.dequantize_weight(torch.float32), mod.dequantize(q.quantized_weight))
+
+
 def test_state_dict_mismatches_raise():
     q = QuantizedLinear.from_linear(_linear(), "int4", group_size=64)
     sd = q.state_dict()

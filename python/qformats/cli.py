@@ -209,10 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "eval", help="perplexity (and size) of a model folder",
-        description="Perplexity of a causal LM folder (a plain Hugging Face model or one written "
-                    "by `qformats quantize`) on consecutive non-overlapping --seqlen windows of "
-                    "the text, computed in float32; for a quantized folder also its size and "
-                    "average bits per quantized weight.",
+        description="Perplexity of a causal LM folder (any Hugging Face checkpoint that "
+                    "transformers loads, one written by `qformats quantize` or `save_pretrained`, "
+                    "or a bitsandbytes nf4 checkpoint, read into qformats nf4 layers) on "
+                    "consecutive non-overlapping --seqlen windows of the text, computed in "
+                    "float32; for a qformats folder also its size and average bits per quantized "
+                    "weight; with --tasks, lm-evaluation-harness tasks too.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("model", metavar="DIR", help="model folder (plain or quantized)")
     e.add_argument("--text", metavar="FILE",
@@ -229,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ref", metavar="MODEL",
                    help="also report the mean per-token KL(ref || model) against this model "
                         "folder (e.g. the unquantized original)")
+    e.add_argument("--tasks", metavar="T[,T...]",
+                   help="also run these lm-evaluation-harness tasks (e.g. hellaswag,arc_easy) on the "
+                        "loaded model, through lm_eval's HFLM (needs `pip install 'qformats[eval]'`; "
+                        "the tasks' datasets come from the Hugging Face Hub)")
+    e.add_argument("--limit", type=_positive, metavar="N",
+                   help="with --tasks: at most N examples per task")
     e.add_argument("--threads", type=_threads, metavar="N",
                    help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -394,9 +402,13 @@ def _cmd_eval(args) -> int:
 
         text, _ = load_text(args.text)
         with _Threads(args.threads):
+            if args.tasks:
+                _lm_eval_available()  # before minutes of loading and perplexity
             quantized = is_quantized_dir(args.model)
             if quantized:
                 model, tokenizer, cfg = _load_quantized_for_eval(args.model)
+            elif _is_bnb(args.model):
+                model, tokenizer = _load_bnb_for_eval(args.model)
             else:
                 if (Path(args.model) / "quantization_config.json").is_file():
                     read_quantization_config(args.model)  # raises: another tool's model
@@ -417,6 +429,7 @@ def _cmd_eval(args) -> int:
                 ref = load_model(args.ref)
                 kl = kl_divergence(model, ref.model, windows, batch_size=args.batch_size,
                                    progress=not args.no_progress)
+            tasks = _lm_eval(model, tokenizer, args) if args.tasks else None
     except (EvalError, ValueError, OSError) as e:
         return _error("eval", e)
     print(f"perplexity: {r['ppl']:.4f}")
@@ -434,7 +447,52 @@ def _cmd_eval(args) -> int:
               "1 MB = 10^6 bytes)")
         print(f"avg bits: {s['avg_bits']:.3f} per weight over {s['quantized_layers']} quantized "
               f"layers ({', '.join(f'{k} x{v}' for k, v in fm.items()) or 'none'})")
+    if tasks is not None:
+        print(tasks)
     return 0
+
+
+def _lm_eval_available() -> None:
+    """EvalError naming the extra to install when lm-evaluation-harness is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise EvalError("--tasks needs lm-evaluation-harness: pip install 'qformats[eval]' "
+                        "(or pip install lm_eval); perplexity alone runs without it")
+
+
+def _lm_eval(model, tokenizer, args) -> str:
+    """Run ``args.tasks`` with lm-evaluation-harness on the loaded ``model`` (its ``HFLM``
+    wrapper around a model object, so qformats layers run as they are); the results table."""
+    import lm_eval  # optional: checked by _lm_eval_available
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.utils import make_table
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise EvalError(f"--tasks {args.tasks!r}: no task named")
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size)
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit)
+    except (KeyError, ValueError) as e:  # an unknown task name, a dataset it cannot fetch...
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise EvalError(f"lm_eval --tasks {args.tasks}: {why}") from e
+    return make_table(out)
+
+
+def _is_bnb(path) -> bool:
+    from .bnb import is_bnb_dir  # needs torch (see the top)
+
+    return is_bnb_dir(path)
+
+
+def _load_bnb_for_eval(path):
+    """(model in float32 compute, tokenizer) of a bitsandbytes nf4 folder, its nf4 layers
+    read into qformats QuantizedLinears (no bitsandbytes needed)."""
+    from .bnb import load_bnb  # needs torch (see the top)
+
+    model = load_bnb(path, dtype="float32")
+    return model, _tokenizer(path)
 
 
 def _stored_size(path, cfg) -> dict:
@@ -474,15 +532,18 @@ def _load_quantized_for_eval(path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = read_quantization_config(path)
     model = load_quantized(path, dtype="float32")
+    return model, _tokenizer(path), cfg
+
+
+def _tokenizer(path):
     try:
         import transformers
         from transformers import AutoTokenizer
 
         transformers.logging.set_verbosity_error()
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise EvalError(f"{path}: no tokenizer files to read ({str(e).splitlines()[0]})") from e
-    return model, tokenizer, cfg
 
 
 def _cmd_compare(args) -> int:

@@ -191,6 +191,10 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except EvalError:
         raise
+    except ImportError as e:  # another tool's quantized checkpoint whose package is missing
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EvalError(f"cannot load the model in {path}: transformers needs a package that is "
+                        f"not installed for it: {msg}") from e
     except (OSError, ValueError, KeyError, RecursionError, pickle.UnpicklingError) as e:
         # a pickle checkpoint (pytorch_model.bin) that torch's weights_only loader refuses, a
         # config.json nested too deeply, ...: the first line of the reason, no traceback

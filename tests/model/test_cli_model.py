@@ -134,3 +134,69 @@ def test_quantize_signround_then_eval(llama, valid_path, tmp_path, capsys):
     assert rc == 0, err
     ppl = float(re.search(r"^perplexity: ([0-9.]+)$", out, re.M).group(1))
     assert 10 < ppl < 80, ppl  # one window of the tutorial text (fp32 there: ~19)
+
+
+FAKE_LM_EVAL = {
+    "__init__.py": '''
+CALLS = []
+def simple_evaluate(model, tasks, limit=None):
+    import torch
+    from qformats.nn import QuantizedLinear
+    n = sum(isinstance(m, QuantizedLinear) for m in model.model.modules())
+    with torch.no_grad():  # the loaded model runs: a real forward through its layers
+        logits = model.model(input_ids=model.tokenizer("def f(x):", return_tensors="pt").input_ids).logits
+    CALLS.append((tasks, limit))
+    return {"tasks": tasks, "limit": limit, "quantized": n, "finite": bool(torch.isfinite(logits).all())}
+''',
+    "models/__init__.py": "",
+    "models/huggingface.py": '''
+class HFLM:
+    def __init__(self, pretrained, tokenizer, batch_size):
+        assert not isinstance(pretrained, str)  # the loaded model object, not a path
+        self.model, self.tokenizer, self.batch_size = pretrained, tokenizer, batch_size
+''',
+    "utils.py": "def make_table(out):\n    return 'LM_EVAL ' + repr(sorted(out.items()))\n",
+}
+
+
+def test_eval_tasks_run_lm_eval_on_the_loaded_model(quantized_dir, valid_path, tmp_path, capsys,
+                                                    monkeypatch):
+    """--tasks hands the loaded quantized model to lm-evaluation-harness's HFLM (a stand-in
+    package records the call: the real tasks download their datasets)."""
+    for rel, text in FAKE_LM_EVAL.items():
+        f = tmp_path / "fake" / "lm_eval" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    for k in [k for k in __import__("sys").modules if k == "lm_eval" or k.startswith("lm_eval.")]:
+        monkeypatch.delitem(__import__("sys").modules, k)
+    rc, out, err = _run(capsys, "eval", quantized_dir, "--text", valid_path, "--max-tokens", 512,
+                        "--tasks", "hellaswag, arc_easy", "--limit", 5, "--no-progress")
+    assert rc == 0, err
+    assert "LM_EVAL [('finite', True), ('limit', 5), ('quantized', 42), ('tasks', ['hellaswag', 'arc_easy'])]" in out
+
+
+def test_eval_tasks_without_lm_eval_says_what_to_install(quantized_dir, capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # find_spec -> None: absent
+    rc, out, err = _run(capsys, "eval", quantized_dir, "--tasks", "hellaswag")
+    assert rc == 2 and "pip install 'qformats[eval]'" in err and "perplexity" not in out
+
+
+def test_eval_bitsandbytes_checkpoint_without_bitsandbytes(llama, valid_path, tmp_path, capsys):
+    """A bitsandbytes nf4 folder (written by qformats.bnb.save_bnb, the transformers layout)
+    is scored through qformats nf4 layers: the same perplexity as the model that wrote it."""
+    import copy
+
+    import qformats
+    from qformats.bnb import save_bnb
+
+    m = copy.deepcopy(llama.model)
+    qformats.quantize_model(m, format="nf4", blocksize=64)
+    save_bnb(m, tmp_path / "bnb", source=llama.path)
+    rc, out, err = _run(capsys, "eval", tmp_path / "bnb", "--text", valid_path, "--max-tokens", 512,
+                        "--no-progress")
+    assert rc == 0, err
+    from qformats.evaluate import lm_windows, perplexity
+
+    w, _ = lm_windows(llama.tokenizer, valid_path.read_text(), 512, 512)
+    assert f"perplexity: {perplexity(m, w, progress=False)['ppl']:.4f}" in out

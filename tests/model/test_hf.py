@@ -230,3 +230,35 @@ def test_from_pretrained_peak_memory():
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["quantized_layers"] == 28
     assert m["anon_ratio"] <= 1.2 and m["rss_ratio"] <= 1.2 and m["rss_forward_ratio"] <= 1.2, m
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not qformats.cuda_available(),
+                    reason="no CUDA device / CUDA build")
+@pytest.mark.parametrize("fmt", ["int4", "nf4", "q4_0", "mixed2bit"])
+def test_cuda_from_pretrained_identical_logits(tmp_path, fmt):
+    """On the GPU (a random Llama: ../shared does not reach the GPU machine): quantize there,
+    save_pretrained, from_pretrained(device_map="cuda"): the packed buffers land on the GPU
+    and the logits equal the in-memory model's; quantize on load onto the GPU gives the same
+    bytes as quantize_model there."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "f32")
+    m = _load(tmp_path / "f32", dtype=torch.float32).cuda()
+    qformats.quantize_model(m, **CHOICES[fmt])
+    ids = IDS[:, :32].remainder(1024).cuda()
+    before = _logits(m, ids)
+    m.save_pretrained(tmp_path / "q")
+    back = _load(tmp_path / "q", device_map="cuda")
+    q = back.model.layers[0].mlp.up_proj
+    assert isinstance(q, QuantizedLinear) and q._buffers[q.buffer_names[0]].is_cuda
+    assert torch.equal(_logits(back, ids), before)
+    got = _load(tmp_path / "f32", dtype=torch.float32, device_map="cuda",
+                quantization_config=QFormatsConfig(**CHOICES[fmt]))
+    for name, x in got.named_modules():
+        if isinstance(x, QuantizedLinear):
+            ref = m.get_submodule(name)
+            assert all(torch.equal(getattr(x, b), getattr(ref, b)) for b in x.buffer_names), name
+    assert torch.equal(_logits(got, ids), before)

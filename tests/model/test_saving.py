@@ -226,3 +226,24 @@ def test_resave_to_same_folder(good):
     ids = torch.randint(0, 256, (1, 8))
     assert torch.equal(_logits(back, ids), _logits(m, ids))
     shutil.rmtree(good)
+
+
+def test_folder_of_earlier_versions_loads_and_converts(good, tmp_path):
+    """A folder as earlier qformats wrote it (weights in qformats_model.safetensors, named by
+    quantization_config.json; config.json without quantization_config) still loads, and
+    save_quantized(load_quantized(old), new) converts it to a folder from_pretrained reads."""
+    ids = torch.randint(0, 256, (1, 12))
+    ref = _logits(qformats.load_quantized(good), ids)
+    (good / WEIGHTS_NAME).rename(good / "qformats_model.safetensors")
+    cfg = json.loads((good / CONFIG_NAME).read_text())
+    cfg["weights"] = "qformats_model.safetensors"
+    (good / CONFIG_NAME).write_text(json.dumps(cfg))
+    hf = json.loads((good / "config.json").read_text())
+    del hf["quantization_config"]
+    (good / "config.json").write_text(json.dumps(hf))
+    old = qformats.load_quantized(good)
+    assert torch.equal(_logits(old, ids), ref)
+    qformats.save_quantized(old, tmp_path / "new")
+    from transformers import AutoModelForCausalLM
+
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(str(tmp_path / "new")), ids), ref)

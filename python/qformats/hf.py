@@ -31,6 +31,7 @@ mixed2bit) need the whole float model: load it, call :func:`qformats.quantize_mo
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Mapping, Optional, Sequence
@@ -294,9 +295,30 @@ def attach(model: nn.Module) -> bool:
     return True
 
 
+def _attaching(save_pretrained):
+    """``PreTrainedModel.save_pretrained`` that first records the model's QuantizedLinear
+    layers (:func:`attach`), so that a model whose layers were swapped by hand, or changed after
+    :func:`qformats.quantize_model`, is never written as a float model without its weights."""
+    @functools.wraps(save_pretrained)
+    def wrapper(self, *args, **kwargs):
+        if isinstance(getattr(self, "hf_quantizer", None), (QFormatsHfQuantizer, type(None))):
+            attach(self)  # another tool's quantizer (bitsandbytes...) is left in charge
+        return save_pretrained(self, *args, **kwargs)
+
+    wrapper._qformats_attaching = True
+    return wrapper
+
+
 def register() -> None:
     """Register :class:`QFormatsConfig` and :class:`QFormatsHfQuantizer` with transformers
-    (idempotent). ``import qformats`` does it as soon as transformers' quantizers are imported."""
+    (idempotent). ``import qformats`` does it as soon as transformers' quantizers are imported.
+    It also makes ``PreTrainedModel.save_pretrained`` call :func:`attach` first (a wrapper:
+    transformers has no hook for it), so that no model holding QuantizedLinear layers is saved
+    with a config that would load it as a float model with missing weights."""
+    from transformers import PreTrainedModel
+
+    if not getattr(PreTrainedModel.save_pretrained, "_qformats_attaching", False):
+        PreTrainedModel.save_pretrained = _attaching(PreTrainedModel.save_pretrained)
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not QFormatsConfig:
         AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)
         register_quantization_config(QUANT_METHOD)(QFormatsConfig)

@@ -262,3 +262,24 @@ def test_cuda_from_pretrained_identical_logits(tmp_path, fmt):
             ref = m.get_submodule(name)
             assert all(torch.equal(getattr(x, b), getattr(ref, b)) for b in x.buffer_names), name
     assert torch.equal(_logits(got, ids), before)
+
+
+def test_layers_swapped_by_hand_still_save(tmp_path):
+    """QuantizedLinear layers put in by hand (no quantize_model, no attach), and a layer
+    changed after quantize_model: save_pretrained records them, from_pretrained rebuilds them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg).eval()
+    mlp = m.model.layers[1].mlp
+    mlp.up_proj = QuantizedLinear.from_linear(mlp.up_proj, "q4_0")
+    ids = torch.randint(0, 256, (1, 10))
+    m.save_pretrained(tmp_path / "a")
+    back = _load(tmp_path / "a")
+    assert isinstance(back.model.layers[1].mlp.up_proj, QuantizedLinear)
+    assert torch.equal(_logits(back, ids), _logits(m, ids))
+    mlp.down_proj = QuantizedLinear.from_linear(mlp.down_proj, "int8")  # after attach
+    m.save_pretrained(tmp_path / "b")
+    assert torch.equal(_logits(_load(tmp_path / "b"), ids), _logits(m, ids))

@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tasks' datasets come from the Hugging Face Hub)")
     e.add_argument("--limit", type=_positive, metavar="N",
                    help="with --tasks: at most N examples per task")
+    e.add_argument("--include-path", metavar="DIR",
+                   help="with --tasks: a folder of lm-evaluation-harness task YAML files (your own "
+                        "tasks, e.g. on local data files), as lm_eval's --include_path")
     e.add_argument("--threads", type=_threads, metavar="N",
                    help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -471,9 +474,16 @@ def _lm_eval(model, tokenizer, args) -> str:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise EvalError(f"--tasks {args.tasks!r}: no task named")
+    kwargs = {}
+    if args.include_path:
+        if not Path(args.include_path).is_dir():
+            raise EvalError(f"--include-path {args.include_path}: not a folder")
+        from lm_eval.tasks import TaskManager
+
+        kwargs["task_manager"] = TaskManager(include_path=str(args.include_path))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size)
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit)
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, **kwargs)
     except (KeyError, ValueError) as e:  # an unknown task name, a dataset it cannot fetch...
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EvalError(f"lm_eval --tasks {args.tasks}: {why}") from e

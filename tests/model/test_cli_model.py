@@ -174,6 +174,9 @@ def test_eval_tasks_run_lm_eval_on_the_loaded_model(quantized_dir, valid_path, t
                         "--tasks", "hellaswag, arc_easy", "--limit", 5, "--no-progress")
     assert rc == 0, err
     assert "LM_EVAL [('finite', True), ('limit', 5), ('quantized', 42), ('tasks', ['hellaswag', 'arc_easy'])]" in out
+    rc, out, err = _run(capsys, "eval", quantized_dir, "--text", valid_path, "--max-tokens", 512,
+                        "--tasks", "mine", "--include-path", tmp_path / "nowhere", "--no-progress")
+    assert rc == 2 and "--include-path" in err and "not a folder" in err
 
 
 def test_eval_tasks_without_lm_eval_says_what_to_install(quantized_dir, capsys, monkeypatch):

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 import warnings
@@ -89,6 +90,16 @@ def _positive(s: str) -> int:
     if v == 0:
         raise argparse.ArgumentTypeError("expected an integer >= 1, got 0")
     return v
+
+
+def _shard_size(s: str):
+    """An int of bytes, or "<number><KB|MB|GB|TB>" (huggingface_hub's units, powers of 10)."""
+    if s.isdigit() and int(s) > 0:
+        return int(s)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(KB|MB|GB|TB)", s.strip(), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected bytes or a size such as 500MB or 5GB, got {s!r}")
+    return f"{m.group(1)}{m.group(2).upper()}"
 
 
 def _threads(s: str) -> int:
@@ -199,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, metavar="DIR",
                    help="output folder: a new or empty folder (checked before the model is "
                         "loaded), never the model's own folder")
+    q.add_argument("--max-shard-size", type=_shard_size, metavar="SIZE",
+                   help="write the weights as shards of at most SIZE (e.g. 5GB, 500MB, or bytes) with "
+                        "model.safetensors.index.json, as save_pretrained does (default: one "
+                        "model.safetensors)")
     q.add_argument("--overwrite", action="store_true",
                    help="allow --out to be a folder that is not empty (files of the same names "
                         "are replaced)")
@@ -385,7 +400,8 @@ def _cmd_quantize(args) -> int:
                                             **method_options)
                 bar.update(1)
                 bar.set_postfix_str("saving")
-                out = save_quantized(lm.model, args.out, tokenizer=lm.tokenizer, source=lm.path)
+                out = save_quantized(lm.model, args.out, tokenizer=lm.tokenizer, source=lm.path,
+                                     max_shard_size=args.max_shard_size)
                 bar.update(1)
             except BaseException:
                 bar.leave = False  # erase the bar: the error message gets a line of its own

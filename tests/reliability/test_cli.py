@@ -99,6 +99,7 @@ def test_quantize_pickle_checkpoint(tmp_path):
     ("--bits", "3"), ("--format", "int5"), ("--format", "int4:group_size=12"),
     ("--bits", "4", "--group-size", "268435456"), ("--bits", "4", "--method", "signround"),
     ("--method", "budget"), ("--bits", "4", "--override", "oops"),
+    ("--bits", "4", "--max-shard-size", "5XB"),
 ])
 def test_flag_errors_found_before_torch_is_imported(llama_dir, tmp_path, args):
     """Usage errors of `qformats quantize` take a fraction of a second: found before torch

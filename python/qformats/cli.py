@@ -98,7 +98,7 @@ def _shard_size(s: str):
         return int(s)
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(KB|MB|GB|TB)", s.strip(), re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected bytes or a size such as 500MB or 5GB, got {s!r}")
+        raise ValueError(f"--max-shard-size expects bytes or a size such as 500MB or 5GB, got {s!r}")
     return f"{m.group(1)}{m.group(2).upper()}"
 
 
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, metavar="DIR",
                    help="output folder: a new or empty folder (checked before the model is "
                         "loaded), never the model's own folder")
-    q.add_argument("--max-shard-size", type=_shard_size, metavar="SIZE",
+    q.add_argument("--max-shard-size", metavar="SIZE",
                    help="write the weights as shards of at most SIZE (e.g. 5GB, 500MB, or bytes) with "
                         "model.safetensors.index.json, as save_pretrained does (default: one "
                         "model.safetensors)")
@@ -363,6 +363,8 @@ def _cmd_quantize(args) -> int:
         check_output_dir(args.out, args.model, overwrite=args.overwrite)
         _check_writable(args.out)
         check_method(args.method)
+        if args.max_shard_size is not None:
+            args.max_shard_size = _shard_size(args.max_shard_size)
         method_options = {}  # the method's own options (qformats.config): not format parameters
         if args.method in ("signround", "budget"):
             if not args.calibration:

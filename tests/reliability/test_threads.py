@@ -72,7 +72,10 @@ for n in (7, 3, 1, 5):
     peak, res = peak_threads(every_format)
     assert qformats.num_threads() == n
     assert _runtime.pool_workers() == n - 1, (n, _runtime.pool_workers())
-    if n > 1:
+    if n > 1:  # a joined thread can stay listed in /proc a moment longer on a loaded machine
+        deadline = time.monotonic() + 2.0
+        while os_threads() != base + n - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert os_threads() == base + n - 1, (n, os_threads(), base)
     assert peak <= base + n - 1, ("more threads than the setting", n, peak, base)
     assert res == one, f"results differ with {n} threads"

@@ -11,13 +11,18 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["FormatSpec", "LinearKernel", "WEIGHT_ONLY_ROWS", "fixed_blocks"]
+__all__ = ["FormatSpec", "LinearKernel", "WEIGHT_ONLY_ROWS", "TUNE_ROWS", "fixed_blocks"]
 
 #: The ``linear_rows`` of the formats whose weight-only kernels run in QuantizedLinear: up to 16
 #: activation rows on CUDA and 32 on the CPU: where the kernels measured faster than dequantize +
 #: cuBLAS / F.linear (past them the dequantizing path is faster on some shapes); benchmarks/
 #: README.md has the measurements.
 WEIGHT_ONLY_ROWS = MappingProxyType({"cuda": 16, "cpu": 32})
+
+#: The ``tune_rows`` of the formats with CUDA weight-only kernels: from 17 up to 64 rows on CUDA,
+#: QuantizedLinear measures whether the kernel or dequantize + cuBLAS is faster (qformats.crossover);
+#: at 64 rows the kernels measured slower for every format and shape (benchmarks/README.md).
+TUNE_ROWS = MappingProxyType({"cuda": 64})
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,9 @@ class FormatSpec:
             the native kernel, by device type (``{"cuda": 16, "cpu": 32}``); above them (or
             for a device not listed) it dequantizes and calls ``F.linear``. Measured
             crossovers: benchmarks/README.md.
+        tune_rows: activation rows up to which, above ``linear_rows``, QuantizedLinear
+            measures which is faster, the kernel or dequantize + ``F.linear``, once per weight
+            shape, row bucket and device (:mod:`qformats.crossover`), by device type.
         make_linear: ``make_linear(q, derived=None) -> LinearKernel | None``: ``q`` (a 2-D
             QuantizedTensor with torch buffers, already validated) bound to the native
             kernel, or None where the kernel does not take its params on that device;
@@ -102,6 +110,7 @@ class FormatSpec:
     expected_buffers: Callable[..., dict]
     gemm: Optional[Callable[..., Any]] = None
     linear_rows: Mapping[str, int] = field(default_factory=dict)
+    tune_rows: Mapping[str, int] = field(default_factory=dict)
     make_linear: Optional[Callable[..., Optional[LinearKernel]]] = None
     with_group_size: Optional[Callable[[dict, int], dict]] = None
     trainable: Callable[[Mapping[str, Any]], bool] = lambda params: False
@@ -111,6 +120,7 @@ class FormatSpec:
     def __post_init__(self):
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "linear_rows", MappingProxyType(dict(self.linear_rows)))
+        object.__setattr__(self, "tune_rows", MappingProxyType(dict(self.tune_rows)))
         if self.with_group_size is None:
             gp = self.group_param
 

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import ops
+from . import crossover, ops
 from ._core import QuantizedTensor, check_quantized, float_dtype, format_module, format_spec
 
 __all__ = ["QuantizedLinear", "quantized_linears"]
@@ -114,6 +114,7 @@ class QuantizedLinear(nn.Module):
         self._kernel = None        # the bound native kernel (LinearKernel.run), or None
         self._watch = ()           # (name, tensor, version) of what it was bound to
         self._kernel_rows = 0      # activation rows it takes on its device
+        self._tune_rows = 0        # rows up to which it may win, measured (qformats.crossover)
         self._kernel_device = -2   # its device as Tensor.get_device() gives it (-1: CPU)
         self._bias_cast = None     # (dtype, the bias in the dtype the kernel wants)
         self._filled = False       # buffers hold a weight (built from one, or loaded)
@@ -151,7 +152,7 @@ class QuantizedLinear(nn.Module):
         self.derived_names = ()
         self._kernel = self._bias_cast = None
         self._watch = ()
-        self._kernel_rows = 0
+        self._kernel_rows = self._tune_rows = 0
         self._kernel_device = -2
         spec = format_spec(self.format)
         dev = self._buffers[self.buffer_names[0]].device
@@ -163,6 +164,7 @@ class QuantizedLinear(nn.Module):
                 self.derived_names = tuple(bound.derived)
                 self._kernel = bound.run
                 self._kernel_rows = spec.linear_rows[dev.type]
+                self._tune_rows = spec.tune_rows.get(dev.type, 0)
                 self._kernel_device = dev.index if dev.type == "cuda" else -1
         self._refresh_meta()
         self._watch = tuple((n, self._buffers[n], self._buffers[n]._version)
@@ -259,10 +261,7 @@ class QuantizedLinear(nn.Module):
         returns ``[..., out_features]`` in ``x.dtype``. Raises TypeError / ValueError for
         another dtype, a wrong last dimension or x on another device."""
         y = self._fast_forward(x)
-        if y is not None:
-            return y
-        return ops.linear_packed(x, self._meta, [self._buffers[n] for n in self.buffer_names + self.derived_names],
-                                 self.bias)
+        return y if y is not None else self._operator(x)
 
     def _fast_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The bound kernel's result where it applies (eager, no autograd through x or the bias,
@@ -274,7 +273,7 @@ class QuantizedLinear(nn.Module):
         if x.dtype not in ops.FLOAT_DTYPES or x.ndim < 1 or x.shape[-1] != K:
             return None
         rows = x.numel() // K
-        if not 0 < rows <= self._kernel_rows or x.get_device() != self._kernel_device:
+        if not 0 < rows <= max(self._kernel_rows, self._tune_rows) or x.get_device() != self._kernel_device:
             return None
         grad = torch.is_grad_enabled()
         if grad and x.requires_grad:
@@ -288,15 +287,26 @@ class QuantizedLinear(nn.Module):
             self.prepare()
             return self._fast_forward(x)
         bias = self.bias
-        if bias is None:
-            return ops.run_linear(run, x, None, self.out_features)
-        if grad and bias.requires_grad:  # the operator's autograd formula
-            return None
-        want = x.dtype if self._kernel_device >= 0 else torch.float32
-        cached = self._bias_cast
-        if cached is None or cached[0] != want:
-            cached = self._bias_cast = (want, bias.detach().to(want).contiguous())
-        return ops.run_linear(run, x, cached[1], self.out_features)
+        if bias is not None:
+            if grad and bias.requires_grad:  # the operator's autograd formula
+                return None
+            want = x.dtype if self._kernel_device >= 0 else torch.float32
+            cached = self._bias_cast
+            if cached is None or cached[0] != want:
+                cached = self._bias_cast = (want, bias.detach().to(want).contiguous())
+            bias = cached[1]
+        if rows > self._kernel_rows:  # the kernel only where it measured faster, here
+            key = (self._meta, x.dtype, self._kernel_device, bias is not None, crossover.bucket(rows))
+            if not crossover.decide(key, lambda: ops.run_linear(run, x, bias, self.out_features),
+                                    lambda: self._operator(x)):
+                return None
+        return ops.run_linear(run, x, bias, self.out_features)
+
+    def _operator(self, x: torch.Tensor) -> torch.Tensor:
+        """The operator path (:func:`qformats.ops.linear_packed`): above the kernel's rows,
+        dequantize + ``F.linear``."""
+        return ops.linear_packed(x, self._meta, [self._buffers[n] for n in self.buffer_names + self.derived_names],
+                                 self.bias)
 
     def extra_repr(self) -> str:
         p = ", ".join(f"{k}={v}" for k, v in self.params.items())

@@ -24,7 +24,8 @@ CASES = [("q4_0", {}), ("q8_1", {}), ("int8", {}), ("int4", {"group_size": 64}),
 
 @pytest.mark.parametrize("fmt,params", CASES, ids=[f"{f}-{p}" for f, p in CASES])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_cuda_forward_and_bytes(fmt, params, dtype):
+def test_cuda_forward_and_bytes(fmt, params, dtype, monkeypatch):
+    monkeypatch.setenv("QFORMATS_TUNE", "0")  # the fixed paths (measured choices: test below)
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 96).to(dtype)
     q_cpu = QuantizedLinear.from_linear(lin, fmt, **params)
@@ -80,3 +81,48 @@ def test_cuda_compiled_model_and_graph_replay():
         static_x.copy_(x2)
         graph.replay()
         torch.testing.assert_close(static_y, model(x2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 64}), ("nf4", {}), ("q4_0", {}),
+                                        ("mixed2bit", {})])
+def test_cuda_measured_crossover(fmt, params, monkeypatch):
+    """Between linear_rows and tune_rows the layer takes whichever path measured faster: its
+    output is bitwise one of the two, the choice is recorded once per row bucket and kept,
+    QFORMATS_TUNE=0 takes the dequantizing path, and a CUDA graph capture measures nothing."""
+    from qformats import crossover
+
+    crossover.reset()
+    monkeypatch.delenv("QFORMATS_TUNE", raising=False)
+    torch.manual_seed(0)
+    q = QuantizedLinear.from_linear(torch.nn.Linear(1024, 512).half().cuda(), fmt, **params)
+    spec = format_spec(fmt)
+    lo, hi = spec.linear_rows["cuda"], spec.tune_rows["cuda"]
+    for rows in (lo + 1, 32, 40, hi):  # four row buckets: 24, 32, 40, 64
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.float16)
+        kernel = spec.gemm(x, q.quantized_weight) + q.bias
+        deq = F.linear(x, q.dequantize_weight(torch.float16), q.bias)
+        with torch.no_grad():
+            y = q(x)
+        won = [v for k, v in crossover.decisions().items() if k[-1] == crossover.bucket(rows)]
+        assert len(won) == 1
+        assert torch.equal(y, kernel if won[0] else deq), (rows, won)
+        with torch.no_grad():
+            assert torch.equal(q(x), y)  # decided once
+    assert len(crossover.decisions()) == 4
+    monkeypatch.setenv("QFORMATS_TUNE", "0")
+    x = torch.randn(24, 1024, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        assert torch.equal(q(x), F.linear(x, q.dequantize_weight(torch.float16), q.bias))
+    monkeypatch.delenv("QFORMATS_TUNE")
+    crossover.reset()
+    x = torch.randn(hi, 1024, device="cuda", dtype=torch.float16)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        q(x[:1])  # warm the N = 1 kernel outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            y = q(x)
+    g.replay()
+    torch.cuda.synchronize()
+    assert crossover.decisions() == {}
+    assert torch.equal(y, F.linear(x, q.dequantize_weight(torch.float16), q.bias))

@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
+from .._spec import TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from . import _native, reference
 
 FORMAT = "int4"
@@ -307,6 +307,7 @@ SPEC = FormatSpec(
     expected_buffers=expected_buffers,
     gemm=gemm,
     linear_rows=WEIGHT_ONLY_ROWS,
+    tune_rows=TUNE_ROWS,
     make_linear=_make_linear,
     trainable=lambda p: not p.get("symmetric", False),
     rounding=_rounding,

@@ -60,7 +60,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
+from .._spec import TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from . import _native, reference
 from ._gemm import _row_index, gemm_cuda_supported
 
@@ -450,6 +450,7 @@ SPEC = FormatSpec(
     expected_buffers=expected_buffers,
     gemm=gemm,
     linear_rows=WEIGHT_ONLY_ROWS,
+    tune_rows=TUNE_ROWS,
     make_linear=_make_linear,
     trainable=lambda p: float(p.get("outlier_ratio", 0.0)) == 0.0 and p.get("sensitivity") is None,
     rounding=_rounding,

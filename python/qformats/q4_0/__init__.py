@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel, fixed_blocks
+from .._spec import TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel, fixed_blocks
 from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
@@ -280,5 +280,6 @@ SPEC = FormatSpec(
     expected_buffers=expected_buffers,
     gemm=gemm,
     linear_rows=WEIGHT_ONLY_ROWS,
+    tune_rows=TUNE_ROWS,
     make_linear=_make_linear,
 )

@@ -95,6 +95,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--bias", type=int, default=1)
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--operator", type=int, default=0,
+                    help="1: also time each format through the qformats::linear operator (the path "
+                         "torch.compile and autograd take, and eager calls above the kernel's rows before "
+                         "the bound decode)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     M, K = (int(s) for s in args.shape.split("x"))
@@ -107,6 +111,9 @@ def main(argv=None) -> int:
     for fmt in [f for f in args.formats.split(",") if f]:
         q = QuantizedLinear.from_linear(lin, fmt, **qformats.format_spec(fmt).defaults)
         rows.append((f"QuantizedLinear {fmt}", args.dtype, per_call_us(q, x, args.calls, args.repeats, sync)))
+        if args.operator:
+            rows.append((f"qformats::linear operator {fmt}", args.dtype,
+                         per_call_us(q._operator, x, args.calls, args.repeats, sync)))
     if dev.type == "cuda":
         try:
             rows.append(("bitsandbytes Linear4bit nf4", "float16",

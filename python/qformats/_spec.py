@@ -78,9 +78,10 @@ class FormatSpec:
         expected_buffers: ``expected_buffers(shape, params) -> {name: (dtype, shape)}``.
         gemm: ``gemm(x, w)`` weight-only product ``[N, M]`` (None: the format has none).
         linear_rows: activation rows up to which :class:`qformats.nn.QuantizedLinear` runs
-            the native kernel, by device type (``{"cuda": 16, "cpu": 32}``); above them (or
-            for a device not listed) it dequantizes and calls ``F.linear``. Measured
-            crossovers: benchmarks/README.md.
+            the native kernel, by device type (``{"cuda": 16, "cpu": 32}``); above them it
+            decodes the weight with the bound kernel's ``dequantize`` and calls ``F.linear``
+            (0 rows: a device where only that decode is bound); for a device not listed it
+            takes the ``qformats::linear`` operator. Measured crossovers: benchmarks/README.md.
         tune_rows: activation rows up to which, above ``linear_rows``, QuantizedLinear
             measures which is faster, the kernel or dequantize + ``F.linear``, once per weight
             shape, row bucket and device (:mod:`qformats.crossover`), by device type.

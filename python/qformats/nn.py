@@ -61,7 +61,11 @@ class QuantizedLinear(nn.Module):
     (:meth:`prepare`) when the layer is built from a weight, loaded (``load_state_dict``) or
     moved (``.to()``); tensors the kernel reads besides the packed bytes (nf4's decoded absmax,
     mixed2bit's CUDA chunk index) are made then, as non-persistent buffers, never inside a
-    forward. An eager forward without autograd on x then costs one native call.
+    forward. An eager forward without autograd on x then costs one native call for few
+    activation rows (the format's weight-only kernel), and for more rows one native decode of
+    the weight into a temporary of x's dtype plus ``F.linear`` (the operator's numbers, without
+    its per-call checks). Autograd through x or the bias, ``torch.compile`` and devices without
+    a bound kernel take the ``qformats::linear`` operator.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -116,7 +120,7 @@ class QuantizedLinear(nn.Module):
         self._kernel_rows = 0      # activation rows it takes on its device
         self._tune_rows = 0        # rows up to which it may win, measured (qformats.crossover)
         self._kernel_device = -2   # its device as Tensor.get_device() gives it (-1: CPU)
-        self._bias_cast = None     # (dtype, the bias in the dtype the kernel wants)
+        self._bias_cast = None     # {dtype: the bias in that dtype} for the bound kernel's paths
         self._filled = False       # buffers hold a weight (built from one, or loaded)
         self._refresh_meta()
 
@@ -265,7 +269,9 @@ class QuantizedLinear(nn.Module):
 
     def _fast_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The bound kernel's result where it applies (eager, no autograd through x or the bias,
-        a float tensor on the weight's device, which is the current one, few rows), else None."""
+        a float tensor on the weight's device, which is the current one): its product for few
+        rows, for more its decode + ``F.linear`` (the operator's numbers without the operator's
+        per-call overhead); else None (the operator path)."""
         run = self._kernel
         if run is None or not isinstance(x, torch.Tensor) or torch.compiler.is_compiling():
             return None
@@ -273,7 +279,7 @@ class QuantizedLinear(nn.Module):
         if x.dtype not in ops.FLOAT_DTYPES or x.ndim < 1 or x.shape[-1] != K:
             return None
         rows = x.numel() // K
-        if not 0 < rows <= max(self._kernel_rows, self._tune_rows) or x.get_device() != self._kernel_device:
+        if rows <= 0 or x.get_device() != self._kernel_device:
             return None
         grad = torch.is_grad_enabled()
         if grad and x.requires_grad:
@@ -287,20 +293,31 @@ class QuantizedLinear(nn.Module):
             self.prepare()
             return self._fast_forward(x)
         bias = self.bias
-        if bias is not None:
-            if grad and bias.requires_grad:  # the operator's autograd formula
-                return None
-            want = x.dtype if self._kernel_device >= 0 else torch.float32
-            cached = self._bias_cast
-            if cached is None or cached[0] != want:
-                cached = self._bias_cast = (want, bias.detach().to(want).contiguous())
-            bias = cached[1]
+        if bias is not None and grad and bias.requires_grad:  # the operator's autograd formula
+            return None
+        if rows > max(self._kernel_rows, self._tune_rows):
+            return ops.run_dense(run, x, self._bias_as(x.dtype))
+        kbias = self._bias_as(x.dtype if cuda else torch.float32)
         if rows > self._kernel_rows:  # the kernel only where it measured faster, here
             key = (self._meta, x.dtype, self._kernel_device, bias is not None, crossover.bucket(rows))
-            if not crossover.decide(key, lambda: ops.run_linear(run, x, bias, self.out_features),
-                                    lambda: self._operator(x)):
-                return None
-        return ops.run_linear(run, x, bias, self.out_features)
+            if not crossover.decide(key, lambda: ops.run_linear(run, x, kbias, self.out_features),
+                                    lambda: ops.run_dense(run, x, self._bias_as(x.dtype))):
+                return ops.run_dense(run, x, self._bias_as(x.dtype))
+        return ops.run_linear(run, x, kbias, self.out_features)
+
+    def _bias_as(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The bias detached, contiguous and in ``dtype`` (cached per dtype until the next
+        :meth:`prepare`), or None."""
+        bias = self.bias
+        if bias is None:
+            return None
+        cache = self._bias_cast
+        if cache is None:
+            cache = self._bias_cast = {}
+        b = cache.get(dtype)
+        if b is None:
+            b = cache[dtype] = bias.detach().to(dtype).contiguous()
+        return b
 
     def _operator(self, x: torch.Tensor) -> torch.Tensor:
         """The operator path (:func:`qformats.ops.linear_packed`): above the kernel's rows,

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ._core import QuantizedTensor, format_module, format_spec
 
-__all__ = ["linear", "linear_packed", "dequantize", "dequantize_packed", "weight_meta", "run_linear",
+__all__ = ["linear", "linear_packed", "dequantize", "dequantize_packed", "weight_meta", "run_linear", "run_dense",
            "register_linear_kernel", "use_builtin_kernels", "kernel_rows", "kernels_on", "FLOAT_DTYPES"]
 
 #: Activation / output dtypes the operators take.
@@ -181,6 +181,20 @@ def run_linear(run: Callable, x: torch.Tensor, bias: Optional[torch.Tensor], M: 
         bias = bias.float().contiguous()
     run(x, out, bias, 0)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def run_dense(run: Callable, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` with ``W`` ``[M, K]`` decoded to ``x.dtype`` by a bound native
+    kernel (``LinearKernel.run.dequantize``): the numbers of the operator's dequantizing path
+    (the same decode, the same ``F.linear``) without its per-call validation of the packed
+    buffers, which the bound kernel did once. x ``[..., K]`` float32 / float16 / bfloat16 on
+    the weight's device (the current one on CUDA), bias ``[M]`` in x's dtype or None. The
+    decoded weight is a temporary of ``M * K`` elements of x's dtype, freed on return."""
+    w = torch.empty((run.M, run.K), dtype=x.dtype, device=x.device)
+    ws_bytes = run.dequantize_workspace
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=x.device) if ws_bytes else None
+    run.dequantize(w, ws, _stream(x.device) if x.is_cuda else 0)
+    return F.linear(x, w, bias)
 
 
 def _linear_dispatch(x: torch.Tensor, qt: QuantizedTensor, bias: Optional[torch.Tensor],

@@ -132,7 +132,16 @@ struct Int4Linear {
   void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
     gemm::int4_gemm_cuda(x, N, K, M, qweight, scales, zeros, group_size, y, bias, stream);
   }
+  template <class T>
+  void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
+    qf::int4::dequantize_cuda(qweight, scales, zeros, M * K / group_size, group_size, w, stream);
+  }
+  int64_t dequantize_workspace_cuda() const { return 0; }
 #endif
+  template <class T>
+  void dequantize_cpu(T* w) const {
+    qf::int4::dequantize_cpu(qweight, scales, zeros, M * K / group_size, group_size, w);
+  }
   void cpu(const float* x, int64_t N, float* y) const {
     gemm::int4_gemm_cpu(x, N, K, M, qweight, scales, zeros, group_size, y);
   }

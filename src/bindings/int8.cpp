@@ -130,7 +130,8 @@ void int8_linear(const InArray& a, const InArray& a_scale, const InArray& b, con
 }
 
 // The weight-only GEMM's policy (bindings/linear.h) over an [M, K] int8 weight: codes q and
-// the scale of row m, unit u at scales[m * scale_stride + u] (units of `unit` values). CPU only.
+// the scale of row m, unit u at scales[m * scale_stride + u] (units of `unit` values). The product
+// runs on the CPU only; on CUDA the bound weight serves the dense path (dequantize).
 struct Int8Linear {
   const int8_t* q;
   const float* scales;
@@ -140,7 +141,19 @@ struct Int8Linear {
   void cuda(const T*, int64_t, T*, const T*, void*) const {
     throw std::invalid_argument("int8: no CUDA weight-only kernel");
   }
+  template <class T>
+  void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
+    int8::dequantize_cuda(q, scales, n_units(), unit_len(), w, stream);
+  }
+  int64_t dequantize_workspace_cuda() const { return 0; }
 #endif
+  // the scale units as int8's dequantize counts them: one per tensor (stride 0) or per unit
+  int64_t n_units() const { return scale_stride ? M * scale_stride : 1; }
+  int64_t unit_len() const { return scale_stride ? unit : M * K; }
+  template <class T>
+  void dequantize_cpu(T* w) const {
+    int8::dequantize_cpu(q, scales, n_units(), unit_len(), w);
+  }
   void cpu(const float* x, int64_t N, float* y) const {
     gemm::int8_gemm_cpu(x, N, K, M, q, scales, unit, scale_stride, y);
   }
@@ -148,13 +161,12 @@ struct Int8Linear {
 
 // The int8 weight [M, K] (q int8, scale float32 with one element per unit of unit_len values:
 // unit_len = M * K per tensor, K per row, or a divisor of K per group) as a Linear, checked here
-// once. CPU buffers only.
+// once. On CUDA only its dequantize runs (the product raises: no CUDA weight-only kernel).
 PackedLinear<Int8Linear> make_linear(const InArray& q, const InArray& scale, int64_t M, int64_t K, int64_t unit_len) {
   nonneg(M, "M");
   nonneg(K, "K");
   const int64_t n = mul(M, K, "M * K");
   const Device dev = device_of(q, 0, "q");
-  if (dev.cuda) throw std::invalid_argument("int8: the weight-only GEMM runs on the CPU only");
   require<int8_t>(q, "q", dev);
   require<float>(scale, "scale", dev);
   require_numel(q, n, "q");

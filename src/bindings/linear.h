@@ -12,6 +12,12 @@
 //   template <class T> void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const;
 //       (CUDA builds; y and bias in x's dtype, bias may be nullptr)
 //   void cpu(const float* x, int64_t N, float* y) const;     float32 activations and output
+// and, for the dense path above the kernel's rows (W decoded, then a dense GEMM), W [M, K]
+// decoded exactly as the format's dequantize decodes it, T float / half_t / bf16_t:
+//   template <class T> void dequantize_cuda(T* w, void* workspace, int64_t workspace_bytes,
+//                                           void* stream) const;    (CUDA builds)
+//   int64_t dequantize_workspace_cuda() const;  bytes of device workspace it needs (CUDA builds)
+//   template <class T> void dequantize_cpu(T* w) const;
 // Each extension binds its own PackedLinear<Impl> type (Impl differs), so the Python name
 // `Linear` may repeat across the format modules without a nanobind type clash.
 #pragma once
@@ -79,6 +85,52 @@ struct PackedLinear {
     }
   }
 
+  // out [M, K] (float32 / float16 / bfloat16, C-contiguous) on the weight's device: W decoded
+  // as the format's dequantize decodes it. workspace: uint8 of at least `dequantize_workspace`
+  // bytes on the same device where that is > 0 (ignored otherwise). CUDA: on `stream`.
+  void dequantize(const OutArray& out, const std::optional<OutArray>& workspace, uintptr_t stream) const {
+    Device d = device_of(out, stream, "out");
+    if (d.cuda != dev.cuda || (d.cuda && d.id != dev.id))
+      throw std::invalid_argument("out: must be on the weight's device");
+    require_numel(out, mul(M, K, "M * K"), "out");
+    void* ws = nullptr;
+    int64_t ws_bytes = 0;
+    const int64_t need = workspace_bytes();
+    if (need > 0) {
+      if (!workspace) throw std::invalid_argument("workspace: this weight needs " + std::to_string(need) + " bytes");
+      require<uint8_t>(*workspace, "workspace", d);
+      ws_bytes = numel(*workspace, "workspace");
+      if (ws_bytes < need)
+        throw std::invalid_argument("workspace: expected at least " + std::to_string(need) + " bytes");
+      ws = mptr<void>(*workspace);
+    }
+    (void)ws;  // unused in CPU-only builds
+    dispatch_float_out(out, "out", d, [&](auto* pw) {
+      if (M == 0 || K == 0) return;  // no output (nb_common.h)
+      if (d.cuda) {
+        QF_ON_CUDA(impl.dequantize_cuda(pw, ws, ws_bytes, d.stream));
+      } else {
+        impl.dequantize_cpu(pw);
+      }
+    });
+  }
+
+  // Device workspace bytes that dequantize needs (0: none).
+  int64_t workspace_bytes() const {
+#if defined(QFORMATS_WITH_CUDA)
+    if (dev.cuda) return impl.dequantize_workspace_cuda();
+#endif
+    return 0;
+  }
+
+  void dequantize_call(nb::handle out, nb::handle workspace, uintptr_t stream) const {
+    const OutArray oa = import_array<OutArray>(out, "out");
+    std::optional<OutArray> wa;
+    if (!workspace.is_none()) wa = import_array<OutArray>(workspace, "workspace");
+    nb::gil_scoped_release release;
+    dequantize(oa, wa, stream);
+  }
+
   // The Python-facing call: arguments imported without the __dlpack__ protocol where their type
   // allows (bindings/dlpack_exchange.h), then the product without the GIL.
   void call(nb::handle x, nb::handle out, nb::handle bias, uintptr_t stream) const {
@@ -91,8 +143,9 @@ struct PackedLinear {
   }
 };
 
-// Binds PackedLinear<Impl> as `<module>.Linear`: call(x, out, bias=None, stream=0) without the
-// GIL, and read-only M, K, device ("cpu" or "cuda:<id>").
+// Binds PackedLinear<Impl> as `<module>.Linear`: call(x, out, bias=None, stream=0) and
+// dequantize(out, workspace=None, stream=0) without the GIL, and read-only M, K,
+// dequantize_workspace (bytes), device ("cpu" or "cuda:<id>").
 template <class Impl>
 void bind_linear(nb::module_& m, const char* doc) {
   using L = PackedLinear<Impl>;
@@ -102,6 +155,9 @@ void bind_linear(nb::module_& m, const char* doc) {
   nb::class_<L>(m, "Linear", doc)
       .def("__call__", &L::call, nb::arg("x"), nb::arg("out"), nb::arg("bias").none() = nb::none(),
            nb::arg("stream") = 0)
+      .def("dequantize", &L::dequantize_call, nb::arg("out"), nb::arg("workspace").none() = nb::none(),
+           nb::arg("stream") = 0)
+      .def_prop_ro("dequantize_workspace", &L::workspace_bytes)
       .def_ro("M", &L::M)
       .def_ro("K", &L::K)
       .def_prop_ro("device",

@@ -192,7 +192,16 @@ struct Mixed2Linear {
   void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
     ::qf::gemm::mixed2bit_gemm_cuda(x, N, q, d, index, y, bias, stream);
   }
+  template <class T>
+  void dequantize_cuda(T* w, void* workspace, int64_t workspace_bytes, void* stream) const {
+    m2::dequantize_cuda(q, d, w, workspace, workspace_bytes, stream);
+  }
+  int64_t dequantize_workspace_cuda() const { return m2::dequantize_workspace_bytes_cuda(d); }
 #endif
+  template <class T>
+  void dequantize_cpu(T* w) const {
+    m2::dequantize_cpu(q, d, w);
+  }
   void cpu(const float* x, int64_t N, float* y) const { ::qf::gemm::mixed2bit_gemm_cpu(x, N, q, d, *cpu_index, y); }
 };
 

@@ -125,7 +125,16 @@ struct Nf4Linear {
   void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
     gemm::nf4_gemm_cuda(x, N, K, M, packed, absmax, blocksize, y, bias, stream);
   }
+  template <class T>
+  void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
+    nf4::dequantize_cuda(packed, absmax, M * K, blocksize, w, stream);
+  }
+  int64_t dequantize_workspace_cuda() const { return 0; }
 #endif
+  template <class T>
+  void dequantize_cpu(T* w) const {
+    nf4::dequantize_cpu(packed, absmax, M * K, blocksize, w);
+  }
   void cpu(const float* x, int64_t N, float* y) const { gemm::nf4_gemm_cpu(x, N, K, M, packed, absmax, blocksize, y); }
 };
 

@@ -152,7 +152,16 @@ struct Q4_0Linear {
   void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
     gemm::q4_0_gemm_cuda(x, N, K, M, w, y, bias, stream);
   }
+  template <class T>
+  void dequantize_cuda(T* out, void*, int64_t, void* stream) const {
+    q4_0::dequantize_cuda(w, M * K / q4_0::QK, out, stream);
+  }
+  int64_t dequantize_workspace_cuda() const { return 0; }
 #endif
+  template <class T>
+  void dequantize_cpu(T* out) const {
+    q4_0::dequantize_cpu(w, M * K / q4_0::QK, out);
+  }
   void cpu(const float* x, int64_t N, float* y) const {
     if (q8_1_activations) gemm::linear_q4_0_cpu(x, N, K, w, M, y);
     else gemm::q4_0_gemm_cpu(x, N, K, M, w, y);

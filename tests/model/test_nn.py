@@ -100,6 +100,36 @@ def test_cpu_kernel_path(fmt, params, dtype, lead):
     assert (err <= CPU_TOL[dtype] * scale).all(), (err / scale).max()
 
 
+#: The cases whose format binds a CPU kernel (q8_1 has none: its layers take the operator path).
+BOUND = [(i, c) for i, c in zip(IDS, CASES) if "cpu" in qformats._core.format_spec(c[0]).linear_rows]
+
+
+@pytest.mark.parametrize("fmt,params", [c for _, c in BOUND], ids=[i for i, _ in BOUND])
+def test_bound_dense_path(fmt, params, monkeypatch):
+    """Above the kernel's rows a layer with a bound kernel decodes through it
+    (``Linear.dequantize``) and calls F.linear itself, without the operator: the same bytes as
+    the format's dequantize, the same result as the operator path; the decode refuses a wrong
+    output."""
+    q = QuantizedLinear.from_linear(_linear(), fmt, **params)
+    run = q._kernel
+    for dtype, name in DTYPES.items():
+        w = torch.full((96, 256), float("nan"), dtype=dtype)
+        run.dequantize(w)
+        assert torch.equal(w, q.quantized_weight.dequantize(name)), name
+    x = torch.randn(3, 40, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = q._operator(x)
+        monkeypatch.setattr(QuantizedLinear, "_operator", lambda self, x: pytest.fail("operator path taken"))
+        assert torch.equal(q(x), ref)
+    assert run.dequantize_workspace == 0  # (CPU)
+    with pytest.raises(ValueError, match="out"):
+        run.dequantize(torch.empty(96, 255))
+    with pytest.raises(TypeError, match="out"):
+        run.dequantize(torch.empty(96, 256, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous"):
+        run.dequantize(torch.empty(256, 96).T)
+
+
 def test_from_linear_keeps_bias_and_leaves_linear_alone(reference_path):
     lin = _linear()
     w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()

@@ -126,3 +126,39 @@ def test_cuda_measured_crossover(fmt, params, monkeypatch):
     torch.cuda.synchronize()
     assert crossover.decisions() == {}
     assert torch.equal(y, F.linear(x, q.dequantize_weight(torch.float16), q.bias))
+
+
+@pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 64}), ("nf4", {"compress_statistics": True}),
+                                        ("q4_0", {}), ("mixed2bit", {}), ("int8", {}),
+                                        ("int8", {"granularity": "group", "group_size": 64})])
+def test_cuda_bound_dense_path(fmt, params, monkeypatch):
+    """Past tune_rows the layer decodes with its bound kernel (``Linear.dequantize`` on the
+    current stream) and calls F.linear itself: bitwise the operator path, which it does not
+    call; the decode equals the format's dequantize, needs its workspace where it has one
+    (mixed2bit) and refuses an output on another device."""
+    torch.manual_seed(0)
+    q = QuantizedLinear.from_linear(torch.nn.Linear(1024, 512).cuda(), fmt, **params)
+    run = q._kernel
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        w = torch.full((512, 1024), float("nan"), device="cuda", dtype=dtype)
+        nbytes = run.dequantize_workspace
+        ws = torch.empty(nbytes, dtype=torch.uint8, device="cuda") if nbytes else None
+        run.dequantize(w, ws, torch.cuda.current_stream().cuda_stream)
+        assert torch.equal(w, q.dequantize_weight(dtype))
+    if run.dequantize_workspace:
+        with pytest.raises(ValueError, match="workspace"):
+            run.dequantize(torch.empty(512, 1024, device="cuda"))
+    with pytest.raises(ValueError, match="device"):
+        run.dequantize(torch.empty(512, 1024))
+    if format_spec(fmt).linear_rows["cuda"] == 0:  # bound for the decode only (int8)
+        x = torch.randn(2, 1024, device="cuda", dtype=torch.float16)
+        with pytest.raises(ValueError, match="no CUDA weight-only kernel"):
+            run(x, torch.empty(2, 512, device="cuda", dtype=torch.float16), None,
+                torch.cuda.current_stream().cuda_stream)
+    for rows, dtype in ((65, torch.float16), (300, torch.bfloat16), (2048, torch.float16)):
+        x = torch.randn(rows, 1024, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            ref = q._operator(x)
+            with monkeypatch.context() as m:
+                m.setattr(QuantizedLinear, "_operator", lambda self, x: pytest.fail("operator path taken"))
+                assert torch.equal(q(x), ref)

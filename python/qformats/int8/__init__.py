@@ -326,11 +326,9 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
 
 
 def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None:
-    """int8 weight ``q`` [M, K] bound to the native weight-only kernel (CPU buffers; None on
-    CUDA, which has no such kernel)."""
+    """int8 weight ``q`` [M, K] bound to the native weight-only kernel (on CUDA, which has no
+    such kernel, bound for its decode only: ``linear_rows["cuda"]`` is 0)."""
     codes, scale = q.buffers["q"], q.buffers["scale"]
-    if A.is_cuda(codes):
-        return None
     return LinearKernel(_native.make_linear(codes, scale, *q.shape, _unit_len(q.shape, q.params)))
 
 
@@ -352,6 +350,6 @@ SPEC = FormatSpec(
     dequantize=dequantize,
     expected_buffers=expected_buffers,
     gemm=gemm,
-    linear_rows={"cpu": WEIGHT_ONLY_ROWS["cpu"]},
+    linear_rows={"cpu": WEIGHT_ONLY_ROWS["cpu"], "cuda": 0},
     make_linear=_make_linear,
 )

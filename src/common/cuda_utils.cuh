@@ -27,6 +27,14 @@ inline bool has_sm80_mma() {
   return major >= 8;
 }
 
+// Streaming multiprocessors of the current device.
+inline int sm_count() {
+  int dev = 0, n = 0;
+  check(cudaGetDevice(&dev), "CUDA device");
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "CUDA device");
+  return n;
+}
+
 inline unsigned grid_for(int64_t n_items, int items_per_cta) {
   const int64_t g = (n_items + items_per_cta - 1) / items_per_cta;
   if (g > 0x7FFFFFFF) throw std::invalid_argument("input too large for one launch");

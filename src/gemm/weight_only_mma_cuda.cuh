@@ -12,7 +12,8 @@
 // dequantize(q, dtype) followed by F.linear would round it; a weight beyond that type's range
 // becomes inf there too); products and sums are float32; one rounding of Y at the end.
 //
-// Work split: a CTA owns 16 weight rows and up to 16 activation rows (grid.y covers more);
+// Work split: a CTA owns 16 weight rows (N > 8: RG groups of 16, each activation register used
+// for all of them) and up to 16 activation rows (grid.y covers more);
 // its warps split K into steps of 4 U units of Fmt::kUnit values (32, or mixed2bit's 16; step s
 // goes to warp s mod warps, or with Fmt::kContiguousSteps each warp takes one contiguous run of
 // steps) and add their partial sums in shared memory at the end, in a fixed order
@@ -152,6 +153,8 @@ __device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byt
 
 // Fmt provides, besides what weight_only_cuda.cuh asks for (kUnit = 16 or 32, row, Unit, load):
 //   static constexpr bool kContiguousSteps;  (see the work split above)
+//   static constexpr int kMaxRowGroups;  1, 2 or 4: the most 16-row groups a CTA of the two-tile
+//       kernel (N > 8) may take (see the launcher; mixed2bit's loads measured slower with more)
 //   static constexpr bool kLut;  (whether it decodes through a 256-entry pair table; if so:)
 //   template <class Ops> __device__ uint32_t lut_entry(int byte) const;
 //   template <class Ops> __device__ void pairs(const uint32_t (*lut)[32], int lane, const Unit&, int j,
@@ -183,13 +186,14 @@ __device__ __forceinline__ int xs_slot(int64_t u, int j) {
   return static_cast<int>(u) * kSlots + (j ^ static_cast<int>(kSlots == 4 ? (u >> 1) & 3 : (u >> 2) & 1));
 }
 
-template <class Fmt, class H, int NTILES, bool PAIR, bool XS>
+template <class Fmt, class H, int NTILES, bool PAIR, bool XS, int RG>
 __global__ void
 __launch_bounds__(kMmaMaxWarps * 32)
 weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y,
                        const H* __restrict__ bias) {
   using Ops = PairOps<H>;
   static_assert(!XS || NTILES == 1, "the activation table holds one row");
+  static_assert(RG == 1 || (!XS && !PAIR), "row groups: the per-unit loads of the multi-tile kernel");
   extern __shared__ uint4 xs[];  // XS: X's row in mma order (dynamic shared memory, see the launcher)
   // nf4's pair table, one copy per bank: lane l reads column l, so lookups never conflict.
   __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
@@ -203,21 +207,29 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t m0 = int64_t(blockIdx.x) * kMmaRows;
-  const int64_t rowA = m0 + g < M ? m0 + g : M - 1, rowB = m0 + g + 8 < M ? m0 + g + 8 : M - 1;
+  const int64_t m0 = int64_t(blockIdx.x) * kMmaRows * RG;
+  int64_t rowA[RG], rowB[RG];  // row group r: rows m0 + 16 r + g and + 8 (clamped: rows past M are not stored)
+#pragma unroll
+  for (int r = 0; r < RG; ++r) {
+    const int64_t a = m0 + 16 * r + g, b = a + 8;
+    rowA[r] = a < M ? a : M - 1;
+    rowB[r] = b < M ? b : M - 1;
+  }
   const int64_t n0 = int64_t(blockIdx.y) * NTILES * 8;
   constexpr int kUnit = Fmt::kUnit;
   static_assert(kUnit == 16 || kUnit == 32, "units of 16 or 32 values");
   const int64_t units = K / kUnit;
-  typename Fmt::RowState rsA, rsB;  // set below, once the warp's first unit is known
+  typename Fmt::RowState rsA[RG], rsB[RG];  // set below, once the warp's first unit is known
 
   // c: the products; c16: those of the pairs that Fmt decodes times 16 (odd_x16), scaled at the end
   constexpr bool kX16 = Fmt::template odd_x16<Ops>();
-  float c[NTILES][4], c16[NTILES][4];
+  float c[RG][NTILES][4], c16[RG][NTILES][4];
 #pragma unroll
-  for (int nt = 0; nt < NTILES; ++nt)
+  for (int r = 0; r < RG; ++r)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[nt][i] = c16[nt][i] = 0.0f;
+    for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[r][nt][i] = c16[r][nt][i] = 0.0f;
 
   // A warp step takes kStepUnits consecutive 32-value units of rows g and g + 8: U per lane,
   // lane t the units t*U .. t*U+U-1 (a quad reads 64 U contiguous bytes per row). The weights of
@@ -237,7 +249,7 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   using Loaded = typename LoadedUnit<Fmt, PAIR>::type;
   constexpr int kLoads = PAIR ? 1 : U;
   struct Stage {
-    Loaded a[kLoads], b[kLoads];
+    Loaded a[RG][kLoads], b[RG][kLoads];
   };
   const H* xrow[NTILES];
   bool xok[NTILES];
@@ -253,16 +265,18 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     // whose loads only move forward) and multiply it by zero activations: no extra work on the
     // loaded registers (see the Fmt note), and a non-finite weight there is in this row's sum anyway.
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int64_t u = unit_of(k, i), uc = u < units ? u : (Fmt::kContiguousSteps ? units - 1 : 0);
-      if constexpr (PAIR) {
-        st.a[i] = f.load_pair(rsA, uc);
-        st.b[i] = f.load_pair(rsB, uc);
-      } else {
-        st.a[i] = f.load(rsA, rowA, uc, true);
-        st.b[i] = f.load(rsB, rowB, uc, true);
+    for (int r = 0; r < RG; ++r)
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int64_t u = unit_of(k, i), uc = u < units ? u : (Fmt::kContiguousSteps ? units - 1 : 0);
+        if constexpr (PAIR) {
+          st.a[r][i] = f.load_pair(rsA[r], uc);
+          st.b[r][i] = f.load_pair(rsB[r], uc);
+        } else {
+          st.a[r][i] = f.load(rsA[r], rowA[r], uc, true);
+          st.b[r][i] = f.load(rsB[r], rowB[r], uc, true);
+        }
       }
-    }
   };
   auto multiply = [&](int64_t k, const Stage& st) {
 #pragma unroll
@@ -289,35 +303,40 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
         }
       }
 #pragma unroll
-      for (int j = 0; j < kUnit / 8; ++j) {
-        uint32_t pa[4], pb[4];
-        if constexpr (PAIR) {
-          f.template pairs_in_pair<Ops>(st.a[0], i, j, pa);
-          f.template pairs_in_pair<Ops>(st.b[0], i, j, pb);
-        } else {
-          f.template pairs<Ops>(lut, lane, st.a[i], j, pa);
-          f.template pairs<Ops>(lut, lane, st.b[i], j, pb);
-        }
+      for (int j = 0; j < kUnit / 8; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          // A fragment: rows g / g + 8 x k pairs (2t, 2t+1) / (2t+8, 2t+9) = our pairs h / h+2
-          // (so that the odd pairs, which may be decoded times 16, share one mma)
-          const uint32_t a[4] = {pa[h], pb[h], pa[h + 2], pb[h + 2]};
-          if constexpr (XS) {
-            Ops::mma(kX16 && h == 1 ? c16[0] : c[0], a, h ? xq[j].z : xq[j].x, h ? xq[j].w : xq[j].y);
+        for (int r = 0; r < RG; ++r) {  // each activation register serves RG row groups
+          uint32_t pa[4], pb[4];
+          if constexpr (PAIR) {
+            f.template pairs_in_pair<Ops>(st.a[r][0], i, j, pa);
+            f.template pairs_in_pair<Ops>(st.b[r][0], i, j, pb);
           } else {
+            f.template pairs<Ops>(lut, lane, st.a[r][i], j, pa);
+            f.template pairs<Ops>(lut, lane, st.b[r][i], j, pb);
+          }
 #pragma unroll
-            for (int nt = 0; nt < NTILES; ++nt)
-              Ops::mma(kX16 && h == 1 ? c16[nt] : c[nt], a, Fmt::xpair(x[nt], 4 * j + h),
-                       Fmt::xpair(x[nt], 4 * j + h + 2));
+          for (int h = 0; h < 2; ++h) {
+            // A fragment: rows g / g + 8 x k pairs (2t, 2t+1) / (2t+8, 2t+9) = our pairs h / h+2
+            // (so that the odd pairs, which may be decoded times 16, share one mma)
+            const uint32_t a[4] = {pa[h], pb[h], pa[h + 2], pb[h + 2]};
+            if constexpr (XS) {
+              Ops::mma(kX16 && h == 1 ? c16[0][0] : c[0][0], a, h ? xq[j].z : xq[j].x, h ? xq[j].w : xq[j].y);
+            } else {
+#pragma unroll
+              for (int nt = 0; nt < NTILES; ++nt)
+                Ops::mma(kX16 && h == 1 ? c16[r][nt] : c[r][nt], a, Fmt::xpair(x[nt], 4 * j + h),
+                         Fmt::xpair(x[nt], 4 * j + h + 2));
+            }
           }
         }
-      }
     }
   };
 
-  rsA = f.row(rowA, first * kStepUnits);
-  rsB = f.row(rowB, first * kStepUnits);
+#pragma unroll
+  for (int r = 0; r < RG; ++r) {
+    rsA[r] = f.row(rowA[r], first * kStepUnits);
+    rsB[r] = f.row(rowB[r], first * kStepUnits);
+  }
   Stage s0, s1;
   if (mine > 0) load(0, s0);
   if constexpr (XS) {
@@ -345,23 +364,29 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     if (k + 1 < mine) multiply(k + 1, s1);
   }
 
-  // C fragment: c0, c1 = row g, activation rows 2t, 2t+1; c2, c3 = row g + 8.
+  // C fragment: c0, c1 = row g, activation rows 2t, 2t+1; c2, c3 = row g + 8. One row group
+  // at a time through the reduction buffer.
 #pragma unroll
-  for (int nt = 0; nt < NTILES; ++nt) {
-    if (kX16)
+  for (int rg = 0; rg < RG; ++rg) {
+    if (rg > 0) __syncthreads();  // the previous group's sums are read
 #pragma unroll
-      for (int i = 0; i < 4; ++i) c[nt][i] = fmaf(c16[nt][i], 0.0625f, c[nt][i]);  // exact scaling
-    red[warp][nt * 8 + 2 * t][g] = c[nt][0];
-    red[warp][nt * 8 + 2 * t + 1][g] = c[nt][1];
-    red[warp][nt * 8 + 2 * t][g + 8] = c[nt][2];
-    red[warp][nt * 8 + 2 * t + 1][g + 8] = c[nt][3];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < NTILES * 8 * kMmaRows; i += blockDim.x) {
-    const int n = i / kMmaRows, r = i % kMmaRows;
-    float v = 0.0f;
-    for (int w = 0; w < nwarps; ++w) v += red[w][n][r];
-    if (n0 + n < N && m0 + r < M) store_out(v, bias, m0 + r, &Y[(n0 + n) * M + m0 + r]);
+    for (int nt = 0; nt < NTILES; ++nt) {
+      if (kX16)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[rg][nt][i] = fmaf(c16[rg][nt][i], 0.0625f, c[rg][nt][i]);  // exact scaling
+      red[warp][nt * 8 + 2 * t][g] = c[rg][nt][0];
+      red[warp][nt * 8 + 2 * t + 1][g] = c[rg][nt][1];
+      red[warp][nt * 8 + 2 * t][g + 8] = c[rg][nt][2];
+      red[warp][nt * 8 + 2 * t + 1][g + 8] = c[rg][nt][3];
+    }
+    __syncthreads();
+    const int64_t mg = m0 + 16 * rg;
+    for (int i = threadIdx.x; i < NTILES * 8 * kMmaRows; i += blockDim.x) {
+      const int n = i / kMmaRows, r = i % kMmaRows;
+      float v = 0.0f;
+      for (int w = 0; w < nwarps; ++w) v += red[w][n][r];
+      if (n0 + n < N && mg + r < M) store_out(v, bias, mg + r, &Y[(n0 + n) * M + mg + r]);
+    }
   }
 }
 
@@ -372,7 +397,18 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
                             void* stream) {
   if (N <= 0 || M <= 0) return;
   const int ntiles = N > 8 ? 2 : 1;
-  const dim3 grid(cuda::grid_for(M, kMmaRows), cuda::grid_for(N, ntiles * 8));
+  // Row groups (N > 8): RG 16-row groups per CTA share each activation load. The two-tile kernel
+  // with one group was bound by L1 traffic for X (H200, int4 14336x4096, N = 64: L1/TEX 91% busy,
+  // DRAM 6%), which RG divides; but fewer CTAs then cover M, so RG halves while the grid would
+  // have fewer CTAs than the device has SMs (4096x14336 at N = 16 measured slower with RG = 4
+  // than 2). Measurements: benchmarks/README.md, "Row groups".
+  int rg = 1;
+  if (ntiles == 2) {
+    rg = Fmt::kMaxRowGroups;
+    const int64_t col_ctas = cuda::grid_for(N, ntiles * 8), sms = cuda::sm_count();
+    while (rg > 1 && int64_t(cuda::grid_for(M, kMmaRows * rg)) * col_ctas < sms) rg /= 2;
+  }
+  const dim3 grid(cuda::grid_for(M, kMmaRows * rg), cuda::grid_for(N, ntiles * 8));
   if (grid.y > 65535) throw std::invalid_argument("weight-only GEMM: too many activation rows for one launch");
   // About 2048 warps over the device (a wave of ~16 per SM at ~110 registers on a 132-SM
   // H200): more K-splitting when there are few 16-row CTAs, never more warps than steps.
@@ -390,9 +426,9 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   auto one_tile = [&](auto pair) {  // the N <= 8 kernels, with or without the activation table
     constexpr bool kPair = decltype(pair)::value;
     if constexpr (!Fmt::kLut) {
-      if (xs) return weight_only_mma_kernel<Fmt, H, 1, kPair, true><<<grid, warps * 32, dyn, s>>>(f, X, N, K, M, Y, bias);
+      if (xs) return weight_only_mma_kernel<Fmt, H, 1, kPair, true, 1><<<grid, warps * 32, dyn, s>>>(f, X, N, K, M, Y, bias);
     }
-    weight_only_mma_kernel<Fmt, H, 1, kPair, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
+    weight_only_mma_kernel<Fmt, H, 1, kPair, false, 1><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
   };
   bool launched = false;
   if constexpr (Fmt::kPairLoad) {
@@ -402,8 +438,24 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
     }
   }
   if (!launched) {
-    if (ntiles == 2) weight_only_mma_kernel<Fmt, H, 2, false, false><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
-    else one_tile(std::false_type{});
+    if (ntiles == 2) {
+      bool done = false;
+      if constexpr (Fmt::kMaxRowGroups >= 4) {
+        if (rg == 4) {
+          weight_only_mma_kernel<Fmt, H, 2, false, false, 4><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
+          done = true;
+        }
+      }
+      if constexpr (Fmt::kMaxRowGroups >= 2) {
+        if (rg == 2) {
+          weight_only_mma_kernel<Fmt, H, 2, false, false, 2><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
+          done = true;
+        }
+      }
+      if (!done) weight_only_mma_kernel<Fmt, H, 2, false, false, 1><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
+    } else {
+      one_tile(std::false_type{});
+    }
   }
   cuda::check_launch("weight-only GEMM (tensor cores)");
 }

@@ -74,6 +74,7 @@ struct Int4 {
   // load per unit (benchmarks/README.md, "Design measurements behind kernel choices").
   static constexpr bool kPairLoad = true;
   static constexpr bool kContiguousSteps = false;
+  static constexpr int kMaxRowGroups = 4;  // benchmarks/README.md, "Row groups"
   bool pair_load_ok() const { return gshift >= 1; }
   struct Pair {
     uint4 q[2];

@@ -131,6 +131,7 @@ struct Mixed2Mma {
   static constexpr bool kLut = false;
   static constexpr bool kPairLoad = false;
   static constexpr bool kContiguousSteps = true;
+  static constexpr int kMaxRowGroups = 1;  // more measured slower (benchmarks/README.md, "Row groups")
   mixed2bit::ConstBuffers q;
   const uint64_t* index;
   int64_t G, C;

@@ -79,6 +79,7 @@ struct Nf4 {
   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) { return x[p]; }  // elements 2p, 2p+1
   static constexpr bool kPairLoad = false;
   static constexpr bool kContiguousSteps = false;
+  static constexpr int kMaxRowGroups = 4;  // benchmarks/README.md, "Row groups"
 };
 
 }  // namespace

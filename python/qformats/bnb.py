@@ -400,7 +400,7 @@ def load_bnb(directory: Union[str, os.PathLike], device: Any = "cpu", dtype: Any
     from ._core import float_dtype
     from .nn import QuantizedLinear
     from .plan import set_submodule
-    from .saving import _few, _hf_skeleton
+    from .saving import _assign_state, _hf_skeleton
 
     directory = Path(directory)
     _read_bnb_config(directory)
@@ -457,25 +457,7 @@ def load_bnb(directory: Union[str, os.PathLike], device: Any = "cpu", dtype: Any
             for n in names:
                 if n in expected:
                     state.setdefault(n, state[have[0]])
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    if missing:
-        raise ValueError(f"{directory}: missing tensor(s) {_few(missing)} that the model needs")
-    if unexpected:
-        raise ValueError(f"{directory}: tensor(s) {_few(unexpected)} that the "
-                         f"{type(model).__name__} model does not have")
-    for k, t in state.items():
-        if tuple(t.shape) != tuple(expected[k].shape):
-            raise ValueError(f"{directory}: tensor {k!r} has shape {list(t.shape)}, the model "
-                             f"expects {list(expected[k].shape)}")
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ValueError(f"{directory}: {str(e).strip().splitlines()[-1].strip()}") from e
-    left = [n for n, t in list(model.named_parameters(remove_duplicate=False))
-            + list(model.named_buffers(remove_duplicate=False)) if t.device.type == "meta"]
-    if left:
-        raise ValueError(f"{directory}: tensors the checkpoint does not provide: {_few(left)}")
+    _assign_state(model, state, expected, directory, directory)
     if dtype is not None:
         model.to(dtype)
     model.to(device)

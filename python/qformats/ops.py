@@ -187,9 +187,23 @@ def run_dense(run: Callable, x: torch.Tensor, bias: Optional[torch.Tensor]) -> t
     """``F.linear(x, W, bias)`` with ``W`` ``[M, K]`` decoded to ``x.dtype`` by a bound native
     kernel (``LinearKernel.run.dequantize``): the numbers of the operator's dequantizing path
     (the same decode, the same ``F.linear``) without its per-call validation of the packed
-    buffers, which the bound kernel did once. x ``[..., K]`` float32 / float16 / bfloat16 on
-    the weight's device (the current one on CUDA), bias ``[M]`` in x's dtype or None. The
-    decoded weight is a temporary of ``M * K`` elements of x's dtype, freed on return."""
+    buffers, which the bound kernel did once. The decode is the format's own (its spec:
+    ``qformats.<fmt>.SPEC.source``), float32 rounded once to x's dtype.
+
+    Args:
+        run: a bound native ``Linear`` (:attr:`qformats.FormatSpec.make_linear`) of a weight
+            ``[M, K]``.
+        x: float32 / float16 / bfloat16 ``[..., K]`` on the weight's device (the current
+            device on CUDA; launched on its current stream).
+        bias: ``[M]`` in x's dtype, or None.
+    Returns:
+        ``[..., M]`` in x's dtype. The decoded weight is a temporary of ``M * K`` elements of
+        x's dtype (and, where the format needs one, a device workspace of
+        ``run.dequantize_workspace`` bytes), freed on return.
+    Raises:
+        ValueError: x on another device than the weight (the decode refuses its output).
+        RuntimeError: x's last dimension is not K (from ``F.linear``).
+    """
     w = torch.empty((run.M, run.K), dtype=x.dtype, device=x.device)
     ws_bytes = run.dequantize_workspace
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=x.device) if ws_bytes else None

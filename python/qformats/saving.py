@@ -516,29 +516,7 @@ def load_quantized(directory: Union[str, os.PathLike], device: Any = "cpu", dtyp
             raise ValueError(f"{CONFIG_NAME}: alias {alias!r} -> {target!r}, which the weights "
                              "file does not hold")
         state[alias] = state[target]
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    if missing:
-        raise ValueError(f"{wfile.name}: missing tensor(s) {_few(missing)} that the model needs")
-    if unexpected:
-        raise ValueError(f"{wfile.name}: tensor(s) {_few(unexpected)} that the model does not "
-                         "have (written for another model or configuration?)")
-    for k, t in state.items():
-        e = expected[k]
-        if tuple(t.shape) != tuple(e.shape):
-            raise ValueError(f"{wfile.name}: tensor {k!r} has shape {list(t.shape)}, the model "
-                             f"expects {list(e.shape)}")
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ValueError(f"{wfile.name}: {str(e).strip().splitlines()[-1].strip()}") from e
-
-    # 4. nothing may be left without data
-    left = [n for n, t in list(model.named_parameters(remove_duplicate=False))
-            + list(model.named_buffers(remove_duplicate=False)) if t.device.type == "meta"]
-    if left:
-        raise ValueError(f"{directory}: the model has tensors the checkpoint does not provide "
-                         f"(still on the meta device): {_few(left)}")
+    _assign_state(model, state, expected, wfile.name, directory)
     _restore_computed(model, cfg.get("computed_buffers", {}), state)
     if dtype is not None:
         model.to(dtype)  # QuantizedLinear keeps its packed buffers' dtypes
@@ -626,6 +604,36 @@ def _restore_computed(model: nn.Module, computed: dict, state: dict) -> None:
         t = m._buffers[b]
         if t.dtype != getattr(torch, dt):
             m._buffers[b] = t.to(getattr(torch, dt))
+
+
+def _assign_state(model: nn.Module, state: dict, expected: dict, where: str, directory: Any) -> None:
+    """Load ``state`` into a model built on the meta device (``load_state_dict(assign=True)``),
+    after checking it against ``expected`` (the model's ``state_dict(keep_vars=True)``): every
+    expected tensor present, none extra, the same shapes; then that no parameter or buffer is
+    left on the meta device. ValueError naming the tensors (prefixed with ``where``, the file,
+    or ``directory`` for what is left)."""
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing:
+        raise ValueError(f"{where}: missing tensor(s) {_few(missing)} that the model needs")
+    if unexpected:
+        raise ValueError(f"{where}: tensor(s) {_few(unexpected)} that the {type(model).__name__} model "
+                         "does not have (written for another model or configuration?)")
+    for k, t in state.items():
+        e = expected[k]
+        if tuple(t.shape) != tuple(e.shape):
+            raise ValueError(f"{where}: tensor {k!r} has shape {list(t.shape)}, the model "
+                             f"expects {list(e.shape)}")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{where}: {str(e).strip().splitlines()[-1].strip()}") from e
+    # nothing may be left without data
+    left = [n for n, t in list(model.named_parameters(remove_duplicate=False))
+            + list(model.named_buffers(remove_duplicate=False)) if t.device.type == "meta"]
+    if left:
+        raise ValueError(f"{directory}: the model has tensors the checkpoint does not provide "
+                         f"(still on the meta device): {_few(left)}")
 
 
 def _few(names: list, n: int = 4) -> str:

@@ -156,8 +156,13 @@ void bind_linear(nb::module_& m, const char* doc) {
       .def("__call__", &L::call, nb::arg("x"), nb::arg("out"), nb::arg("bias").none() = nb::none(),
            nb::arg("stream") = 0)
       .def("dequantize", &L::dequantize_call, nb::arg("out"), nb::arg("workspace").none() = nb::none(),
-           nb::arg("stream") = 0)
-      .def_prop_ro("dequantize_workspace", &L::workspace_bytes)
+           nb::arg("stream") = 0,
+           "Decode W into out [M, K] (float32 / float16 / bfloat16, C-contiguous, on the weight's device) "
+           "as the format's dequantize does; workspace: uint8 of at least dequantize_workspace bytes on "
+           "that device where that is > 0; stream: a cudaStream_t as an int (CUDA). ValueError for another "
+           "device, size or a missing workspace, TypeError for another dtype.")
+      .def_prop_ro("dequantize_workspace", &L::workspace_bytes,
+                   "Bytes of device workspace that dequantize needs (0: none).")
       .def_ro("M", &L::M)
       .def_ro("K", &L::K)
       .def_prop_ro("device",

@@ -3,6 +3,7 @@
     python benchmarks/gemm.py [--shapes 4096x4096,14336x4096,4096x14336]
                               [--n 1,2,4,8,16,64,512,2048] [--iters 15] [--csv FILE]
                               [--json FILE] [--kernels "q4_0xq8_1,int8 fused,..."]
+                              [--resident] [--calls 200]
 
 Y = X . W^T with W [M, K] and X [N, K] (fp16 activations). Each time is the median over `iters`
 calls timed with CUDA events; the weights (and activations) rotate through copies that together
@@ -18,6 +19,11 @@ time; % copy = weight GB/s over the device-to-device copy bandwidth measured in 
 
 --kernels times only the named rows (the fp16 cuBLAS row, the ratios' base, always runs).
 
+--resident: the mode of llama.cpp's `test-backend-ops perf`: one weight and one X, `--calls`
+calls captured in one CUDA graph and replayed (median of 5 replays / calls), so the weight stays
+in L2 where it fits (the 60 MB of an H100 / H200) and launches are back to back. Rows that cannot
+be captured print as errors.
+
 --json FILE writes every row with its weight bytes and the shape's copy bandwidth, plus the
 run's metadata (date, GPU, versions, command line), for the documentation's plots
 (docs/_ext/qf_results.py reads benchmarks/results/gemm_h200.json in this schema).
@@ -30,7 +36,10 @@ with the scale epilogue, fp16 out; x pre-quantized), int4xint4 (int4_matmul, int
 pre-quantized). "+cuBLAS" rows: our dequantize to fp16 then cuBLAS, the large-N path of
 QuantizedLinear. Peers: fp16 (F.linear, cuBLAS), torch._int_mm
 (int8, N > 16), bnb-nf4 (bitsandbytes.matmul_4bit, blocksize 64), bnb-int8 (Linear8bitLt,
-threshold 0).
+threshold 0), tinygemm-int4 (torch's aten._weight_int4pack_mm as torchao / gpt-fast pack it,
+asymmetric groups of 128, bf16 activations: benchmarks/linear_call.py's TinyGemmInt4),
+gemlite-a16w4 (gemlite's A16W4_HQQ_INT, asymmetric groups of 128, fp16; when gemlite is
+installed; its Triton kernels autotune on the first call of each N).
 """
 from __future__ import annotations
 
@@ -42,12 +51,18 @@ import statistics
 import sys
 import time
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
 import qformats
 from qformats import int4, int8, q4_0
 from qformats._core import format_spec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from linear_call import TinyGemmInt4  # noqa: E402  (the tinygemm peer, as linear_call builds it)
 
 L2_BYTES = 60 * 2**20
 DIRECT_MAX_N = 64  # the register-decoding weight-only kernels are timed up to this N
@@ -92,6 +107,47 @@ def time_us(fn, arg_sets, iters: int, warmup: int = 2) -> float:
     return 1000 * statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def time_resident_us(fn, arg_sets, calls: int, reps: int = 5) -> float:
+    """Per-call time of `calls` calls of fn on arg_sets[0], captured in one CUDA graph."""
+    args = arg_sets[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch's graph notes ask
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    del graph
+    return 1000 * statistics.median(times) / calls
+
+
+def gemlite_a16w4(w16: torch.Tensor, group_size: int = 128):
+    """gemlite's A16W4 (HQQ-style asymmetric int4 groups: W = (q - zero) * scale) of an fp16 weight."""
+    from gemlite.helper import A16W4_HQQ_INT
+
+    m, k = w16.shape
+    g = w16.float().reshape(m, k // group_size, group_size)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    q = ((g - lo) / scale).round().clamp(0, 15).to(torch.uint8).reshape(m, k)
+    zero = (-lo / scale).reshape(m, -1)
+    return A16W4_HQQ_INT(device=str(w16.device), dtype=torch.float16).from_weights(
+        q, scale.reshape(m, -1).half(), zero.half())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
@@ -101,7 +157,18 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, metavar="FILE",
                     help="also write every row and the run's metadata as JSON")
     ap.add_argument("--kernels", default=None, help="comma-separated row names to time (default: all)")
+    ap.add_argument("--resident", action="store_true", help="llama.cpp's perf mode: one weight, calls in a CUDA graph")
+    ap.add_argument("--calls", type=int, default=200, help="calls per graph with --resident")
     args = ap.parse_args(argv)
+    def timer(fn, arg_sets, iters):  # the mode's timer, for every row alike
+        if not args.resident:
+            return time_us(fn, arg_sets, iters)
+        try:
+            return time_resident_us(fn, arg_sets, args.calls)
+        except Exception as e:  # (a row whose calls cannot be captured)
+            print(f"not capturable: {type(e).__name__}: {e}"[:300], file=sys.stderr)
+            torch.cuda.synchronize()
+            return float("nan")
     picked = None if args.kernels is None else {v.strip() for v in args.kernels.split(",")}
 
     def want(name: str) -> bool:
@@ -119,8 +186,13 @@ def main(argv=None) -> int:
     # x fp16 . W^T: every format whose weight-only gemm has a CUDA kernel (linear_rows names the devices)
     weight_only = [f for f in qformats.FORMATS
                    if format_spec(f).gemm is not None and format_spec(f).linear_rows.get("cuda")]
+    try:
+        import gemlite
+    except Exception:
+        gemlite = None
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  qformats {qformats.__version__}"
-          f"  bitsandbytes {getattr(bnb, '__version__', 'absent')}")
+          f"  bitsandbytes {getattr(bnb, '__version__', 'absent')}  gemlite {getattr(gemlite, '__version__', 'absent')}"
+          f"  mode {'resident (CUDA graph of %d calls)' % args.calls if args.resident else 'cold (weights from DRAM)'}")
     rows = []
     json_rows, copy_by_shape = [], {}  # --json: rows with weight bytes, copy GB/s per shape
     for (m, k) in shapes:
@@ -152,6 +224,14 @@ def main(argv=None) -> int:
                 bnb_w = [bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4") for w in ws16]
             except Exception as e:
                 print(f"bitsandbytes nf4 unavailable: {e}")
+        tiny = [TinyGemmInt4(SimpleNamespace(weight=w, bias=None)) for w in ws16[: rotations(m * k // 2)]] \
+            if want("tinygemm-int4") else []
+        glite = []
+        if gemlite is not None and want("gemlite-a16w4"):
+            try:
+                glite = [gemlite_a16w4(w) for w in ws16[: rotations(m * k // 2)]]
+            except Exception as e:
+                print(f"gemlite unavailable: {e}")
         bnb_l8 = []
         if bnb is not None:
             try:
@@ -165,7 +245,7 @@ def main(argv=None) -> int:
         for n in ns:
             xs = [torch.randn(n, k, device="cuda", dtype=torch.float16, generator=g) for _ in range(4)]
             res = {}
-            fp16_us = time_us(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws16)], args.iters)
+            fp16_us = timer(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws16)], args.iters)
             res["fp16 cuBLAS"] = (fp16_us, 2 * m * k)
             with qformats.skip_finite_check():
                 for fmt in weight_only:
@@ -173,34 +253,45 @@ def main(argv=None) -> int:
                     qs = ours[fmt]
                     sets = [(q, xs[i % 4]) for i, q in enumerate(qs)]
                     if n <= DIRECT_MAX_N and want(fmt):
-                        res[fmt] = (time_us(lambda q, x: gemm(x, q), sets, args.iters), qs[0].nbytes)
+                        res[fmt] = (timer(lambda q, x: gemm(x, q), sets, args.iters), qs[0].nbytes)
                     if n >= 16 and want(f"{fmt}+cuBLAS"):
-                        res[f"{fmt}+cuBLAS"] = (time_us(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,
+                        res[f"{fmt}+cuBLAS"] = (timer(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,
                                                         args.iters), qs[0].nbytes)
                 qs = ours[q4_0.FORMAT]  # q4_0.linear: the q4_0 weights with q8_1 activations
                 if want("q4_0xq8_1"):
-                    res["q4_0xq8_1"] = (time_us(lambda q, x: q4_0.linear(x, q),
+                    res["q4_0xq8_1"] = (timer(lambda q, x: q4_0.linear(x, q),
                                                 [(q, xs[i % 4]) for i, q in enumerate(qs)], args.iters), qs[0].nbytes)
                 xq = [int8.quantize(x, "row") for x in xs]
                 sets = [(w, xq[i % 4]) for i, w in enumerate(w8)]
                 if want("int8 fused"):
-                    res["int8 fused"] = (time_us(lambda w, x: int8.int8_linear(
+                    res["int8 fused"] = (timer(lambda w, x: int8.int8_linear(
                         x.buffers["q"], x.buffers["scale"], w.buffers["q"], w.buffers["scale"],
                         out_dtype="float16"), sets, args.iters), m * k + 4 * m)
                 x4 = [int4.quantize(x, group_size=k, symmetric=True).buffers["qweight"] for x in xs]
                 sets = [(w.buffers["qweight"], x4[i % 4]) for i, w in enumerate(w4s)]
                 if want("int4xint4"):
-                    res["int4xint4"] = (time_us(lambda w, x: int4.int4_matmul(x, w), sets, args.iters), m * k // 2)
+                    res["int4xint4"] = (timer(lambda w, x: int4.int4_matmul(x, w), sets, args.iters), m * k // 2)
             if n > 16 and want("torch._int_mm"):
                 sets = [(w.buffers["q"], xq[i % 4].buffers["q"]) for i, w in enumerate(w8)]
-                res["torch._int_mm"] = (time_us(lambda w, x: torch._int_mm(x, w.t()), sets, args.iters), m * k)
+                res["torch._int_mm"] = (timer(lambda w, x: torch._int_mm(x, w.t()), sets, args.iters), m * k)
             if bnb_w and want("bnb-nf4"):
                 sets = [(wq, st, xs[i % 4]) for i, (wq, st) in enumerate(bnb_w)]
-                res["bnb-nf4"] = (time_us(lambda wq, st, x: bnb.matmul_4bit(x, wq.t(), quant_state=st), sets,
+                res["bnb-nf4"] = (timer(lambda wq, st, x: bnb.matmul_4bit(x, wq.t(), quant_state=st), sets,
                                           args.iters), nbytes_of(bnb_w[0][0]) + 4 * (m * k // 64))
+            if tiny:
+                xb = [x.to(torch.bfloat16) for x in xs]
+                res["tinygemm-int4"] = (timer(lambda mod, x: mod(x), [(mod, xb[i % 4]) for i, mod in enumerate(tiny)],
+                                                args.iters), nbytes_of(tiny[0].packed) + nbytes_of(tiny[0].sz))
+            if glite:
+                try:
+                    res["gemlite-a16w4"] = (timer(lambda mod, x: mod(x), [(mod, xs[i % 4]) for i, mod in
+                                                                           enumerate(glite)], args.iters),
+                                            m * k // 2 + 4 * (m * k // 128))
+                except Exception as e:
+                    print(f"gemlite N = {n}: {type(e).__name__}: {e}"[:300])
             if bnb_l8 and want("bnb-int8"):
                 sets = [(lin, xs[i % 4]) for i, lin in enumerate(bnb_l8)]
-                res["bnb-int8"] = (time_us(lambda lin, x: lin(x), sets, args.iters), m * k + 4 * m)
+                res["bnb-int8"] = (timer(lambda lin, x: lin(x), sets, args.iters), m * k + 4 * m)
             for name, (us, wbytes) in res.items():
                 tflops = 2 * n * m * k / us / 1e6
                 gbs = wbytes / us / 1e3
@@ -210,7 +301,7 @@ def main(argv=None) -> int:
                                   "weight_gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
                                   "x_fp16": fp16_us / us, "copy_gbs": copy_gbs})
             del xs
-        del ours, w8, w4s, bnb_w, bnb_l8, ws16
+        del ours, w8, w4s, bnb_w, bnb_l8, ws16, tiny, glite
         torch.cuda.empty_cache()
 
     hdr = ("| M x K       |    N | kernel          |   time us | TFLOP/s | weight GB/s | % copy | x fp16 |\n"

@@ -4,8 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace qf::cuda {
 
@@ -33,6 +36,25 @@ inline int sm_count() {
   check(cudaGetDevice(&dev), "CUDA device");
   check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "CUDA device");
   return n;
+}
+
+// Lets `kernel` launch with up to all the shared memory the current device allows a CTA beside
+// the kernel's static arrays. By default a kernel's static and dynamic shared memory together stay
+// within 48 KB; past that it must opt in, once per device (remembered here per kernel and device).
+inline void allow_dynamic_smem(const void* kernel) {
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  int dev = 0;
+  check(cudaGetDevice(&dev), "CUDA device");
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({kernel, dev})) return;
+  cudaFuncAttributes at{};
+  int optin = 0;
+  check(cudaFuncGetAttributes(&at, kernel), "kernel attributes");
+  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "CUDA device");
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - int(at.sharedSizeBytes)),
+        "kernel shared memory");
+  done.insert({kernel, dev});
 }
 
 inline unsigned grid_for(int64_t n_items, int items_per_cta) {

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "common/cp_async_cuda.cuh"
 #include "common/cuda_utils.cuh"
 
 namespace qf::gemm::i8mma {
@@ -140,20 +141,9 @@ __device__ __forceinline__ void store_acc(const Epi& epi, const int32_t (&iacc)[
       }
 }
 
-// Asynchronous global -> shared copies of kBytes (16: .cg, L2 only; 4: .ca); !valid copies
-// nothing and zero-fills the destination (src must still be a valid address).
-template <int kBytes>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  const int n = valid ? kBytes : 0;
-  if constexpr (kBytes == 16) QF_SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
-  else QF_SM80_ASM("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(kBytes), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { QF_SM80_ASM("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  QF_SM80_ASM("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
+using cuda::cp_async;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
 
 template <class Epi, bool kScaled>
 __global__ void
@@ -292,9 +282,7 @@ void launch(const int8_t* A, const int8_t* B, const float* sa, const float* sb, 
   constexpr int smem = smem_bytes<kScaled>();
   const dim3 grid(cuda::grid_for(M, kBM), cuda::grid_for(N, kBN<kScaled>));
   if (grid.y > 65535) throw std::invalid_argument("integer GEMM: too many activation rows for one launch");
-  // Above 48 KB of dynamic shared memory a kernel must opt in (per device, so every launch).
-  cuda::check(cudaFuncSetAttribute(kernel<Epi, kScaled>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-              "integer GEMM (pipelined tensor cores)");
+  cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel<Epi, kScaled>));  // (smem is over 48 KB)
   kernel<Epi, kScaled><<<grid, kThreads, smem, stream>>>(A, B, sa, sb, epi, N, M, K);
   cuda::check_launch("integer GEMM (pipelined tensor cores)");
 }

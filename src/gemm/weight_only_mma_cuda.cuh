@@ -25,6 +25,10 @@
 // the activations of the same two elements (Fmt::xpair, one byte permute). Needs sm_80 (the host
 // launcher checks; the mma is compiled empty below).
 //
+// 2..8 activation rows (from Fmt::kStagedXMinRows): each warp copies its next step's activation
+// rows into shared memory with cp.async while it multiplies the current step (XT, two stages per
+// warp), and lanes read their units from there instead of from global memory.
+//
 // One activation row (N = 1, the decode GEMV): the CTA first writes X's row into shared memory
 // already in mma order (XS: per unit and j, the B registers of its two mma, so a lane reads them
 // with one 16-byte LDS instead of loading the unit's activations from global memory and
@@ -42,6 +46,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "common/cp_async_cuda.cuh"
 #include "common/cuda_utils.cuh"
 #include "common/fp16.h"
 
@@ -155,6 +160,8 @@ __device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byt
 //   static constexpr bool kContiguousSteps;  (see the work split above)
 //   static constexpr int kMaxRowGroups;  1, 2 or 4: the most 16-row groups a CTA of the two-tile
 //       kernel (N > 8) may take (see the launcher; mixed2bit's loads measured slower with more)
+//   static constexpr int kStagedXMinRows;  from how many activation rows the one-tile kernel (N <= 8)
+//       stages X in shared memory (XT; 9: never), as measured for the format
 //   static constexpr bool kLut;  (whether it decodes through a 256-entry pair table; if so:)
 //   template <class Ops> __device__ uint32_t lut_entry(int byte) const;
 //   template <class Ops> __device__ void pairs(const uint32_t (*lut)[32], int lane, const Unit&, int j,
@@ -186,15 +193,33 @@ __device__ __forceinline__ int xs_slot(int64_t u, int j) {
   return static_cast<int>(u) * kSlots + (j ^ static_cast<int>(kSlots == 4 ? (u >> 1) & 3 : (u >> 2) & 1));
 }
 
-template <class Fmt, class H, int NTILES, bool PAIR, bool XS, int RG>
+// XT: slot of 16-byte chunk c of activation row r in a warp's stage (kRowChunks chunks per row).
+// Lane (g, t) reads chunks t * kLaneChunks + (0 .. kLaneChunks - 1) of row 8 nt + g; the eight
+// lanes of one 16-byte-load phase (g = 2a, 2a + 1; t = 0..3) differ in t and g & 1, so XOR-ing
+// into the chunk's low bits the bits of t that lie above bit 3 of c and the row's low bit puts the
+// eight reads in eight distinct bank quads (kLaneChunks = 2^B: t's low bits are already c's bits
+// B.. 2 within a 128-byte line). The copies' writes stay conflict-free: a permutation within 8.
+template <int kLaneChunks, int kRowChunks>
+__device__ __forceinline__ int xt_slot(int r, int c) {
+  constexpr int B = kLaneChunks == 2 ? 1 : kLaneChunks == 4 ? 2 : 3;
+  static_assert(kLaneChunks == (1 << B) && kRowChunks == 4 * kLaneChunks, "a quad of lanes per row");
+  return r * kRowChunks + (c ^ ((c >> 3) | ((r & 1) << (B - 1))));
+}
+
+template <class Fmt, class H, int NTILES, bool PAIR, bool XS, int RG, bool XT>
 __global__ void
 __launch_bounds__(kMmaMaxWarps * 32)
 weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y,
                        const H* __restrict__ bias) {
   using Ops = PairOps<H>;
   static_assert(!XS || NTILES == 1, "the activation table holds one row");
+  static_assert(NTILES * (NTILES == 1 ? 2 : 1) == 2, "XT's stage size (the launcher's xt_bytes)");
   static_assert(RG == 1 || (!XS && !PAIR), "row groups: the per-unit loads of the multi-tile kernel");
-  extern __shared__ uint4 xs[];  // XS: X's row in mma order (dynamic shared memory, see the launcher)
+  static_assert(!(XS && XT), "one activation path");
+  static_assert(!XT || NTILES == 1, "XT: the one-tile kernel (measured slower at 16 rows and more)");
+  // dynamic shared memory (see the launcher): XS, X's row in mma order; XT, each warp's two
+  // activation stages
+  extern __shared__ uint4 xs[];
   // nf4's pair table, one copy per bank: lane l reads column l, so lookups never conflict.
   __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
   __shared__ float red[kMmaMaxWarps][NTILES * 8][kMmaRows];
@@ -239,6 +264,13 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   constexpr int U = NTILES == 1 ? 2 : 1;  // two units per lane measured slower at 16 rows (177 registers)
   constexpr int kStepUnits = 4 * U;
   const int64_t steps = (units + kStepUnits - 1) / kStepUnits;
+  // XT (2..8 rows): the activations of a warp's step (8 rows x kStepUnits units) are copied with
+  // cp.async into one of the warp's two stages while the previous step is multiplied, and lanes
+  // read them from there. Read straight from global memory, a quad's units of one row span two
+  // 128-byte lines per 16-byte load and a warp's load touches 16 lines (L1 wavefronts) for 512
+  // bytes; from the stage, 4 (benchmarks/README.md, "Activations through shared memory").
+  constexpr int kXtChunks = kStepUnits * kUnit / 8, kXtStage = NTILES * 8 * kXtChunks;
+  uint4* const xt = xs + (XT ? warp * 2 * kXtStage : 0);
   // this warp's steps: `mine` of them, the k-th being step first + k * stride
   const int64_t first = Fmt::kContiguousSteps ? steps * warp / nwarps : warp;
   const int64_t stride = Fmt::kContiguousSteps ? 1 : nwarps;
@@ -260,6 +292,33 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     xrow[nt] = X + (xok[nt] ? n : 0) * K;
   }
   auto unit_of = [&](int64_t k, int i) { return (first + k * stride) * kStepUnits + t * U + i; };
+  // XT: step k's activations into stage k & 1, one commit group per step; rows past N and units
+  // past K are not copied (multiply() uses zeros there without reading the stage).
+  auto stage_x = [&](int64_t k) {
+    if constexpr (XT) {
+      uint4* const st = xt + (k & 1) * kXtStage;
+      const int64_t c0 = (first + k * stride) * kXtChunks, row_chunks = K / 8;
+#pragma unroll
+      for (int p = 0; p < kXtStage / 32; ++p) {
+        const int idx = lane + 32 * p, r = idx / kXtChunks, c = idx % kXtChunks;
+        if (n0 + r < N && c0 + c < row_chunks)
+          cuda::cp_async<16>(st + xt_slot<U * kUnit / 8, kXtChunks>(r, c), X + (n0 + r) * K + (c0 + c) * 8, true);
+      }
+      cuda::cp_async_commit();
+    }
+  };
+  // XT: wait for step k's stage (kPending later steps may stay in flight) and make it visible to
+  // the warp; after the step, the barrier orders its reads before the copies that refill it.
+  auto x_ready = [&](bool later_in_flight) {
+    if constexpr (XT) {
+      if (later_in_flight) cuda::cp_async_wait<1>();
+      else cuda::cp_async_wait<0>();
+      __syncwarp();
+    }
+  };
+  auto x_done = [&]() {
+    if constexpr (XT) __syncwarp();
+  };
   auto load = [&](int64_t k, Stage& st) {
     // Lanes past the end of K read a unit of the row (the first; the last with contiguous steps,
     // whose loads only move forward) and multiply it by zero activations: no extra work on the
@@ -292,9 +351,11 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
       for (int nt = 0; nt < NTILES && !XS; ++nt) {
         if (xok[nt] && u < units) {
           const uint4* xp = reinterpret_cast<const uint4*>(xrow[nt] + u * kUnit);
+          const uint4* st = xt + (k & 1) * kXtStage;
 #pragma unroll
           for (int q = 0; q < kUnit / 8; ++q) {
-            const uint4 v = __ldg(xp + q);
+            const uint4 v = XT ? st[xt_slot<U * kUnit / 8, kXtChunks>(nt * 8 + g, (t * U + i) * (kUnit / 8) + q)]
+                               : __ldg(xp + q);
             x[nt][4 * q] = v.x; x[nt][4 * q + 1] = v.y; x[nt][4 * q + 2] = v.z; x[nt][4 * q + 3] = v.w;
           }
         } else {
@@ -338,7 +399,10 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     rsB[r] = f.row(rowB[r], first * kStepUnits);
   }
   Stage s0, s1;
-  if (mine > 0) load(0, s0);
+  if (mine > 0) {
+    load(0, s0);
+    stage_x(0);
+  }
   if constexpr (XS) {
     // one unit per thread and pass: its kUnit / 2 activation pairs in, kUnit / 8 slots of B
     // registers out (Fmt::xpair's order); units past K (up to whole steps) get zeros
@@ -358,10 +422,22 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     __syncthreads();
   }
   for (int64_t k = 0; k < mine; k += 2) {  // warp-uniform conditions
-    if (k + 1 < mine) load(k + 1, s1);
+    if (k + 1 < mine) {
+      load(k + 1, s1);
+      stage_x(k + 1);
+    }
+    x_ready(k + 1 < mine);
     multiply(k, s0);
-    if (k + 2 < mine) load(k + 2, s0);
-    if (k + 1 < mine) multiply(k + 1, s1);
+    x_done();
+    if (k + 2 < mine) {
+      load(k + 2, s0);
+      stage_x(k + 2);
+    }
+    if (k + 1 < mine) {
+      x_ready(k + 2 < mine);
+      multiply(k + 1, s1);
+      x_done();
+    }
   }
 
   // C fragment: c0, c1 = row g, activation rows 2t, 2t+1; c2, c3 = row g + 8. One row group
@@ -422,40 +498,52 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   // pair table leaves no room, and nf4 takes the float32 kernel at N = 1 anyway).
   const size_t xs_bytes = size_t((K / Fmt::kUnit + 7) / 8 * 8) * Fmt::kUnit * sizeof(H);
   const bool xs = N == 1 && !Fmt::kLut && xs_bytes <= 40 * 1024;
-  const size_t dyn = xs ? xs_bytes : 0;
-  auto one_tile = [&](auto pair) {  // the N <= 8 kernels, with or without the activation table
+  // From Fmt::kStagedXMinRows rows the one-tile kernel's warps stage X in shared memory (XT), two
+  // stages of 8 kUnit chunks of 16 bytes each (the kernel's kXtStage, as NTILES * U = 2): 4 KB
+  // for kUnit 32. Measured per format (benchmarks/README.md, "Activations through shared memory").
+  const bool xt = ntiles == 1 && N >= Fmt::kStagedXMinRows;
+  const size_t xt_bytes = size_t(warps) * 2 * (8 * Fmt::kUnit) * 16;
+  const size_t dyn = xs ? xs_bytes : xt ? xt_bytes : 0;
+  auto go = [&](auto kernel) {
+    if (dyn > 0) cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
+    kernel<<<grid, warps * 32, dyn, s>>>(f, X, N, K, M, Y, bias);
+  };
+  auto two_tile = [&](auto rgc) { go(weight_only_mma_kernel<Fmt, H, 2, false, false, decltype(rgc)::value, false>); };
+  auto one_tile = [&](auto pair) {  // the N <= 8 kernels: activations from XS, XT or global memory
     constexpr bool kPair = decltype(pair)::value;
     if constexpr (!Fmt::kLut) {
-      if (xs) return weight_only_mma_kernel<Fmt, H, 1, kPair, true, 1><<<grid, warps * 32, dyn, s>>>(f, X, N, K, M, Y, bias);
+      if (xs) return go(weight_only_mma_kernel<Fmt, H, 1, kPair, true, 1, false>);
     }
-    weight_only_mma_kernel<Fmt, H, 1, kPair, false, 1><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
+    if constexpr (Fmt::kStagedXMinRows <= 8) {
+      if (xt) return go(weight_only_mma_kernel<Fmt, H, 1, kPair, false, 1, true>);
+    }
+    go(weight_only_mma_kernel<Fmt, H, 1, kPair, false, 1, false>);
   };
-  bool launched = false;
-  if constexpr (Fmt::kPairLoad) {
-    if (f.pair_load_ok() && ntiles == 1) {  // (two units per lane: the N <= 8 kernel only)
-      one_tile(std::true_type{});
-      launched = true;
+  if (ntiles == 1) {
+    bool pair = false;
+    if constexpr (Fmt::kPairLoad) {  // (two units per lane: the N <= 8 kernel only)
+      pair = f.pair_load_ok();
+      if (pair) one_tile(std::true_type{});
     }
-  }
-  if (!launched) {
-    if (ntiles == 2) {
-      bool done = false;
-      if constexpr (Fmt::kMaxRowGroups >= 4) {
-        if (rg == 4) {
-          weight_only_mma_kernel<Fmt, H, 2, false, false, 4><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
-          done = true;
-        }
+    if (!pair) one_tile(std::false_type{});
+  } else {
+    using R4 = std::integral_constant<int, 4>;
+    using R2 = std::integral_constant<int, 2>;
+    using R1 = std::integral_constant<int, 1>;
+    bool done = false;
+    if constexpr (Fmt::kMaxRowGroups >= 4) {
+      if (rg == 4) {
+        two_tile(R4{});
+        done = true;
       }
-      if constexpr (Fmt::kMaxRowGroups >= 2) {
-        if (rg == 2) {
-          weight_only_mma_kernel<Fmt, H, 2, false, false, 2><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
-          done = true;
-        }
-      }
-      if (!done) weight_only_mma_kernel<Fmt, H, 2, false, false, 1><<<grid, warps * 32, 0, s>>>(f, X, N, K, M, Y, bias);
-    } else {
-      one_tile(std::false_type{});
     }
+    if constexpr (Fmt::kMaxRowGroups >= 2) {
+      if (rg == 2) {
+        two_tile(R2{});
+        done = true;
+      }
+    }
+    if (!done) two_tile(R1{});
   }
   cuda::check_launch("weight-only GEMM (tensor cores)");
 }

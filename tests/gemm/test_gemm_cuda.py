@@ -113,6 +113,22 @@ def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
+@pytest.mark.parametrize("fmt,params,k", [(f, p, k) for f, p in [("nf4", {}), ("int4", {"group_size": 32}),
+                                                                   ("int4", {"group_size": 128}), ("q4_0", {})]
+                                          for k in (32 * 131, 4096 + 96, 14336) if k % p.get("group_size", 32) == 0],
+                         ids=str)
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_weight_only_staged_activations(fmt, params, k, n, dtype):
+    """2..8 activation rows, where the tensor-core kernel's warps copy X into shared memory step by
+    step (cp.async, two stages): K of many warp steps with a partial last one (131 units, 4096 + 96)
+    or whole ones (14336), rows of X past N never read, M = 53; NaN-filled outputs all overwritten."""
+    m = 53
+    mod, q, qc, w64 = weight(fmt, m, k, k + n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(DTYPES[dtype]).cuda()
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
+
+
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 32}), ("q4_0", {}), ("mixed2bit", {"group_size": 16})],
                          ids=str)
 @pytest.mark.parametrize("k", [20480 - 32, 20480 + 256])

@@ -74,7 +74,8 @@ struct Int4 {
   // load per unit (benchmarks/README.md, "Design measurements behind kernel choices").
   static constexpr bool kPairLoad = true;
   static constexpr bool kContiguousSteps = false;
-  static constexpr int kMaxRowGroups = 4;  // benchmarks/README.md, "Row groups"
+  static constexpr int kMaxRowGroups = 4;    // benchmarks/README.md, "Row groups"
+  static constexpr int kStagedXMinRows = 4;  // benchmarks/README.md, "Activations through shared memory"
   bool pair_load_ok() const { return gshift >= 1; }
   struct Pair {
     uint4 q[2];

@@ -131,7 +131,8 @@ struct Mixed2Mma {
   static constexpr bool kLut = false;
   static constexpr bool kPairLoad = false;
   static constexpr bool kContiguousSteps = true;
-  static constexpr int kMaxRowGroups = 1;  // more measured slower (benchmarks/README.md, "Row groups")
+  static constexpr int kMaxRowGroups = 1;    // more measured slower (benchmarks/README.md, "Row groups")
+  static constexpr int kStagedXMinRows = 9;  // benchmarks/README.md, "Activations through shared memory"
   mixed2bit::ConstBuffers q;
   const uint64_t* index;
   int64_t G, C;

@@ -79,7 +79,8 @@ struct Nf4 {
   static __device__ uint32_t xpair(const uint32_t (&x)[16], int p) { return x[p]; }  // elements 2p, 2p+1
   static constexpr bool kPairLoad = false;
   static constexpr bool kContiguousSteps = false;
-  static constexpr int kMaxRowGroups = 4;  // benchmarks/README.md, "Row groups"
+  static constexpr int kMaxRowGroups = 4;    // benchmarks/README.md, "Row groups"
+  static constexpr int kStagedXMinRows = 4;  // benchmarks/README.md, "Activations through shared memory"
 };
 
 }  // namespace

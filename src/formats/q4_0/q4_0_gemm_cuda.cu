@@ -81,7 +81,8 @@ struct Q4_0 {
   // Then a lane reads its two units as 9 words instead of 18 halfwords.
   static constexpr bool kPairLoad = true;
   static constexpr bool kContiguousSteps = false;
-  static constexpr int kMaxRowGroups = 4;  // benchmarks/README.md, "Row groups"
+  static constexpr int kMaxRowGroups = 4;    // benchmarks/README.md, "Row groups"
+  static constexpr int kStagedXMinRows = 2;  // benchmarks/README.md, "Activations through shared memory"
   bool pair_load_ok() const { return nb % 2 == 0 && (reinterpret_cast<uintptr_t>(blocks) & 3u) == 0; }
   struct Pair {
     uint32_t w[9];  // block u: d = low half of w[0], qs = bytes 2..17; block u+1: d = high half of w[4], qs = w[5..8]

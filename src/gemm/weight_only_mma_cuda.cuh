@@ -307,7 +307,7 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
       cuda::cp_async_commit();
     }
   };
-  // XT: wait for step k's stage (kPending later steps may stay in flight) and make it visible to
+  // XT: wait for step k's stage (the next step's copies may stay in flight) and make it visible to
   // the warp; after the step, the barrier orders its reads before the copies that refill it.
   auto x_ready = [&](bool later_in_flight) {
     if constexpr (XT) {

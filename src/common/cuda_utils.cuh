@@ -21,14 +21,25 @@ inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
 inline cudaStream_t stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-// Whether the current device has sm_80's warp-level mma shapes (m16n8k16 f16/bf16, m16n8k32 s8)
-// that the tensor-core GEMM kernels use; older GPUs take their CUDA-core kernels.
-inline bool has_sm80_mma() {
+// Compute capability major of the current device (9: Hopper's clusters and distributed shared memory).
+inline int cc_major() {
   int dev = 0, major = 0;
   check(cudaGetDevice(&dev), "CUDA device");
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "CUDA device");
-  return major >= 8;
+  return major;
 }
+
+// The most shared memory a CTA of the current device may opt in to (static and dynamic together).
+inline int max_dynamic_smem() {
+  int dev = 0, n = 0;
+  check(cudaGetDevice(&dev), "CUDA device");
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "CUDA device");
+  return n;
+}
+
+// Whether the current device has sm_80's warp-level mma shapes (m16n8k16 f16/bf16, m16n8k32 s8)
+// that the tensor-core GEMM kernels use; older GPUs take their CUDA-core kernels.
+inline bool has_sm80_mma() { return cc_major() >= 8; }
 
 // Streaming multiprocessors of the current device.
 inline int sm_count() {

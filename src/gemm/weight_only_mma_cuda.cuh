@@ -113,6 +113,14 @@ struct PairOps<half_t> {
   }
 };
 
+// p[i] = (nibble i of each half of w - zero) * scale, each nibble shifted down to bits 0..3 first
+// (the decode of Ops types whose magic leaves no room for 16 q).
+template <class Ops>
+__device__ __forceinline__ void shifted_nibble_pairs(uint32_t w, const NibbleConsts& k, uint32_t (&p)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = Ops::mul(Ops::sub(and_or(w >> (4 * i), 0x000F000Fu, Ops::kMagic), k.zf), k.s);
+}
+
 template <>
 struct PairOps<bf16_t> {
   static constexpr uint32_t kMagic = 0x43004300u;  // 128.0: bf16 has 7 mantissa bits, q < 16 fits
@@ -122,8 +130,7 @@ struct PairOps<bf16_t> {
     return {splat(kMagicF + zero), 0u, scale2};
   }
   static __device__ __forceinline__ void nibble_pairs(uint32_t w, const NibbleConsts& k, uint32_t (&p)[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] = mul(sub(and_or(w >> (4 * i), 0x000F000Fu, kMagic), k.zf), k.s);
+    shifted_nibble_pairs<PairOps>(w, k, p);
   }
   static __device__ __forceinline__ __nv_bfloat162 h(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
   static __device__ __forceinline__ uint32_t u(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
@@ -206,6 +213,17 @@ __device__ __forceinline__ int xt_slot(int r, int c) {
   return r * kRowChunks + (c ^ ((c >> 3) | ((r & 1) << (B - 1))));
 }
 
+// Fmt::kLut: the CTA fills its pair table, one copy per bank (lane l reads column l, so lookups
+// never conflict), 4 copies per 16-byte store; ends with a barrier.
+template <class Fmt, class Ops>
+__device__ __forceinline__ void fill_pair_lut(const Fmt& f, uint32_t (*lut)[32]) {
+  for (int e = threadIdx.x; e < 256 * 8; e += blockDim.x) {
+    const uint32_t v = f.template lut_entry<Ops>(e >> 3);
+    reinterpret_cast<uint4*>(lut[e >> 3])[e & 7] = make_uint4(v, v, v, v);
+  }
+  __syncthreads();
+}
+
 template <class Fmt, class H, int NTILES, bool PAIR, bool XS, int RG, bool XT>
 __global__ void
 __launch_bounds__(kMmaMaxWarps * 32)
@@ -223,13 +241,7 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   // nf4's pair table, one copy per bank: lane l reads column l, so lookups never conflict.
   __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
   __shared__ float red[kMmaMaxWarps][NTILES * 8][kMmaRows];
-  if constexpr (Fmt::kLut) {
-    for (int e = threadIdx.x; e < 256 * 8; e += blockDim.x) {  // 4 copies per 16-byte store
-      const uint32_t v = f.template lut_entry<Ops>(e >> 3);
-      reinterpret_cast<uint4*>(lut[e >> 3])[e & 7] = make_uint4(v, v, v, v);
-    }
-    __syncthreads();
-  }
+  if constexpr (Fmt::kLut) fill_pair_lut<Fmt, Ops>(f, lut);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t m0 = int64_t(blockIdx.x) * kMmaRows * RG;

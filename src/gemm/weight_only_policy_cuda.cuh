@@ -16,6 +16,7 @@
 #include "common/cuda_utils.cuh"
 #include "gemm/weight_only_cuda.cuh"
 #include "gemm/weight_only_mma_cuda.cuh"
+#include "gemm/weight_only_wide_cuda.cuh"
 
 namespace qf::gemm::cuda_wo {
 
@@ -47,14 +48,21 @@ __device__ __forceinline__ uint32_t xpair_lo_first(const uint32_t (&x)[16], int 
 }
 
 // 16-bit activations on sm_80+: the tensor-core kernel (one decode serves up to 16 rows), from
-// N = Fmt::kMmaMinRows. Otherwise (float32 activations, an older GPU, nf4 at N = 1) the float32
-// kernel; for nf4 at one row it measured faster on the H200 (the tensor-core kernel builds its
-// pair table in every CTA; benchmarks/README.md, "Design measurements behind kernel choices").
+// N = Fmt::kMmaMinRows; for 9..64 rows on sm_90, where its launcher takes the shape, the wide
+// kernel of weight_only_wide_cuda.cuh (units of 32 values: not mixed2bit's 16). Otherwise
+// (float32 activations, an older GPU, nf4 at N = 1) the float32 kernel; for nf4 at one row it
+// measured faster on the H200 (the tensor-core kernel builds its pair table in every CTA;
+// benchmarks/README.md, "Design measurements behind kernel choices").
 template <class Fmt, class T>
 void launch_weight_only_any(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, const T* bias,
                             void* stream) {
   if constexpr (!std::is_same_v<T, float>) {
-    if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma()) return launch_weight_only_mma(f, X, N, K, M, Y, bias, stream);
+    if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma()) {
+      if constexpr (Fmt::kUnit == 32) {  // (the wide kernel's unit)
+        if (launch_weight_only_wide(f, X, N, K, M, Y, bias, stream)) return;
+      }
+      return launch_weight_only_mma(f, X, N, K, M, Y, bias, stream);
+    }
   }
   launch_weight_only(f, X, N, K, M, Y, bias, stream);
 }

@@ -129,6 +129,44 @@ def test_weight_only_staged_activations(fmt, params, k, n, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
+WIDE_FORMATS = [("nf4", {}), ("int4", {"group_size": 32}), ("int4", {"group_size": 128}), ("q4_0", {})]
+
+
+@pytest.mark.parametrize("fmt,params,m,k", [(f, p, m, k) for f, p in WIDE_FORMATS
+                                            for m, k in ((53, 4096 + 96), (300, 32 * 131), (130, 14336), (17000, 512))
+                                            if k % p.get("group_size", 32) == 0], ids=str)
+@pytest.mark.parametrize("n", [9, 16, 24, 33, 64])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_weight_only_wide(fmt, params, m, k, n, dtype):
+    """9..64 activation rows: on sm_90 the kernel whose CTAs take 128 weight rows and one K slice
+    each, the slices of a cluster summed through distributed shared memory. These K leave the
+    last slices partial or empty (131 units; 4096 + 96) or split evenly (14336), M is not a
+    multiple of 128, and 17000 rows (133 CTAs of 128) take one slice per CTA; NaN-filled outputs all overwritten.
+    Below sm_90 the same cases run the two-tile kernel."""
+    mod, q, qc, w64 = weight(fmt, m, k, k + n + m, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(DTYPES[dtype]).cuda()
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
+
+
+@pytest.mark.parametrize("fmt,params", WIDE_FORMATS, ids=str)
+@pytest.mark.parametrize("n,m,k", [(24, 300, 14336), (64, 17000, 512)])
+def test_weight_only_wide_bias(fmt, params, n, m, k):
+    """The bias added in the epilogue of the wide kernel (split K summed over a cluster, and one
+    slice) is bitwise the product rounded to fp16 plus the bias in fp16."""
+    from qformats import format_spec
+
+    mod, q, qc, _ = weight(fmt, m, k, n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).half().cuda()
+    bias = torch.randn(m, generator=torch.Generator().manual_seed(m)).half().cuda()
+    run = format_spec(fmt).make_linear(qc).run
+    stream = torch.cuda.current_stream().cuda_stream
+    y, y0 = (torch.full((n, m), float("nan"), device="cuda", dtype=torch.float16) for _ in range(2))
+    run(x, y, bias, stream)
+    run(x, y0, None, stream)
+    torch.cuda.synchronize()
+    assert torch.equal(y, y0 + bias)
+
+
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 32}), ("q4_0", {}), ("mixed2bit", {"group_size": 16})],
                          ids=str)
 @pytest.mark.parametrize("k", [20480 - 32, 20480 + 256])

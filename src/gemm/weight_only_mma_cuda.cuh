@@ -191,6 +191,24 @@ struct LoadedUnit<Fmt, true> {
   using type = typename Fmt::Pair;
 };
 
+// A lane's loaded registers for unit uc of one weight row: the format's Unit, or with PAIR its Pair
+// of units uc, uc + 1 (uc even).
+template <bool PAIR, class Fmt>
+__device__ __forceinline__ typename LoadedUnit<Fmt, PAIR>::type load_unit(const Fmt& f, typename Fmt::RowState& rs,
+                                                                          int64_t row, int64_t uc) {
+  if constexpr (PAIR) return f.load_pair(rs, uc);
+  else return f.load(rs, row, uc, true);
+}
+
+// Pairs 4j .. 4j+3 (scale applied) of unit i of a lane's loads `ld` for one row: ld[i] per unit,
+// or with PAIR unit i of ld[0].
+template <class Ops, bool PAIR, class Fmt, class L, int kLoads>
+__device__ __forceinline__ void unit_pairs(const Fmt& f, const uint32_t (*lut)[32], int lane, const L (&ld)[kLoads],
+                                           int i, int j, uint32_t (&p)[4]) {
+  if constexpr (PAIR) f.template pairs_in_pair<Ops>(ld[0], i, j, p);
+  else f.template pairs<Ops>(lut, lane, ld[i], j, p);
+}
+
 // XS: slot of word-quad j of unit u in the activation table. The four lanes t of a quad read units
 // U t + i (U = 2) in one LDS; XOR-ing j with bits of u puts their four 16-byte reads in distinct
 // banks (units are 64 bytes apart for kUnit = 32, 32 bytes for 16).
@@ -340,13 +358,8 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
         const int64_t u = unit_of(k, i), uc = u < units ? u : (Fmt::kContiguousSteps ? units - 1 : 0);
-        if constexpr (PAIR) {
-          st.a[r][i] = f.load_pair(rsA[r], uc);
-          st.b[r][i] = f.load_pair(rsB[r], uc);
-        } else {
-          st.a[r][i] = f.load(rsA[r], rowA[r], uc, true);
-          st.b[r][i] = f.load(rsB[r], rowB[r], uc, true);
-        }
+        st.a[r][i] = load_unit<PAIR>(f, rsA[r], rowA[r], uc);
+        st.b[r][i] = load_unit<PAIR>(f, rsB[r], rowB[r], uc);
       }
   };
   auto multiply = [&](int64_t k, const Stage& st) {
@@ -380,13 +393,8 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
 #pragma unroll
         for (int r = 0; r < RG; ++r) {  // each activation register serves RG row groups
           uint32_t pa[4], pb[4];
-          if constexpr (PAIR) {
-            f.template pairs_in_pair<Ops>(st.a[r][0], i, j, pa);
-            f.template pairs_in_pair<Ops>(st.b[r][0], i, j, pb);
-          } else {
-            f.template pairs<Ops>(lut, lane, st.a[r][i], j, pa);
-            f.template pairs<Ops>(lut, lane, st.b[r][i], j, pb);
-          }
+          unit_pairs<Ops, PAIR>(f, lut, lane, st.a[r], i, j, pa);
+          unit_pairs<Ops, PAIR>(f, lut, lane, st.b[r], i, j, pb);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             // A fragment: rows g / g + 8 x k pairs (2t, 2t+1) / (2t+8, 2t+9) = our pairs h / h+2

@@ -115,13 +115,8 @@ __launch_bounds__(kWideWarps * 32, 1)
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
         const int64_t u = u0 + k * kWideStepUnits + 2 * t + i, uc = u < units ? u : 0;
-        if constexpr (PAIR) {
-          st.a[r][i] = f.load_pair(rsA[r], uc);
-          st.b[r][i] = f.load_pair(rsB[r], uc);
-        } else {
-          st.a[r][i] = f.load(rsA[r], rowA[r], uc, true);
-          st.b[r][i] = f.load(rsB[r], rowB[r], uc, true);
-        }
+        st.a[r][i] = load_unit<PAIR>(f, rsA[r], rowA[r], uc);
+        st.b[r][i] = load_unit<PAIR>(f, rsB[r], rowB[r], uc);
       }
   };
   float c[WR][NT][4], c16[kX16 ? WR : 1][NT][4];
@@ -141,13 +136,8 @@ __launch_bounds__(kWideWarps * 32, 1)
 #pragma unroll
         for (int r = 0; r < WR; ++r) {
           uint32_t pa[4], pb[4];
-          if constexpr (PAIR) {
-            f.template pairs_in_pair<Ops>(st.a[r][0], i, j, pa);
-            f.template pairs_in_pair<Ops>(st.b[r][0], i, j, pb);
-          } else {
-            f.template pairs<Ops>(lut, lane, st.a[r][i], j, pa);
-            f.template pairs<Ops>(lut, lane, st.b[r][i], j, pb);
-          }
+          unit_pairs<Ops, PAIR>(f, lut, lane, st.a[r], i, j, pa);
+          unit_pairs<Ops, PAIR>(f, lut, lane, st.b[r], i, j, pb);
           a0[r][0] = pa[0], a0[r][1] = pb[0], a0[r][2] = pa[2], a0[r][3] = pb[2];
           a1[r][0] = pa[1], a1[r][1] = pb[1], a1[r][2] = pa[3], a1[r][3] = pb[3];
         }

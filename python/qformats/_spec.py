@@ -98,6 +98,11 @@ class FormatSpec:
             a calibrated choice made before training (see :attr:`calibrated`), or None.
         calibrated: ``calibrated(params) -> bool``: whether :attr:`quantize` takes a
             ``sensitivity=`` argument for these params (calibrated group selection).
+        ggml_type: the GGML tensor type (a ``gguf.GGMLQuantizationType`` name, e.g. ``"Q4_0"``)
+            whose data is this format's one buffer byte for byte, row after row (uint8
+            ``[..., K // block, block bytes]``, no params), or None where no GGML type holds
+            the format exactly. :mod:`qformats.gguf` writes and reads such weights without
+            converting them.
     """
 
     name: str
@@ -117,6 +122,7 @@ class FormatSpec:
     trainable: Callable[[Mapping[str, Any]], bool] = lambda params: False
     rounding: Optional[Callable[..., Any]] = None
     calibrated: Callable[[Mapping[str, Any]], bool] = lambda params: False
+    ggml_type: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))

@@ -282,4 +282,5 @@ SPEC = FormatSpec(
     linear_rows=WEIGHT_ONLY_ROWS,
     tune_rows=TUNE_ROWS,
     make_linear=_make_linear,
+    ggml_type="Q4_0",
 )

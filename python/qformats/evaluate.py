@@ -333,7 +333,7 @@ def _as_windows(tokenizer_or_windows, text, seqlen, max_tokens):
 
 def perplexity(model, windows, text: str | None = None, *, seqlen: int = 512,
                max_tokens: int | None = None, batch_size: int = 8, progress: bool = True,
-               desc: str = "perplexity") -> dict:
+               desc: str = "perplexity", score_from: int = 0) -> dict:
     """Perplexity of a causal LM over non-overlapping windows of a text.
 
     Two ways to call it::
@@ -343,8 +343,11 @@ def perplexity(model, windows, text: str | None = None, *, seqlen: int = 512,
 
     The second cuts the text with :func:`lm_windows` (``max_tokens``: at most that many
     tokens, as evenly spaced windows; None or 0: all). Each window is scored on its own (no
-    context carried across windows): the NLL of tokens 1..seqlen-1 given the ones before
-    them, logits in float32, under ``torch.inference_mode()``, on the model's device.
+    context carried across windows): the NLL of tokens ``score_from + 1 .. seqlen - 1`` given
+    the ones before them, logits in float32, under ``torch.inference_mode()``, on the model's
+    device. ``score_from = seqlen // 2`` scores what llama.cpp's ``llama-perplexity`` scores in
+    each of its ``-c seqlen`` chunks (``first = n_ctx/2`` in ``tools/perplexity/perplexity.cpp``:
+    the second half, with the first as context).
 
     Args:
         model: a transformers causal LM (returns ``.logits``), e.g. with QuantizedLinear layers.
@@ -354,19 +357,25 @@ def perplexity(model, windows, text: str | None = None, *, seqlen: int = 512,
         batch_size: windows per forward pass.
         progress: show a tqdm bar on stderr.
         desc: the bar's label.
+        score_from: predictions before this position of each window are not counted
+            (0 <= score_from < seqlen - 1).
     Returns:
         dict with ``ppl`` (exp of the mean NLL), ``nll`` (mean NLL per predicted token, nats),
         ``tokens`` (predicted tokens), ``seconds`` (wall time) and, with a tokenizer, the
         window counts of :func:`lm_windows` (``windows``, ``windows_total``, ``text_tokens``,
         ``seqlen``).
     Raises:
-        EvalError: seqlen < 2 or a text of fewer than 2 tokens.
+        EvalError: seqlen < 2, a text of fewer than 2 tokens, or score_from out of range.
         TypeError / ValueError: a windows tensor that is not int64 ``[n, seqlen]``.
     """
     import torch
     import torch.nn.functional as F
 
     windows, winfo = _as_windows(windows, text, seqlen, max_tokens)
+    score_from = int(score_from)
+    if not 0 <= score_from < windows.shape[1] - 1:
+        raise EvalError(f"score_from must be in [0, {windows.shape[1] - 1}) for windows of "
+                        f"{windows.shape[1]} tokens, got {score_from}")
     t0 = time.perf_counter()
     device = _model_device(model)
     total = torch.zeros((), dtype=torch.float64)
@@ -376,8 +385,8 @@ def perplexity(model, windows, text: str | None = None, *, seqlen: int = 512,
     with torch.inference_mode():
         for i in range(0, windows.shape[0], batch_size):
             batch = windows[i:i + batch_size].to(device)
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-            target = batch[:, 1:]
+            logits = model(input_ids=batch, use_cache=False).logits[:, score_from:-1].float()
+            target = batch[:, score_from + 1:]
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                   reduction="sum")
             total += nll.double().cpu()

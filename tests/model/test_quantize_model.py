@@ -83,6 +83,25 @@ def test_perplexity_from_tokenizer_and_text(llama, valid_text, windows, quantize
     assert c["windows"] == 1 and c["kl"] > 0
 
 
+def test_perplexity_score_from(make_tiny_llama):
+    """score_from=P counts the predictions of positions P+1.. only (llama.cpp's second half
+    with P = seqlen // 2): the NLL over exactly those targets, computed here by hand."""
+    from qformats.evaluate import EvalError
+
+    m = make_tiny_llama()
+    w = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = torch.log_softmax(m(input_ids=w).logits.double(), -1)
+    nll = -logp[:, :-1].gather(-1, w[:, 1:, None])[..., 0]  # [3, 31]: target positions 1..31
+    for p in (0, 16, 30):
+        r = perplexity(m, w, progress=False, score_from=p)
+        assert r["tokens"] == 3 * (31 - p)
+        assert r["nll"] == pytest.approx(float(nll[:, p:].mean()), rel=1e-5)
+    for bad in (-1, 31):
+        with pytest.raises(EvalError, match="score_from"):
+            perplexity(m, w, progress=False, score_from=bad)
+
+
 def test_overrides(llama):
     m = copy.deepcopy(llama.model)
     rep = qformats.quantize_model(m, bits=4, overrides={

@@ -5,8 +5,10 @@ Subcommands:
 - ``compare``: quantize a Hugging Face model's Linear weights with each format and print a
   table of bits/weight, size, weight error, quantize time and output quality.
 - ``quantize``: quantize a Hugging Face model (QuantizedLinear layers) and save it to a folder.
-- ``eval``: perplexity of a model folder (plain Hugging Face or quantized), with the size
-  and average bits of a quantized one.
+- ``eval``: perplexity of a model folder (plain Hugging Face or quantized) or GGUF file, with
+  the size and average bits of a quantized folder.
+- ``export-gguf``: write a model folder as a GGUF file for llama.cpp (q4_0 layers as their
+  bytes).
 
 Run as ``qformats ...`` (installed script) or ``python -m qformats.cli ...``.
 """
@@ -231,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "float32; for a qformats folder also its size and average bits per quantized "
                     "weight; with --tasks, lm-evaluation-harness tasks too.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("model", metavar="DIR", help="model folder (plain or quantized)")
+    e.add_argument("model", metavar="DIR", help="model folder (plain or quantized), or a .gguf file "
+                   "(read with qformats.gguf.load: Q4_0 tensors as q4_0 layers)")
     e.add_argument("--text", metavar="FILE",
                    help="UTF-8 evaluation text (default: Python's pydoc_data.topics help text)")
     e.add_argument("--max-tokens", type=_positive_or_zero, default=DEFAULT_MAX_TOKENS,
@@ -243,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per perplexity window (default: 512)")
     e.add_argument("--batch-size", type=_positive, default=8, metavar="N",
                    help="windows per forward pass (default: 8)")
+    e.add_argument("--score-from", type=_positive_or_zero, default=0, metavar="P",
+                   help="count only the predictions after position P of each window (default 0: "
+                        "all); P = seqlen / 2 scores what llama.cpp's llama-perplexity -c seqlen "
+                        "scores")
     e.add_argument("--ref", metavar="MODEL",
                    help="also report the mean per-token KL(ref || model) against this model "
                         "folder (e.g. the unquantized original)")
@@ -259,6 +266,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=_cmd_eval)
+
+    x = sub.add_parser(
+        "export-gguf", help="write a model folder as a GGUF file for llama.cpp",
+        description="Write a Llama-family model folder (plain, or written by `qformats quantize`) "
+                    "as a GGUF file that llama.cpp loads: q4_0 layers as their own bytes (GGML "
+                    "Q4_0), other tensors as F16 where that is exact, else as stored (F32/BF16); "
+                    "layers in formats without a GGML type are decoded (or re-quantized with "
+                    "--other). Prints what it did with each tensor.",
+        epilog="example:\n  qformats quantize ../shared/models/pydoc-llama-17m --format q4_0 --out "
+               "llama-q4_0\n  qformats export-gguf llama-q4_0 llama-q4_0.gguf\n"
+               "  llama-perplexity -m llama-q4_0.gguf -f ../shared/data/pydoc/valid.txt -c 512\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    x.add_argument("model", metavar="DIR", help="model folder with its tokenizer.json")
+    x.add_argument("out", metavar="OUT.gguf", help="the file to write")
+    x.add_argument("--other", metavar="FMT",
+                   help="re-quantize layers whose format has no GGML type into FMT (e.g. q4_0) "
+                        "instead of writing them decoded")
+    x.add_argument("--overwrite", action="store_true", help="replace OUT.gguf if it exists")
+    x.add_argument("--threads", type=_threads, metavar="N",
+                   help="CPU threads for torch and the qformats codecs")
+    x.set_defaults(func=_cmd_export_gguf)
     return parser
 
 
@@ -426,7 +454,9 @@ def _cmd_eval(args) -> int:
             if args.tasks:
                 _lm_eval_available()  # before minutes of loading and perplexity
             quantized = is_quantized_dir(args.model)
-            if quantized:
+            if str(args.model).endswith(".gguf"):
+                model, tokenizer = _load_gguf_for_eval(args.model)
+            elif quantized:
                 model, tokenizer, cfg = _load_quantized_for_eval(args.model)
             elif _is_bnb(args.model):
                 model, tokenizer = _load_bnb_for_eval(args.model)
@@ -444,7 +474,7 @@ def _cmd_eval(args) -> int:
                                 f"{maxlen} tokens")
             windows, info = lm_windows(tokenizer, text, args.seqlen, args.max_tokens)
             r = perplexity(model, windows, batch_size=args.batch_size,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, score_from=args.score_from)
             kl = None
             if args.ref:
                 ref = load_model(args.ref)
@@ -506,6 +536,46 @@ def _lm_eval(model, tokenizer, args) -> str:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise EvalError(f"lm_eval --tasks {args.tasks}: {why}") from e
     return make_table(out)
+
+
+def _load_gguf_for_eval(path):
+    """(model in float32, tokenizer) of a GGUF file (qformats.gguf)."""
+    from . import gguf  # needs torch and the gguf package (see the top)
+
+    try:
+        return gguf.load(path, dtype=None), gguf.load_tokenizer(path)
+    except ImportError as e:
+        raise EvalError(str(e)) from e
+
+
+def _cmd_export_gguf(args) -> int:
+    try:
+        from . import gguf  # needs torch and the gguf package (see the top)
+        from .saving import is_quantized_dir
+
+        out = Path(args.out)
+        if out.exists() and not args.overwrite:
+            raise ValueError(f"{out} exists (pass --overwrite to replace it)")
+        _check_writable(str(out.parent))
+        with _Threads(args.threads):
+            if is_quantized_dir(args.model):
+                model = _load_quantized_for_eval(args.model)[0]
+            else:
+                model = load_model(args.model).model
+            written = gguf.export(model, out, tokenizer=args.model, other=args.other)
+    except (EvalError, ValueError, OSError, ImportError) as e:
+        return _error("export-gguf", e)
+    groups: dict = {}
+    for t in written:
+        groups.setdefault((t.ggml_type, t.how, t.exact), []).append(t.source)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, {len(written)} tensors)")
+    for (ttype, how, exact), names in groups.items():
+        what = {"bytes": "the format's bytes", "float": "float tensors",
+                "dequantized": "decoded from a format with no GGML type",
+                "requantized": f"re-quantized with {args.other} (not exact)"}[how]
+        print(f"  {ttype:5s} x{len(names):<4d} {what}: {', '.join(names[:3])}"
+              f"{' ...' if len(names) > 3 else ''}")
+    return 0
 
 
 def _is_bnb(path) -> bool:

@@ -281,7 +281,7 @@ def _quantized_array(layer, ggml_of: dict) -> Optional[tuple]:
     from ._core import format_spec
 
     spec = format_spec(layer.format)
-    if not spec.ggml_type or ggml_of.get(spec.ggml_type) != layer.format:
+    if not spec.ggml_type:
         return None
     (buf,) = layer.buffer_names
     a = getattr(layer, buf).detach().cpu().contiguous().numpy()
@@ -385,9 +385,11 @@ def export(model, path: Union[str, os.PathLike], tokenizer: Any = None, *,
                 barr = _to_gguf_rows(barr, heads)
             plan.append((bname, owner + ".bias", barr, btype, "float", True))
 
+    path = Path(path)
+    part = path.with_name(path.name + ".part")  # renamed once complete: no half-written file
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir, tok = _tokenizer_dir(tokenizer, model, tmp)
-        w = g.GGUFWriter(str(path), arch)
+        w = g.GGUFWriter(str(part), arch)
         src = getattr(config, "_name_or_path", "") or ""
         _add_hparams(w, config, name or (Path(src).name if src else "model"),
                      _file_type([p[3] for p in plan if p[2].ndim == 2]))
@@ -397,10 +399,16 @@ def export(model, path: Union[str, os.PathLike], tokenizer: Any = None, *,
                 w.add_tensor(gname, arr)
             else:  # bytes: the writer takes the byte shape and the type
                 w.add_tensor(gname, arr.view(np.uint8), raw_dtype=g.GGMLQuantizationType[ttype])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        try:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        except BaseException:
+            w.close()
+            part.unlink(missing_ok=True)
+            raise
         w.close()
+    os.replace(part, path)
     return [ExportedTensor(p[0], p[1], p[3], p[4], p[5]) for p in plan]
 
 

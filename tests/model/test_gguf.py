@@ -7,8 +7,9 @@ float: export -> load gives the same logits and the same q4_0 bytes; load -> exp
 same file tensors; GGUFReader's read-only memory maps go into the codecs without a copy;
 unsupported models, types and tokenizers raise GGUFError. With ../shared: the pydoc Llama
 through the CLI (same perplexity from the folder and from the GGUF file, same tokenization),
-and, where llama.cpp's ``llama-perplexity`` is found (``LLAMA_CPP_BIN`` or PATH), llama.cpp's
-perplexity of the exported file against ``qformats eval --score-from`` on the same windows.
+and, where llama.cpp's tools are found (``LLAMA_CPP_BIN`` or PATH): llama.cpp's perplexity of
+the exported file against ``qformats eval --score-from`` on the same windows, and a file that
+llama.cpp's ``llama-quantize`` made, loaded into the same q4_0 bytes qformats makes.
 """
 from __future__ import annotations
 
@@ -342,3 +343,34 @@ def test_llama_cpp_perplexity_agrees(exported):
     w, _ = lm_windows(tok, VALID.read_text(encoding="utf-8"), 512)
     ours = perplexity(m, w[:8], progress=False, score_from=256)["ppl"]
     assert abs(theirs / ours - 1) < 0.01, (theirs, ours)
+
+
+@needs_llama
+@pytest.mark.skipif(_llama_cpp_tool("llama-quantize") is None,
+                    reason="llama.cpp's llama-quantize not found (set LLAMA_CPP_BIN)")
+def test_llama_cpp_quantized_file_loads(tmp_path, llama):
+    """A file quantized by llama.cpp itself (F16 export -> llama-quantize --pure q4_0) loads
+    into q4_0 layers whose bytes are qformats' own q4_0 of the same weights, computes the same
+    logits, and exports back to the same tensors."""
+    import copy
+
+    from qformats.model import quantize_model
+
+    f16 = tmp_path / "f16.gguf"
+    assert cli.main(["export-gguf", str(LLAMA), str(f16)]) == 0
+    q = tmp_path / "q4_0.gguf"
+    run = subprocess.run([str(_llama_cpp_tool("llama-quantize")), "--pure", "--token-embedding-type", "f16",
+                          "--output-tensor-type", "f16", str(f16), str(q), "q4_0"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    m = qgguf.load(q)
+    ref = copy.deepcopy(llama.model)
+    quantize_model(ref, format="q4_0")
+    mine, theirs = dict(quantized_linears(ref)), dict(quantized_linears(m))
+    assert mine.keys() == theirs.keys() and len(mine) == 42
+    for k in mine:
+        assert torch.equal(mine[k].blocks, theirs[k].blocks), k
+    assert torch.equal(_logits(m), _logits(ref))
+    again = tmp_path / "again.gguf"
+    qgguf.export(m, again, tokenizer=LLAMA)
+    assert _tensors(again) == _tensors(q)

@@ -1,4 +1,4 @@
-"""GPU tests shared by the fixed-size-block formats (q4_0, q8_1), which run on the same CUDA
+"""GPU tests shared by the fixed-size-block formats (q4_0, q8_0, q8_1), which run on the same CUDA
 driver (src/common/blockwise_cuda.cuh). A format's test module calls
 ``add_blockwise_gpu_tests(globals(), fmt_module, quantize, dequantize)``."""
 import pytest

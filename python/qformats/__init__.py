@@ -6,7 +6,7 @@ Formats are subpackages, imported on first use::
     qt = q4_0.quantize(w)          # QuantizedTensor
     w_hat = qt.dequantize()
 
-Formats: q4_0, q8_1 (GGML blocks), int8, int4, nf4 (bitsandbytes), mixed2bit (2/4-bit).
+Formats: q4_0, q8_0, q8_1 (GGML blocks), int8, int4, nf4 (bitsandbytes), mixed2bit (2/4-bit).
 """
 from __future__ import annotations
 

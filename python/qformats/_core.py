@@ -15,7 +15,7 @@ from . import _arrays as A
 #: The formats shipped with the package, in display order: the one registration line of a format.
 #: Each is the subpackage ``qformats.<name>``, which says what it is in its ``SPEC``
 #: (:class:`qformats._spec.FormatSpec`).
-FORMATS = ("q4_0", "q8_1", "int8", "int4", "nf4", "mixed2bit")
+FORMATS = ("q4_0", "q8_0", "q8_1", "int8", "int4", "nf4", "mixed2bit")
 
 
 def format_module(name: str):

@@ -54,7 +54,7 @@ def resolve_spec(format: Optional[str] = None, bits: Optional[int] = None,
         format: a qformats format name (any of ``qformats.FORMATS``).
         bits: 8, 4 or 2 (see :data:`BITS_FORMATS`); exactly one of ``format`` and ``bits``.
         group_size: values per group (int4, mixed2bit, int8 -> per-group scales, nf4 ->
-            ``blocksize``; q4_0 / q8_1 only accept 32).
+            ``blocksize``; q4_0 / q8_0 / q8_1 only accept 32).
         **params: the format's ``quantize`` keyword arguments (override the defaults).
     Returns:
         the format name and the keyword arguments for its ``quantize``.

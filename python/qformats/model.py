@@ -184,7 +184,7 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
         bits: 8 (int8, per-row scales), 4 (int4 asymmetric, group_size 128) or 2 (mixed2bit,
             ratio_4bit=0, group_size 16). Exactly one of format / bits.
         group_size: values per group along in_features (int4, mixed2bit; int8 -> per-group
-            scales; nf4 -> blocksize; q4_0 / q8_1 are fixed at 32).
+            scales; nf4 -> blocksize; q4_0 / q8_0 / q8_1 are fixed at 32).
         method: ``"rtn"`` (round to nearest; with ``calibration=`` in ``**params``, the
             mixed2bit layers with ``ratio_4bit > 0`` choose their 4-bit groups by the mean
             squared input per column (the diagonal of ``X^T X`` over the calibration tokens,

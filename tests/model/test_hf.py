@@ -27,7 +27,7 @@ from .conftest import LLAMA  # noqa: E402
 IDS = torch.randint(0, 8192, (2, 48), generator=torch.Generator().manual_seed(0))
 # each format at settings that divide the model's in_features (384, 1024)
 CHOICES = {"int4": {"bits": 4}, "nf4": {"format": "nf4", "blocksize": 64},
-           "q4_0": {"format": "q4_0"}, "q8_1": {"format": "q8_1"}, "int8": {"bits": 8},
+           "q4_0": {"format": "q4_0"}, "q8_0": {"format": "q8_0"}, "q8_1": {"format": "q8_1"}, "int8": {"bits": 8},
            "mixed2bit": {"format": "mixed2bit", "ratio_4bit": 0.1}}
 
 

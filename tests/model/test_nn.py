@@ -19,6 +19,7 @@ from qformats.nn import QuantizedLinear, quantized_linears  # noqa: E402
 #: Every format, some with non-default parameters (in_features 256 divides every block).
 CASES = [
     ("q4_0", {}),
+    ("q8_0", {}),
     ("q8_1", {}),
     ("int8", {}),
     ("int8", {"granularity": "group", "group_size": 64}),
@@ -100,7 +101,7 @@ def test_cpu_kernel_path(fmt, params, dtype, lead):
     assert (err <= CPU_TOL[dtype] * scale).all(), (err / scale).max()
 
 
-#: The cases whose format binds a CPU kernel (q8_1 has none: its layers take the operator path).
+#: The cases whose format binds a CPU kernel (q8_0 and q8_1 have none: their layers take the operator path).
 BOUND = [(i, c) for i, c in zip(IDS, CASES) if "cpu" in qformats._core.format_spec(c[0]).linear_rows]
 
 

@@ -17,7 +17,7 @@ from strategies import assert_bytes_equal  # noqa: E402
 
 pytestmark = requires_cuda
 
-CASES = [("q4_0", {}), ("q8_1", {}), ("int8", {}), ("int4", {"group_size": 64}),
+CASES = [("q4_0", {}), ("q8_0", {}), ("q8_1", {}), ("int8", {}), ("int4", {"group_size": 64}),
          ("int4", {"group_size": 128, "symmetric": True}), ("nf4", {}),
          ("nf4", {"compress_statistics": True}), ("mixed2bit", {})]
 

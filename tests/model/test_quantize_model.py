@@ -216,3 +216,4 @@ def test_pattern_matching_and_spec():
     assert resolve_spec(bits=2) == ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.0})
     assert resolve_spec(format="nf4", group_size=128) == ("nf4", {"blocksize": 128})
     assert resolve_spec(format="q8_1") == ("q8_1", {})
+    assert resolve_spec(format="q8_0") == ("q8_0", {})

@@ -54,8 +54,8 @@ def _templates():
     """{function: {argument: value}}: one valid call per function of the module. Sizes are
     multiples of 4, so that 4 * 2**62 (which wraps to 0) is among the products formed."""
     f32, u8, i8, i32, i64 = np.float32, np.uint8, np.int8, np.int32, np.int64
-    if FMT in ("q4_0", "q8_1"):
-        B = 18 if FMT == "q4_0" else 36
+    if FMT in ("q4_0", "q8_0", "q8_1"):
+        B = importlib.import_module(f"qformats.{FMT}").BLOCK_BYTES
         t = {
             "quantize": dict(x=_ones(f32, 4, 32), out=_zeros(u8, 4 * B)),
             "dequantize": dict(blocks=_zeros(u8, 4 * B), out=_zeros(f32, 128)),

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 SEEDS = range(20)
 # Per format, keyword arguments of quantize giving several buffer layouts.
 VARIANTS = {
-    "q4_0": [{}], "q8_1": [{}],
+    "q4_0": [{}], "q8_0": [{}], "q8_1": [{}],
     "int8": [{"granularity": "row"}, {"granularity": "group", "group_size": 64}],
     "int4": [{"group_size": 64}, {"group_size": 128, "symmetric": True}],
     "nf4": [{"blocksize": 64}, {"blocksize": 64, "compress_statistics": True}],

@@ -133,11 +133,12 @@ def _entry_points(fmt, w, seed):
             "gemm_q4_0_q8_1": lambda m: mod.gemm_q4_0_q8_1(m(blocks), m(aq), M, x.shape[0], K),
             "linear": lambda m: mod.linear(m(x), _qt(q, m)),
         })
-    elif fmt == "q8_1":
-        xq = mod.quantize_q8_1(w)
+    elif fmt in ("q8_0", "q8_1"):
+        enc, dec = getattr(mod, f"quantize_{fmt}"), getattr(mod, f"dequantize_{fmt}")
+        xq = enc(w)
         calls.update({
-            "quantize_q8_1": lambda m: mod.quantize_q8_1(m(w)),
-            "dequantize_q8_1": lambda m: mod.dequantize_q8_1(m(xq), K),
+            f"quantize_{fmt}": lambda m: enc(m(w)),
+            f"dequantize_{fmt}": lambda m: dec(m(xq), K),
         })
     elif fmt == "int8":
         tq, ts = mod.quantize_tensor(w)

@@ -31,7 +31,7 @@ def test_native_functions_refuse_hostile_sizes(fmt):
     assert summary["n_failures"] == 0, "\n".join(summary["failures"])
     res = summary["results"]
     assert res["ok"] > 0  # the valid template calls ran
-    if fmt != "q8_1":  # (q8_1's functions take no integers: only its emptied arrays are tried)
+    if fmt not in ("q8_0", "q8_1"):  # (their functions take no integers: only emptied arrays are tried)
         assert res["OverflowError"] > 0 and res["ValueError"] > 0 and res["TypeError"] > 0
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays as A
-from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._blockwise import BlockCodec
+from .._core import QuantizedTensor, check_quantized
 from .._spec import TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel, fixed_blocks
-from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
 FORMAT = "q4_0"
@@ -25,6 +25,8 @@ BLOCK_BYTES = 18  #: bytes per block
 
 __all__ = ["SPEC", "quantize", "dequantize", "quantize_q4_0", "dequantize_q4_0", "gemm_q4_0_q8_1", "linear",
            "gemm", "QK", "BLOCK_BYTES", "reference"]
+
+_CODEC = BlockCodec(FORMAT, QK, BLOCK_BYTES, "65520 * 8", _native)
 
 
 def quantize_q4_0(x: Any) -> Any:
@@ -41,15 +43,7 @@ def quantize_q4_0(x: Any) -> Any:
         ValueError: K not a multiple of 32, a scalar, non-contiguous, NaN or Inf, or a
             block whose scale overflows fp16 (``max |x|`` of a block >= 65520 * 8).
     """
-    A.check_float(x, "x", multiple_of=QK)
-    out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
-    with A.stream_for(x) as stream:
-        _native.quantize(x, out, stream)
-    if A.fp16_field_overflowed(out, 0):
-        # llama.cpp would store d = inf here and decode inf/NaN; refuse instead of returning
-        # blocks that cannot be decoded.
-        raise ValueError("x: a block's scale d overflows fp16: q4_0 needs |x| < 65520 * 8 in every block")
-    return out
+    return _CODEC.quantize(x)
 
 
 def dequantize_q4_0(x_q: Any, K: int, dtype: str = "float32") -> Any:
@@ -65,39 +59,24 @@ def dequantize_q4_0(x_q: Any, K: int, dtype: str = "float32") -> Any:
     Raises:
         TypeError / ValueError: wrong dtype, or shape not ``[..., K // 32, 18]``.
     """
-    K = A.check_int(K, "K")
-    if K % QK:
-        raise ValueError(f"K={K} is not a multiple of {QK}")
-    A.check_array(x_q, "x_q", "uint8")
-    if x_q.ndim < 2 or tuple(x_q.shape[-2:]) != (K // QK, BLOCK_BYTES):
-        raise ValueError(f"x_q: expected shape [..., {K // QK}, {BLOCK_BYTES}], got {tuple(x_q.shape)}")
-    out = A.empty(x_q, (*x_q.shape[:-2], K), _float_dtype(dtype))
-    with A.stream_for(x_q) as stream:
-        _native.dequantize(x_q, out, stream)
-    return out
+    return _CODEC.dequantize(x_q, K, dtype)
 
 
 def expected_buffers(shape, params) -> dict:
     """Buffer names -> (dtype, shape) for a q4_0 tensor of logical ``shape`` (no params)."""
-    if params:
-        raise ValueError(f"q4_0 takes no parameters, got {params}")
-    if not shape or shape[-1] % QK:
-        raise ValueError(f"shape {shape}: last dimension must be a multiple of {QK}")
-    return {"blocks": ("uint8", (*shape[:-1], shape[-1] // QK, BLOCK_BYTES))}
+    return _CODEC.expected_buffers(shape, params)
 
 
 def quantize(x: Any) -> QuantizedTensor:
     """Quantize ``x`` ([..., K], K % 32 == 0; float32/float16/bfloat16, numpy or torch) to a
     q4_0 :class:`~qformats.QuantizedTensor` with one buffer, ``blocks`` (uint8
     ``[..., K // 32, 18]``). Raises as :func:`quantize_q4_0`."""
-    blocks = quantize_q4_0(x)
-    return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), {}, {"blocks": blocks})
+    return _CODEC.quantize_tensor(x)
 
 
 def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     """Decode a q4_0 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original)."""
-    q = check_quantized(q, FORMAT)
-    return dequantize_q4_0(q.buffers["blocks"], q.shape[-1], output_dtype(q, dtype))
+    return _CODEC.dequantize_tensor(q, dtype)
 
 
 def gemm_q4_0_q8_1(weight_q: Any, activation_q: Any, M: int, N: int, K: int) -> Any:

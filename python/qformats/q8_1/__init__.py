@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _arrays as A
-from .._core import QuantizedTensor, check_quantized, output_dtype
+from .._blockwise import BlockCodec
+from .._core import QuantizedTensor
 from .._spec import FormatSpec, fixed_blocks
-from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
 FORMAT = "q8_1"
@@ -23,6 +22,8 @@ BLOCK_BYTES = 36  #: bytes per block
 
 __all__ = ["SPEC", "quantize", "dequantize", "quantize_q8_1", "dequantize_q8_1", "QK", "BLOCK_BYTES",
            "reference"]
+
+_CODEC = BlockCodec(FORMAT, QK, BLOCK_BYTES, "65520 * 127", _native)
 
 
 def quantize_q8_1(x: Any) -> Any:
@@ -41,53 +42,30 @@ def quantize_q8_1(x: Any) -> Any:
             ``|d * sum(q)| >= 65520`` (block sums of large activations); the decoded values
             do not use it.
     """
-    A.check_float(x, "x", multiple_of=QK)
-    out = A.empty(x, (*x.shape[:-1], x.shape[-1] // QK, BLOCK_BYTES), "uint8")
-    with A.stream_for(x) as stream:
-        _native.quantize(x, out, stream)
-    if A.fp16_field_overflowed(out, 0):
-        # llama.cpp would store d = inf here and decode inf/NaN; refuse instead of returning
-        # blocks that cannot be decoded.
-        raise ValueError("x: a block's scale d overflows fp16: q8_1 needs |x| < 65520 * 127 in every block")
-    return out
+    return _CODEC.quantize(x)
 
 
 def dequantize_q8_1(x_q: Any, K: int, dtype: str = "float32") -> Any:
     """Decode q8_1 blocks uint8 ``[..., K // 32, 36]`` to ``[..., K]`` of ``dtype`` (float32
     default, float16, or bfloat16 for torch), decoded in float32 and rounded once, in the
     library and on the device of ``x_q``."""
-    K = A.check_int(K, "K")
-    if K % QK:
-        raise ValueError(f"K={K} is not a multiple of {QK}")
-    A.check_array(x_q, "x_q", "uint8")
-    if x_q.ndim < 2 or tuple(x_q.shape[-2:]) != (K // QK, BLOCK_BYTES):
-        raise ValueError(f"x_q: expected shape [..., {K // QK}, {BLOCK_BYTES}], got {tuple(x_q.shape)}")
-    out = A.empty(x_q, (*x_q.shape[:-2], K), _float_dtype(dtype))
-    with A.stream_for(x_q) as stream:
-        _native.dequantize(x_q, out, stream)
-    return out
+    return _CODEC.dequantize(x_q, K, dtype)
 
 
 def expected_buffers(shape, params) -> dict:
     """Buffer names -> (dtype, shape) for a q8_1 tensor of logical ``shape`` (no params)."""
-    if params:
-        raise ValueError(f"q8_1 takes no parameters, got {params}")
-    if not shape or shape[-1] % QK:
-        raise ValueError(f"shape {shape}: last dimension must be a multiple of {QK}")
-    return {"blocks": ("uint8", (*shape[:-1], shape[-1] // QK, BLOCK_BYTES))}
+    return _CODEC.expected_buffers(shape, params)
 
 
 def quantize(x: Any) -> QuantizedTensor:
     """Quantize ``x`` ([..., K], K % 32 == 0) to a q8_1 QuantizedTensor with one buffer,
     ``blocks`` (uint8 ``[..., K // 32, 36]``). Raises as :func:`quantize_q8_1`."""
-    blocks = quantize_q8_1(x)
-    return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), {}, {"blocks": blocks})
+    return _CODEC.quantize_tensor(x)
 
 
 def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     """Decode a q8_1 QuantizedTensor to ``q.shape`` in ``dtype`` (default: the original)."""
-    q = check_quantized(q, FORMAT)
-    return dequantize_q8_1(q.buffers["blocks"], q.shape[-1], output_dtype(q, dtype))
+    return _CODEC.dequantize_tensor(q, dtype)
 
 # -- the format's face --------------------------------------------------------------------------
 

@@ -1,12 +1,16 @@
 """Pure-numpy reference codec for q8_1: the pack spec in executable form.
 
 Source: llama.cpp ggml/src/ggml-quants.c ``quantize_row_q8_1_ref``; layout ``block_q8_1``
-in ggml-common.h. See ``src/formats/q8_1/q8_1.h`` for the rules and corner cases. Scales
-beyond fp16 are stored as inf, as llama.cpp stores them (the public API refuses such input).
+in ggml-common.h. See ``src/formats/q8_1/q8_1.h`` for the layout and rules; the scale and
+codes are the int8 block rule shared with q8_0 (:mod:`qformats._int8_block`, stated with its
+corner case in ``src/common/int8_block.h``). Scales beyond fp16 are stored as inf, as
+llama.cpp stores them (the public API refuses such input).
 """
 from __future__ import annotations
 
 import numpy as np
+
+from .. import _int8_block
 
 QK = 32
 BLOCK_BYTES = 36
@@ -18,14 +22,8 @@ def quantize(x: np.ndarray) -> np.ndarray:
     lead, k = x.shape[:-1], x.shape[-1]
     b = x.reshape(-1, QK)
     n = b.shape[0]
-    amax = np.abs(b).max(axis=-1) if n else np.zeros(0, dtype=np.float32)
-    with np.errstate(all="ignore"):
-        d = amax / np.float32(127)
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-        v = b * inv[:, None]
-        # C's roundf (halves away from zero): floor(|v| + 0.5) is exact in float64.
-        r = np.copysign(np.floor(np.abs(v.astype(np.float64)) + 0.5), v)
-        q = np.where(np.isfinite(v), np.clip(r, -127, 127), 0).astype(np.int8)
+    d, q = _int8_block.quantize(b)
+    with np.errstate(all="ignore"):  # d and s beyond fp16 become inf
         s = q.astype(np.int32).sum(axis=-1).astype(np.float32) * d
         d16, s16 = d.astype("<f2"), s.astype("<f2")
     out = np.empty((n, BLOCK_BYTES), dtype=np.uint8)
@@ -40,7 +38,6 @@ def dequantize(blocks: np.ndarray) -> np.ndarray:
     blocks = np.asarray(blocks, dtype=np.uint8)
     lead, nb = blocks.shape[:-2], blocks.shape[-2]
     b = blocks.reshape(-1, BLOCK_BYTES)
-    d = np.ascontiguousarray(b[:, 0:2]).view("<f2").astype(np.float32)
-    q = np.ascontiguousarray(b[:, 4:]).view(np.int8).astype(np.float32)
-    with np.errstate(all="ignore"):  # an inf scale decodes to inf/NaN
-        return (q * d).reshape(*lead, nb * QK)
+    d = np.ascontiguousarray(b[:, 0:2]).view("<f2")
+    q = np.ascontiguousarray(b[:, 4:]).view(np.int8)
+    return _int8_block.dequantize(d, q).reshape(*lead, nb * QK)

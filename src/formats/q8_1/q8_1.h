@@ -8,19 +8,18 @@
 //                       q4_0's offset of 8 into one multiply (llama.cpp's vec_dot_q4_0_q8_1)
 //   byte 4..35  qs[32]  int8 codes
 //
-// Quantize one block x[0..31] (float32 arithmetic):
+// Quantize one block x[0..31] (float32 arithmetic; amax, d and q are the int8 block rule
+// that q8_1 shares with q8_0, written once in common/int8_block.h with its corner case):
 //   amax = max |x|;  d = amax / 127;  id = d != 0 ? 1 / d : 0
 //   q    = roundf(x * id)            (round half away from zero)
 //   s    = fp16(d * sum(q))          with the unrounded float32 d
 //   stored d = fp16(d), round to nearest even
-// Dequantize: x' = q * float(stored d).
-// Where 1/d overflows to inf (amax < ~1.5e-36), x*id is +-inf or NaN; llama.cpp's int8
-// conversion of that is undefined in C and yields 0 on x86-64; we define q = 0 there.
+// Dequantize: x' = q * float(stored d). Without s this is q8_0 (formats/q8_0/q8_0.h).
 #pragma once
-#include <cmath>
 #include <cstdint>
 
 #include "common/fp16.h"
+#include "common/int8_block.h"
 
 namespace qf::q8_1 {
 
@@ -33,36 +32,16 @@ struct block_q8_1 {
 };
 static_assert(sizeof(block_q8_1) == 4 + QK, "wrong q8_1 block size/padding");
 
-QF_HOST_DEVICE int8_t quantize_value(float x, float id) {
-  const float v = x * id;
-  if (!(v == v) || v == INFINITY || v == -INFINITY) return 0;  // see the header comment
-  const float r = roundf(v);                                   // |v| <= 127 (+ rounding) since |x| <= amax
-  return static_cast<int8_t>(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
-}
-
 template <class T>
 QF_HOST_DEVICE void quantize_block(const T* x, block_q8_1* y) {
-  float amax = 0.0f;
-  for (int j = 0; j < QK; ++j) {
-    const float v = to_f32(x[j]);
-    const float a = fabsf(v);  // fabsf, not a sign test: |-0.0| must be +0.0
-    amax = amax > a ? amax : a;
-  }
-  const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const float d = int8_block::quantize<QK>(x, y->qs);
   int sum = 0;
-  for (int j = 0; j < QK; ++j) {
-    y->qs[j] = quantize_value(to_f32(x[j]), id);
-    sum += y->qs[j];
-  }
+  for (int j = 0; j < QK; ++j) sum += y->qs[j];
   y->d.bits = fp32_to_fp16_bits(d);
   y->s.bits = fp32_to_fp16_bits(static_cast<float>(sum) * d);
 }
 
-QF_HOST_DEVICE void dequantize_block(const block_q8_1* x, float* y) {
-  const float d = fp16_bits_to_fp32(x->d.bits);
-  for (int j = 0; j < QK; ++j) y[j] = static_cast<float>(x->qs[j]) * d;
-}
+QF_HOST_DEVICE void dequantize_block(const block_q8_1* x, float* y) { int8_block::dequantize<QK>(x->d, x->qs, y); }
 
 // Kernels over n_blocks consecutive blocks; T = float, half_t or bf16_t (the input type for
 // quantize, the output type for dequantize: decoded in float32, rounded once to T).

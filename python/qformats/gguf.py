@@ -2,8 +2,9 @@
 read one back as a model whose QuantizedLinear layers hold the file's bytes (:func:`load`,
 :func:`load_tokenizer`).
 
-A weight in a format whose spec names a GGML type (``FormatSpec.ggml_type``: q4_0 is GGML's
-``Q4_0``, block for block) is written and read as those bytes, nothing quantized again. Every
+A weight in a format whose spec names a GGML type (``FormatSpec.ggml_type``: q4_0 and q8_0
+are GGML's ``Q4_0`` and ``Q8_0``, block for block) is written and read as those bytes, nothing
+quantized again. Every
 other tensor is written as a float type that holds it exactly (F16 where every value survives
 the round trip through fp16, else F32 or BF16 as stored), or, on request, re-quantized into a
 GGML format (``other=``); :func:`export` returns what it did with each tensor.
@@ -457,7 +458,7 @@ def _config(path: Path, reader):
 def load(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any = None):
     """A Hugging Face model from a GGUF file, its quantized weights kept as they are stored.
 
-    Tensors of a GGML type that a qformats format holds exactly (``Q4_0``: q4_0) become the
+    Tensors of a GGML type that a qformats format holds exactly (``Q4_0``, ``Q8_0``) become the
     packed buffers of :class:`~qformats.nn.QuantizedLinear` layers (the same bytes, rows of
     ``attn_q`` / ``attn_k`` put back in Hugging Face order); F32, F16 and BF16 tensors load
     as they are (converted to ``dtype`` when given).

@@ -61,8 +61,8 @@ def tok_dir(tmp_path_factory):
 
 
 def _model(seed=0, vocab=320):
-    """A tiny Llama: q4_0 attention and up/gate projections, down_proj of layer 1 in int4,
-    down_proj of layer 0 left float."""
+    """A tiny Llama: q4_0 attention and up/gate projections, q8_0 v_proj of layer 1, down_proj
+    of layer 1 in int4, down_proj of layer 0 left float."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -81,7 +81,8 @@ def _model(seed=0, vocab=320):
             full = f"{name}.{child}"
             if full == "model.layers.0.mlp.down_proj":
                 continue
-            fmt = ("int4", {"group_size": 32}) if full == "model.layers.1.mlp.down_proj" else ("q4_0", {})
+            fmt = {"model.layers.1.mlp.down_proj": ("int4", {"group_size": 32}),
+                   "model.layers.1.self_attn.v_proj": ("q8_0", {})}.get(full, ("q4_0", {}))
             setattr(mod, child, QuantizedLinear.from_linear(lin, fmt[0], **fmt[1]))
     return m
 
@@ -103,6 +104,7 @@ def test_export_load_round_trip(tok_dir, tmp_path):
     written = qgguf.export(m, f, tokenizer=tok_dir)
     how = {t.source: (t.ggml_type, t.how, t.exact) for t in written}
     assert how["model.layers.0.self_attn.q_proj.weight"] == ("Q4_0", "bytes", True)
+    assert how["model.layers.1.self_attn.v_proj.weight"] == ("Q8_0", "bytes", True)
     assert how["model.layers.1.mlp.down_proj.weight"][1:] == ("dequantized", True)
     assert how["model.layers.0.mlp.down_proj.weight"][1:] == ("float", True)
     assert how["model.norm.weight"] == ("F32", "float", True)
@@ -113,9 +115,9 @@ def test_export_load_round_trip(tok_dir, tmp_path):
     q_before = dict(quantized_linears(m))
     q_after = dict(quantized_linears(m2))
     for name, layer in q_before.items():
-        if layer.format != "q4_0":
+        if layer.format not in ("q4_0", "q8_0"):
             continue
-        assert q_after[name].format == "q4_0"
+        assert q_after[name].format == layer.format
         assert torch.equal(q_after[name].blocks, layer.blocks), name
     # and llama.cpp's row order in the file: q_proj permuted per head as convert_hf_to_gguf.py does
     r = gguf_pkg.GGUFReader(str(f))
@@ -348,24 +350,25 @@ def test_llama_cpp_perplexity_agrees(exported):
 @needs_llama
 @pytest.mark.skipif(_llama_cpp_tool("llama-quantize") is None,
                     reason="llama.cpp's llama-quantize not found (set LLAMA_CPP_BIN)")
-def test_llama_cpp_quantized_file_loads(tmp_path, llama):
-    """A file quantized by llama.cpp itself (F16 export -> llama-quantize --pure q4_0) loads
-    into q4_0 layers whose bytes are qformats' own q4_0 of the same weights, computes the same
-    logits, and exports back to the same tensors."""
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_llama_cpp_quantized_file_loads(tmp_path, llama, fmt):
+    """A file quantized by llama.cpp itself (F16 export -> llama-quantize --pure q4_0 / q8_0)
+    loads into layers whose bytes are qformats' own quantization of the same weights, computes
+    the same logits, and exports back to the same tensors."""
     import copy
 
     from qformats.model import quantize_model
 
     f16 = tmp_path / "f16.gguf"
     assert cli.main(["export-gguf", str(LLAMA), str(f16)]) == 0
-    q = tmp_path / "q4_0.gguf"
+    q = tmp_path / f"{fmt}.gguf"
     run = subprocess.run([str(_llama_cpp_tool("llama-quantize")), "--pure", "--token-embedding-type", "f16",
-                          "--output-tensor-type", "f16", str(f16), str(q), "q4_0"],
+                          "--output-tensor-type", "f16", str(f16), str(q), fmt],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     m = qgguf.load(q)
     ref = copy.deepcopy(llama.model)
-    quantize_model(ref, format="q4_0")
+    quantize_model(ref, format=fmt)
     mine, theirs = dict(quantized_linears(ref)), dict(quantized_linears(m))
     assert mine.keys() == theirs.keys() and len(mine) == 42
     for k in mine:

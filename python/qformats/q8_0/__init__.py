@@ -102,4 +102,5 @@ SPEC = FormatSpec(
     quantize=quantize,
     dequantize=dequantize,
     expected_buffers=expected_buffers,
+    ggml_type="Q8_0",
 )

@@ -41,10 +41,9 @@ TEXT = ("def load(path):\n    return open(path).read()  # the file's text\n"
         "Return the sum of a and b. Raise ValueError if either is negative.\n") * 20
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    """A byte-level BPE tokenizer (GPT-2 pre-tokenizer, <|endoftext|> special) saved as a
-    Hugging Face fast tokenizer."""
+def train_tokenizer(d):
+    """A byte-level BPE tokenizer (GPT-2 pre-tokenizer, <|endoftext|> special) trained on TEXT
+    and saved in folder ``d`` as a Hugging Face fast tokenizer; returns ``d``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -54,10 +53,14 @@ def tok_dir(tmp_path_factory):
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     t.train_from_iterator([TEXT], trainer)
-    d = tmp_path_factory.mktemp("tok")
     PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                             unk_token="<|endoftext|>").save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def _model(seed=0, vocab=320):

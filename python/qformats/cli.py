@@ -557,6 +557,9 @@ def _cmd_export_gguf(args) -> int:
         if out.exists() and not args.overwrite:
             raise ValueError(f"{out} exists (pass --overwrite to replace it)")
         _check_writable(str(out.parent))
+        if args.other is not None and args.other not in gguf.ggml_formats().values():
+            raise ValueError(f"--other {args.other}: expected one of {sorted(gguf.ggml_formats().values())} "
+                             "(formats with a GGML type)")
         with _Threads(args.threads):
             if is_quantized_dir(args.model):
                 model = _load_quantized_for_eval(args.model)[0]

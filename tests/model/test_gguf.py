@@ -287,6 +287,33 @@ def test_load_names_unsupported_types(tok_dir, tmp_path):
         qgguf.load(tmp_path / "q5.gguf")
 
 
+def test_cli_export_and_eval_without_shared(tok_dir, tmp_path, capsys):
+    """`qformats export-gguf` on a folder written by save_quantized, then `qformats eval` of the
+    file and of the folder: the same perplexity; the printout names what was written how."""
+    import qformats
+    from transformers import AutoTokenizer
+
+    m = _model()
+    d = tmp_path / "q"
+    qformats.save_quantized(m, d, tokenizer=AutoTokenizer.from_pretrained(tok_dir))
+    out = tmp_path / "q.gguf"
+    capsys.readouterr()
+    assert cli.main(["export-gguf", str(d), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Q4_0" in printed and "Q8_0" in printed and "decoded from a format with no GGML type" in printed
+    assert not (tmp_path / "q.gguf.part").exists()
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 3, encoding="utf-8")
+    ppl = {}
+    for src in (d, out):
+        assert cli.main(["eval", str(src), "--text", str(text), "--seqlen", "64", "--max-tokens", "0",
+                         "--no-progress", "--score-from", "32"]) == 0
+        ppl[src.name] = re.search(r"perplexity: ([0-9.]+)", capsys.readouterr().out).group(1)
+    assert ppl["q"] == ppl["q.gguf"]
+    assert cli.main(["export-gguf", str(d), str(out), "--other", "int4", "--overwrite"]) == 2
+    assert "--other int4: expected one of" in capsys.readouterr().err
+
+
 # -- the shared pydoc Llama -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -322,6 +322,7 @@ def main(argv=None) -> int:
                 "bitsandbytes": getattr(bnb, "__version__", None),
                 "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
                 "iters": args.iters, "copy": copy_by_shape,
+                "mode": "resident" if args.resident else "cold", "calls": args.calls if args.resident else None,
                 "source": "benchmarks/gemm.py --json (measured in this run)"}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": json_rows}, f, indent=1)

@@ -1,7 +1,8 @@
 """Sphinx extension: the benchmark and quality pages' tables and plots, generated at build time
 from the result files (never drawn or typed by hand).
 
-Reads ``benchmarks/results/gemm_h200.json`` (written by ``benchmarks/gemm.py --json``) and
+Reads ``benchmarks/results/gemm_h200.json`` and ``gemm_h200_resident.json`` (written by
+``benchmarks/gemm.py --json``, the second with ``--resident``) and
 ``benchmarks/results/quality.json`` (written by ``benchmarks/quality.py``) and writes, under
 ``docs/_generated/``, Markdown fragments that the pages include (``{include}``) and the PNG
 plots they show:
@@ -10,6 +11,8 @@ plots they show:
   torch._int_mm, bitsandbytes), one column of panels per weight shape, with each weight's
   memory-bandwidth floor (stored weight bytes / the device-to-device copy bandwidth of the
   same run) drawn as a dotted line; then the rows as tables.
+* ``gemm_resident.md`` + ``gemm_h200_resident.png``: the same in the resident mode (one weight
+  kept in L2, calls replayed in a CUDA graph: llama.cpp's ``test-backend-ops perf``), no floors.
 * ``quality.md`` + ``quality_pareto.png``: perplexity vs stored bits per weight, one marker per
   method, and the Pareto front (the points no other point beats in both bits and perplexity);
   then the table, and the MiniLM cosine table.
@@ -32,14 +35,15 @@ ROOT = DOCS.parent
 #: (panel row title, kernels drawn in it). Peers are drawn in grey/black.
 GEMM_PANELS = (
     ("weight-only (fp16 activations)",
-     ("fp16 cuBLAS", "bnb-nf4", "nf4", "int4", "q4_0", "mixed2bit",
+     ("fp16 cuBLAS", "bnb-nf4", "tinygemm-int4", "gemlite-a16w4", "nf4", "int4", "q4_0", "mixed2bit",
       "nf4+cuBLAS", "int4+cuBLAS", "q4_0+cuBLAS", "mixed2bit+cuBLAS")),
     ("integer kernels (quantized activations)",
      ("fp16 cuBLAS", "torch._int_mm", "bnb-int8", "q4_0xq8_1", "int8 fused", "int4xint4")),
 )
-PEERS = ("fp16 cuBLAS", "torch._int_mm", "bnb-nf4", "bnb-int8")
+PEERS = ("fp16 cuBLAS", "torch._int_mm", "bnb-nf4", "bnb-int8", "tinygemm-int4", "gemlite-a16w4")
 COLORS = {
     "fp16 cuBLAS": "black", "torch._int_mm": "dimgray", "bnb-nf4": "darkgray", "bnb-int8": "darkgray",
+    "tinygemm-int4": "tab:olive", "gemlite-a16w4": "tab:cyan",
     "nf4": "tab:blue", "int4": "tab:orange", "q4_0": "tab:green", "mixed2bit": "tab:red",
     "q4_0xq8_1": "tab:green", "int8 fused": "tab:purple", "int4xint4": "tab:orange",
 }
@@ -71,6 +75,7 @@ def gemm_plot(data: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = data["rows"]
+    resident = data.get("meta", {}).get("mode") == "resident"  # weight in L2: no DRAM floor
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(len(GEMM_PANELS), len(shapes), figsize=(5.2 * len(shapes), 4.6 * len(GEMM_PANELS)),
                              squeeze=False, sharex=True)
@@ -90,7 +95,7 @@ def gemm_plot(data: dict, png: Path) -> None:
                 floors.setdefault(base, (kr[0]["weight_bytes"], st["color"]))
             labels: list = []  # [floor us, names, bits]: weights of nearly equal size share a label
             mk = srows[0]["M"] * srows[0]["K"]
-            for base, (wbytes, color) in sorted(floors.items(), key=lambda kv: kv[1][0]):
+            for base, (wbytes, color) in sorted(floors.items(), key=lambda kv: kv[1][0]) if not resident else ():
                 floor_us = wbytes / (copy_gbs * 1e3)  # bytes / (GB/s) -> us
                 ax.axhline(floor_us, color=color, linestyle=":", linewidth=1.0, alpha=0.9)
                 if labels and floor_us < 1.25 * labels[-1][0]:
@@ -117,14 +122,18 @@ def gemm_plot(data: dict, png: Path) -> None:
             if j == len(shapes) - 1:
                 ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     meta = data.get("meta", {})
-    fig.suptitle(f"Y = X . W^T on {meta.get('gpu', '?')} ({meta.get('date', '?')}); dotted: each weight's "
-                 f"memory-bandwidth floor = stored weight bytes / copy bandwidth", fontsize=10.5)
+    if resident:
+        fig.suptitle(f"Y = X . W^T on {meta.get('gpu', '?')} ({meta.get('date', '?')}), resident mode: one weight, "
+                     f"{meta.get('calls', '?')} calls in a CUDA graph (llama.cpp's perf mode)", fontsize=10.5)
+    else:
+        fig.suptitle(f"Y = X . W^T on {meta.get('gpu', '?')} ({meta.get('date', '?')}); dotted: each weight's "
+                     f"memory-bandwidth floor = stored weight bytes / copy bandwidth", fontsize=10.5)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
 
-def _fmt_meta_gemm(meta: dict) -> str:
+def _fmt_meta_gemm(meta: dict, fname: str) -> str:
     versions = ", ".join(f"{k} {meta[k]}" for k in ("driver", "torch", "cuda", "bitsandbytes", "qformats")
                          if meta.get(k))
     copy = "; ".join(f"{s}: {c['copy_gbs']:.0f} GB/s" for s, c in meta.get("copy", {}).items())
@@ -132,15 +141,16 @@ def _fmt_meta_gemm(meta: dict) -> str:
             f"median of {meta.get('iters', '?')} calls per row\n"
             f"- **command**: `{meta.get('command', '?')}`\n"
             f"- **device-to-device copy bandwidth** (the floor's denominator): {copy}\n"
-            f"- **file**: `benchmarks/results/gemm_h200.json`; source: {meta.get('source', '?')}\n")
+            f"- **file**: `benchmarks/results/{fname}`; source: {meta.get('source', '?')}\n")
 
 
-def gemm_markdown(data: dict | None, png_name: str) -> str:
+def gemm_markdown(data: dict | None, png_name: str, fname: str = "gemm_h200.json") -> str:
     if data is None:
-        return ("```{note}\nThe GEMM result file `benchmarks/results/gemm_h200.json` is absent, so "
+        return (f"```{{note}}\nThe GEMM result file `benchmarks/results/{fname}` is absent, so "
                 "there is no plot or table here. It is written on a GPU machine by "
-                "`python benchmarks/gemm.py --json benchmarks/results/gemm_h200.json`.\n```\n")
-    out = [_fmt_meta_gemm(data.get("meta", {})), "",
+                f"`python benchmarks/gemm.py --json benchmarks/results/{fname}`.\n```\n")
+    resident = data.get("meta", {}).get("mode") == "resident"
+    out = [_fmt_meta_gemm(data.get("meta", {}), fname), "",
            f"```{{image}} /_generated/{png_name}\n:alt: GEMM time vs N per kernel and shape, with the "
            f"memory-bandwidth floors\n:width: 100%\n```", ""]
     rows = data["rows"]
@@ -149,8 +159,8 @@ def gemm_markdown(data: dict | None, png_name: str) -> str:
                 "| N | kernel | time us | floor us | TFLOP/s | weight GB/s | % copy | x fp16 |",
                 "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in (r for r in rows if r["shape"] == shape):
-            floor = r["weight_bytes"] / (r["copy_gbs"] * 1e3)
-            out.append(f"| {r['N']} | {r['kernel']} | {r['time_us']:.1f} | {floor:.1f} | {r['tflops']:.1f} | "
+            floor = "-" if resident else f"{r['weight_bytes'] / (r['copy_gbs'] * 1e3):.1f}"
+            out.append(f"| {r['N']} | {r['kernel']} | {r['time_us']:.1f} | {floor} | {r['tflops']:.1f} | "
                        f"{r['weight_gbs']:.0f} | {r['pct_copy']:.1f}% | {r['x_fp16']:.2f}x |")
         out.append("")
     return "\n".join(out) + "\n"
@@ -306,17 +316,19 @@ def generate(results_dir: Path, out_dir: Path) -> list[Path]:
     """Write the fragments and plots; returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    gemm = _load(results_dir / "gemm_h200.json")
-    if gemm is not None:
-        gemm_plot(gemm, out_dir / "gemm_h200.png")
-        written.append(out_dir / "gemm_h200.png")
-    (out_dir / "gemm.md").write_text(gemm_markdown(gemm, "gemm_h200.png"))
+    for stem, md in (("gemm_h200", "gemm.md"), ("gemm_h200_resident", "gemm_resident.md")):
+        gemm = _load(results_dir / f"{stem}.json")
+        if gemm is not None:
+            gemm_plot(gemm, out_dir / f"{stem}.png")
+            written.append(out_dir / f"{stem}.png")
+        (out_dir / md).write_text(gemm_markdown(gemm, f"{stem}.png", f"{stem}.json"))
+        written.append(out_dir / md)
     quality = _load(results_dir / "quality.json")
     if quality is not None:
         quality_plot(quality, out_dir / "quality_pareto.png")
         written.append(out_dir / "quality_pareto.png")
     (out_dir / "quality.md").write_text(quality_markdown(quality, "quality_pareto.png"))
-    return written + [out_dir / "gemm.md", out_dir / "quality.md"]
+    return written + [out_dir / "quality.md"]
 
 
 def _builder_inited(app) -> None:

@@ -38,6 +38,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from ._core import FORMATS, QuantizedTensor, format_module, format_spec
+
 __all__ = ["GGUFError", "ExportedTensor", "export", "load", "load_tokenizer", "ARCHITECTURES",
            "ggml_formats"]
 
@@ -83,10 +85,10 @@ def _gguf():
 
 
 def ggml_formats() -> dict:
-    """``{GGML type name: qformats format}`` for the formats whose spec names a GGML type
-    (built formats only)."""
-    from ._core import FORMATS, format_spec
-
+    """The formats GGUF holds byte for byte: ``{GGML type name (str, e.g. "Q4_0"): qformats
+    format name}`` for every built format whose spec names a GGML type
+    (:attr:`qformats.FormatSpec.ggml_type`); formats whose native module is not built are left
+    out. Raises nothing."""
     out = {}
     for f in FORMATS:
         try:
@@ -276,11 +278,9 @@ def _float_array(t) -> tuple:
     return f.numpy(), "F32"
 
 
-def _quantized_array(layer, ggml_of: dict) -> Optional[tuple]:
+def _quantized_array(layer) -> Optional[tuple]:
     """``(uint8 [N, K // block * bytes], GGML type)`` of a QuantizedLinear whose format is a
     GGML type, or None."""
-    from ._core import format_spec
-
     spec = format_spec(layer.format)
     if not spec.ggml_type:
         return None
@@ -290,8 +290,6 @@ def _quantized_array(layer, ggml_of: dict) -> Optional[tuple]:
 
 
 def _requantize(weight, fmt: str) -> tuple:
-    from ._core import format_module, format_spec
-
     spec = format_spec(fmt)
     q = format_module(fmt).quantize(weight.detach().float().cpu().contiguous())
     a = np.asarray(q.buffers[next(iter(q.buffers))])
@@ -299,12 +297,12 @@ def _requantize(weight, fmt: str) -> tuple:
 
 
 def _file_type(types: list):
+    """general.file_type: llama.cpp's ``MOSTLY_<type>`` of the most common 2-D tensor type
+    (``ALL_F32`` where that is F32 or has no such entry)."""
     g = _gguf()
     counts = {t: types.count(t) for t in set(types)}
     main = max(counts, key=lambda t: (counts[t], t != "F32"))
-    return {"Q4_0": g.LlamaFileType.MOSTLY_Q4_0, "Q8_0": g.LlamaFileType.MOSTLY_Q8_0,
-            "F16": g.LlamaFileType.MOSTLY_F16, "BF16": g.LlamaFileType.MOSTLY_BF16
-            }.get(main, g.LlamaFileType.ALL_F32)
+    return getattr(g.LlamaFileType, f"MOSTLY_{main}", g.LlamaFileType.ALL_F32)
 
 
 def export(model, path: Union[str, os.PathLike], tokenizer: Any = None, *,
@@ -363,7 +361,7 @@ def export(model, path: Union[str, os.PathLike], tokenizer: Any = None, *,
             raise GGUFError(f"{key}: no llama.cpp tensor name for it (gguf tensor map of {arch})")
         kind, gname = found
         if owner in layers and leaf == "weight":
-            got = _quantized_array(layer, ggml_of)
+            got = _quantized_array(layer)
             if got is not None:
                 arr, ttype, how, exact = *got, "bytes", True
             elif other is not None:
@@ -478,7 +476,6 @@ def load(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any = Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ._core import QuantizedTensor
     from .nn import QuantizedLinear
     from .saving import empty_weights
 
@@ -520,8 +517,6 @@ def load(path: Union[str, os.PathLike], *, device: Any = "cpu", dtype: Any = Non
             mod = model.get_submodule(owner)
             if leaf != "weight" or not isinstance(mod, torch.nn.Linear):
                 raise GGUFError(f"{t.name}: {ttype} data for {key}, which is not a Linear weight")
-            from ._core import format_module
-
             (bname, (bdtype, bshape)), = format_module(fmt).expected_buffers(shape, {}).items()
             raw = data.view(np.uint8).reshape(bshape)
             if heads is not None:

@@ -13,10 +13,12 @@
 #include "formats/mixed2bit/mixed2bit.h"
 #include "formats/mixed2bit/mixed2bit_gemm_cpu.h"
 #include "formats/mixed2bit/mixed2bit_gemm_cuda.h"
+#include "formats/mixed2bit/mixed2bit_tiled.h"
 
 using namespace qf;
 using namespace qf::bind;
 namespace m2 = qf::mixed2bit;
+namespace m2t = qf::mixed2bit::tiled;
 
 namespace {
 
@@ -304,6 +306,135 @@ void unpack_2bit(const InArray& packed, const OutArray& out, uintptr_t stream) {
   }
 }
 
+// -- layout "tiled" (formats/mixed2bit/mixed2bit_tiled.h): CPU kernels ---------------------------
+
+m2t::Dims make_tiled_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4_full,
+                          int64_t n4_last) {
+  nonneg(rows, "rows");
+  nonneg(K, "K");
+  if (group_size < m2::kGroupMultiple || group_size % m2::kGroupMultiple)
+    throw std::invalid_argument("group_size must be a positive multiple of 16, got " + std::to_string(group_size));
+  if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
+  mul(rows, K, "rows * K");
+  m2t::Dims d;
+  d.rows = rows;
+  d.K = K;
+  d.group_size = group_size;
+  d.scale_block = scale_block;
+  d.n4_full = n4_full;
+  d.n4_last = n4_last;
+  m2t::check_dims(d);
+  return d;
+}
+
+// Checks the seven buffers against the dims: device, dtypes, contiguity, element counts.
+template <class Arr>
+void check_tiled_buffers(const m2t::Dims& d, const Device& dev, const Arr& codes, const Arr& scales, const Arr& so,
+                         const Arr& map, const Arr& lo, const Arr& mc4, const Arr& so4) {
+  require<int32_t>(codes, "codes", dev);
+  require<uint8_t>(scales, "scales", dev);
+  require_f16(so, "so", dev);
+  require<uint32_t>(map, "map", dev);
+  require<int32_t>(lo, "lo", dev);
+  require<uint8_t>(mc4, "mc4", dev);
+  require_f16(so4, "so4", dev);
+  const int64_t rows = d.rows;
+  require_numel(codes, mul(rows, d.K / m2::kCodes2PerWord, "codes"), "codes");
+  require_numel(scales, mul(rows, d.groups_per_row(), "scales"), "scales");
+  require_numel(so, mul(mul(rows, d.blocks_per_row(), "so"), 2, "so"), "so");
+  require_numel(map, mul(rows, d.map_words(), "map"), "map");
+  require_numel(lo, mul(mul(rows, d.n4_row(), "lo"), d.words_per_group(), "lo"), "lo");
+  require_numel(mc4, mul(rows, d.n4_row(), "mc4"), "mc4");
+  require_numel(so4, mul(mul(rows, d.tiles_per_row(), "so4"), 2, "so4"), "so4");
+}
+
+void require_cpu(const Device& dev) {
+  if (dev.cuda) throw std::invalid_argument("mixed2bit layout 'tiled': CPU arrays only (no CUDA kernels yet)");
+}
+
+m2t::ConstBuffers tiled_const_buffers(const InArray& codes, const InArray& scales, const InArray& so,
+                                      const InArray& map, const InArray& lo, const InArray& mc4, const InArray& so4) {
+  return {cptr<uint32_t>(codes), cptr<uint8_t>(scales), cptr<half_t>(so), cptr<uint32_t>(map),
+          cptr<uint32_t>(lo),    cptr<uint8_t>(mc4),    cptr<half_t>(so4)};
+}
+
+// w: float [rows, K] (CPU); sensitivity: float32 [K] or None; outputs as in mixed2bit_tiled.h.
+void tiled_quantize(const InArray& w, const InArray& sensitivity, int64_t group_size, int64_t scale_block,
+                    int64_t n4_full, int64_t n4_last, const OutArray& codes, const OutArray& scales, const OutArray& so,
+                    const OutArray& map, const OutArray& lo, const OutArray& mc4, const OutArray& so4) {
+  const Device dev = device_of(w, 0, "w");
+  require_cpu(dev);
+  if (w.ndim() != 2) throw std::invalid_argument("w: expected a 2-D array");
+  const m2t::Dims d = make_tiled_dims(static_cast<int64_t>(w.shape(0)), static_cast<int64_t>(w.shape(1)), group_size,
+                                      scale_block, n4_full, n4_last);
+  check_tiled_buffers(d, dev, codes, scales, so, map, lo, mc4, so4);
+  const float* sens = nullptr;
+  if (sensitivity.is_valid()) {
+    require<float>(sensitivity, "sensitivity", dev);
+    require_numel(sensitivity, d.K, "sensitivity");
+    sens = cptr<float>(sensitivity);
+  }
+  const m2t::Buffers out{mptr<uint32_t>(codes), mptr<uint8_t>(scales), mptr<half_t>(so), mptr<uint32_t>(map),
+                         mptr<uint32_t>(lo),    mptr<uint8_t>(mc4),    mptr<half_t>(so4)};
+  dispatch_float(w, "w", dev, [&](auto* pw) {
+    if (d.rows * d.groups_per_row() == 0) return;  // no output (nb_common.h)
+    m2t::quantize_cpu(pw, sens, d, out);
+  });
+}
+
+// out: float32, float16 or bfloat16 [rows * K] (CPU).
+void tiled_dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4_full,
+                      int64_t n4_last, const InArray& codes, const InArray& scales, const InArray& so,
+                      const InArray& map, const InArray& lo, const InArray& mc4, const InArray& so4,
+                      const OutArray& out) {
+  const Device dev = device_of(out, 0, "out");
+  require_cpu(dev);
+  const m2t::Dims d = make_tiled_dims(rows, K, group_size, scale_block, n4_full, n4_last);
+  check_tiled_buffers(d, dev, codes, scales, so, map, lo, mc4, so4);
+  const m2t::ConstBuffers q = tiled_const_buffers(codes, scales, so, map, lo, mc4, so4);
+  dispatch_float_out(out, "out", dev, [&](auto* py) {
+    require_numel(out, mul(rows, K, "rows * K"), "out");
+    if (rows * d.groups_per_row() == 0) return;
+    m2t::dequantize_cpu(q, d, py);
+  });
+}
+
+// The policy of bindings/linear.h over a tiled-layout weight: CPU only (make_tiled_linear refuses
+// CUDA arrays, so the CUDA members are never reached).
+struct TiledLinear {
+  m2t::ConstBuffers q;
+  m2t::Dims d;
+#if defined(QFORMATS_WITH_CUDA)
+  template <class T>
+  void cuda(const T*, int64_t, T*, const T*, void*) const {
+    throw std::invalid_argument("mixed2bit layout 'tiled': no CUDA kernels");
+  }
+  template <class T>
+  void dequantize_cuda(T*, void*, int64_t, void*) const {
+    throw std::invalid_argument("mixed2bit layout 'tiled': no CUDA kernels");
+  }
+  int64_t dequantize_workspace_cuda() const { return 0; }
+#endif
+  template <class T>
+  void dequantize_cpu(T* w) const {
+    m2t::dequantize_cpu(q, d, w);
+  }
+  void cpu(const float* x, int64_t N, float* y) const { m2t::gemm_cpu(x, N, q, d, y); }
+};
+
+PackedLinear<TiledLinear> make_tiled_linear(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block,
+                                            int64_t n4_full, int64_t n4_last, const InArray& codes,
+                                            const InArray& scales, const InArray& so, const InArray& map,
+                                            const InArray& lo, const InArray& mc4, const InArray& so4) {
+  const Device dev = device_of(codes, 0, "codes");
+  require_cpu(dev);
+  const m2t::Dims d = make_tiled_dims(rows, K, group_size, scale_block, n4_full, n4_last);
+  check_tiled_buffers(d, dev, codes, scales, so, map, lo, mc4, so4);
+  std::vector<InArray> keep{codes, scales, so, map, lo, mc4, so4};
+  return packed_linear(TiledLinear{tiled_const_buffers(codes, scales, so, map, lo, mc4, so4), d}, rows, K, codes,
+                       std::move(keep));
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -340,4 +471,14 @@ NB_MODULE(_native, m) {
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
   m.def("pack_2bit", &pack_2bit, nb::arg("values"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("unpack_2bit", &unpack_2bit, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
+  m.def("tiled_quantize", &tiled_quantize, nb::arg("w"), nb::arg("sensitivity").none(), nb::arg("group_size"),
+        nb::arg("scale_block"), nb::arg("n4_full"), nb::arg("n4_last"), nb::arg("codes"), nb::arg("scales"),
+        nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"), release_gil());
+  m.def("tiled_dequantize", &tiled_dequantize, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
+        nb::arg("scale_block"), nb::arg("n4_full"), nb::arg("n4_last"), nb::arg("codes"), nb::arg("scales"),
+        nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"), nb::arg("out"), release_gil());
+  bind_linear<TiledLinear>(m, "A mixed2bit weight in the tiled layout [rows, K] bound for repeated x . W^T calls.");
+  m.def("make_tiled_linear", &make_tiled_linear, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
+        nb::arg("scale_block"), nb::arg("n4_full"), nb::arg("n4_last"), nb::arg("codes"), nb::arg("scales"),
+        nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"));
 }

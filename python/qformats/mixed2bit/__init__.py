@@ -26,6 +26,17 @@ outlier_idx    int32    [n_out]                          flat indices r * K + k,
 outlier_val    float16  [n_out]                          the outliers' values
 =============  =======  ===============================  ==========================================
 
+Layout "tiled" (``quantize(..., layout="tiled")``, ``src/formats/mixed2bit/mixed2bit_tiled.h``):
+the same per-group rules, with ``round(ratio_4bit * 256)`` 4-bit groups chosen in every tile of
+256 consecutive groups of a row (so every row has the same count), no outliers, and buffers a
+row-wise kernel reads by column: ``codes`` int32 [rows, K / 16] (2 bits per value of every
+group: a 4-bit group's high bits), ``scales`` uint8 [rows, G] (sc | mc << 4, or a 4-bit group's
+8-bit sc), ``so`` float16 [rows, ceil(G / scale_block), 2] (blocks of consecutive positions),
+``map`` uint32 [rows, ceil(G / 32)] (bit c: group c is 4-bit), ``lo`` int32 [rows, n4_row,
+group_size / 16] (the 4-bit groups' low bits, in position order), ``mc4`` uint8 [rows, n4_row]
+and ``so4`` float16 [rows, ceil(G / 256), 2]. About 2.95 bits per weight at the defaults. CPU
+kernels only in this version.
+
 Decoded value: ``q * (d * sc) - (dm * mc)`` (float32), outliers replaced by their fp16 value.
 At the defaults this stores ~2.94 bits per weight (every buffer counted by
 :attr:`QuantizedTensor.avg_bits`). The exact rules are in ``src/formats/mixed2bit/mixed2bit.h``
@@ -71,11 +82,13 @@ DEFAULT_RATIO_4BIT = 0.1
 DEFAULT_SCALE_BLOCK = 16
 BUFFER_NAMES = reference.BUFFER_NAMES
 PARAM_NAMES = ("group_size", "ratio_4bit", "outlier_ratio", "scale_block", "selection", "n4", "n_out")
+LAYOUTS = ("global", "tiled")  #: "global": mixed2bit.h; "tiled": mixed2bit_tiled.h
+TILED_BUFFER_NAMES = reference.TILED_BUFFER_NAMES
 _MAX_INT32 = 2**31 - 1
 
 __all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "gemm", "gemm_cuda_supported", "pack_2bit",
            "unpack_2bit", "nmse",
-           "FORMAT", "BUFFER_NAMES", "reference"]
+           "FORMAT", "BUFFER_NAMES", "TILED_BUFFER_NAMES", "LAYOUTS", "reference"]
 
 
 # -- parameter checks ------------------------------------------------------------------------
@@ -129,17 +142,20 @@ def expected_buffers(shape, params) -> dict:
     Args:
         shape: the logical ``(rows, K)``.
         params: the QuantizedTensor's params: ``group_size``, ``ratio_4bit``, ``outlier_ratio``,
-            ``scale_block``, ``selection`` ("range" or "sensitivity"), ``n4``, ``n_out``.
+            ``scale_block``, ``selection`` ("range" or "sensitivity"), ``n4``, ``n_out``, and for
+            the tiled layout ``layout="tiled"`` (absent: the global layout).
     Returns:
-        ``{name: (dtype_str, shape_tuple)}`` for the nine buffers (see the module docstring).
+        ``{name: (dtype_str, shape_tuple)}`` for the nine buffers of the global layout or the
+        seven of the tiled one (see the module docstring).
     Raises:
         ValueError: missing/unknown params, bad values, K not a multiple of group_size, or n4 /
             n_out not the counts the ratios give for this shape.
         TypeError: a param of the wrong type.
     """
-    if not isinstance(params, dict) or set(params) != set(PARAM_NAMES):
-        raise ValueError(f"mixed2bit params must have exactly the keys {PARAM_NAMES}, got "
-                         f"{sorted(params) if isinstance(params, dict) else params!r}")
+    if not isinstance(params, dict) or set(params) - {"layout"} != set(PARAM_NAMES):
+        raise ValueError(f"mixed2bit params must have exactly the keys {PARAM_NAMES} (and optionally "
+                         f"'layout'), got {sorted(params) if isinstance(params, dict) else params!r}")
+    layout = _check_layout(params.get("layout", "global"))
     rows, K = _shape2(shape)
     gs = _check_group_size(params["group_size"])
     if K % gs:
@@ -152,6 +168,13 @@ def expected_buffers(shape, params) -> dict:
     n4 = A.check_int(params["n4"], "n4")
     n_out = A.check_int(params["n_out"], "n_out")
     n_groups = rows * (K // gs)
+    if layout == "tiled":
+        _check_tiled(orat, sb)
+        n4_row = reference.tiled_counts(K, gs, ratio)[2]
+        if n4 != rows * n4_row or n_out != 0:
+            raise ValueError(f"n4={n4}, n_out={n_out} but the tiled layout of ratio_4bit={ratio} gives "
+                             f"n4={rows * n4_row}, n_out=0")
+        return reference.tiled_buffer_shapes(rows, K, gs, sb, n4_row)
     if n4 != reference.n4_count(ratio, n_groups):
         raise ValueError(f"n4={n4} but ratio_4bit={ratio} of {n_groups} groups gives "
                          f"{reference.n4_count(ratio, n_groups)}")
@@ -163,7 +186,7 @@ def expected_buffers(shape, params) -> dict:
 
 def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = DEFAULT_RATIO_4BIT,
              sensitivity: Any = None, outlier_ratio: float = 0.0,
-             scale_block: int = DEFAULT_SCALE_BLOCK) -> QuantizedTensor:
+             scale_block: int = DEFAULT_SCALE_BLOCK, layout: str = "global") -> QuantizedTensor:
     """Quantize a weight matrix to mixed 2/4-bit groups.
 
     Args:
@@ -179,7 +202,13 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
             groups are ranked by ``sum(sensitivity * w**2)`` instead of their range.
         outlier_ratio: fraction of the 2-bit groups' elements kept as fp16 outliers (largest
             ``|w|`` first), in [0, 1] (default 0). Needs rows * K < 2**31 when non-zero.
-        scale_block: groups per second-order block (fp16 [d, dm] pair), >= 1 (default 16).
+        scale_block: groups per second-order block (fp16 [d, dm] pair), >= 1 (default 16); the
+            tiled layout: a power of two <= 256 (blocks of consecutive positions of a row).
+        layout: "global" (default; the 4-bit groups chosen over the whole matrix,
+            ``mixed2bit.h``) or "tiled" (``round(ratio_4bit * 256)`` 4-bit groups in every tile
+            of 256 consecutive groups of a row, every group's high 2 bits at its column, no
+            outliers; ``mixed2bit_tiled.h``). The tiled layout has CPU kernels only in this
+            version.
     Returns:
         A :class:`~qformats.QuantizedTensor` (format ``"mixed2bit"``) whose buffers are in the
         library of ``w`` (numpy or torch); params hold the arguments above (sensitivity as
@@ -193,15 +222,20 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
             int32 outlier indices, or values too large for the fp16 second-order fields
             (message "values too large ..."): in a 2-bit group a minimum below about -9.8e5
             or a range above about 2.9e6 (4-bit groups: 17x and 85x more), or an fp16 outlier
-            beyond 65504.
+            beyond 65504; the tiled layout with outlier_ratio > 0 or a scale_block that is not a
+            power of two <= 256.
+        NotImplementedError: the tiled layout with w on a CUDA device.
     """
     gs = _check_group_size(group_size)
     ratio = _check_ratio(ratio_4bit, "ratio_4bit")
     orat = _check_ratio(outlier_ratio, "outlier_ratio")
     sb = A.check_int(scale_block, "scale_block", minimum=1)
+    layout = _check_layout(layout)
     A.check_float(w, "w", ndim=2, multiple_of=gs)
     rows, K = (int(s) for s in w.shape)
     sens = None if sensitivity is None else _check_sensitivity(sensitivity, K)
+    if layout == "tiled":
+        return _quantize_tiled(w, sens, gs, ratio, orat, sb)
     n_groups = rows * (K // gs)
     n4 = reference.n4_count(ratio, n_groups)
     n_out = reference.n_out_count(orat, n_groups - n4, gs)
@@ -217,6 +251,62 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
 
 def _on_cuda(x: Any) -> bool:
     return A.is_torch(x) and x.device.type == "cuda"
+
+
+def _check_layout(layout: Any) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _check_tiled(outlier_ratio: float, scale_block: int) -> None:
+    if outlier_ratio != 0.0:
+        raise ValueError("the tiled layout has no outliers: outlier_ratio must be 0")
+    if scale_block > reference.TILE_GROUPS or scale_block & (scale_block - 1):
+        raise ValueError(f"scale_block: the tiled layout needs a power of two <= {reference.TILE_GROUPS}, "
+                         f"got {scale_block}")
+
+
+def _no_cuda_tiled(x: Any) -> None:
+    if _on_cuda(x):
+        raise NotImplementedError("mixed2bit layout 'tiled' has CPU kernels only in this version; "
+                                  "quantize and decode it on the CPU")
+
+
+def _tiled_counts(K: int, gs: int, ratio: float) -> tuple[int, int]:
+    """(n4_full, n4_last): 4-bit groups of a full tile and of the row's last, shorter tile."""
+    rest = (K // gs) % reference.TILE_GROUPS
+    return reference.n4_count(ratio, reference.TILE_GROUPS), (reference.n4_count(ratio, rest) if rest else 0)
+
+
+def _quantize_tiled(w: Any, sens: np.ndarray | None, gs: int, ratio: float, orat: float,
+                    sb: int) -> QuantizedTensor:
+    _check_tiled(orat, sb)
+    _no_cuda_tiled(w)
+    rows, K = (int(s) for s in w.shape)
+    params = {"group_size": gs, "ratio_4bit": ratio, "outlier_ratio": 0.0, "scale_block": sb,
+              "selection": "range" if sens is None else "sensitivity",
+              "n4": rows * reference.tiled_counts(K, gs, ratio)[2], "n_out": 0, "layout": "tiled"}
+    shapes = expected_buffers((rows, K), params)
+    bufs = {name: A.empty(w, shape, dt) for name, (dt, shape) in shapes.items()}
+    _native.tiled_quantize(w, sens, gs, sb, *_tiled_counts(K, gs, ratio), *(bufs[n] for n in TILED_BUFFER_NAMES))
+    return QuantizedTensor(FORMAT, (rows, K), A.dtype_name(w), params, bufs)
+
+
+def _tiled_args(q: QuantizedTensor) -> tuple:
+    """(rows, K, group_size, scale_block, n4_full, n4_last, *buffers) after checking the buffers."""
+    p = q.params
+    for name, (dt, _) in expected_buffers(q.shape, p).items():
+        A.check_array(q.buffers[name], name, dt)
+    A.same_device(*((n, q.buffers[n]) for n in TILED_BUFFER_NAMES))
+    _no_cuda_tiled(q.buffers["codes"])
+    rows, K = q.shape
+    return (rows, K, p["group_size"], p["scale_block"], *_tiled_counts(K, p["group_size"], p["ratio_4bit"]),
+            *(q.buffers[n] for n in TILED_BUFFER_NAMES))
+
+
+def _tiled(q: QuantizedTensor) -> bool:
+    return q.params.get("layout", "global") == "tiled"
 
 
 def _quantize_into(w: Any, sens: np.ndarray | None, gs: int, sb: int, n4: int, n_out: int,
@@ -259,9 +349,16 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
         buffers that do not match the params (shape, dtype, device; on the CPU also the map
         count and the outlier indices: on CUDA such buffers decode to all-NaN instead, since
         raising would need a synchronization).
-        NotImplementedError: buffers on a device without kernels in this build.
+        NotImplementedError: buffers on a device without kernels in this build (the tiled
+            layout: CUDA).
     """
     q = check_quantized(q, FORMAT)
+    if _tiled(q):
+        args = _tiled_args(q)
+        out = A.empty(q.buffers["codes"], q.shape, output_dtype(q, dtype))
+        if q.numel:
+            _native.tiled_dequantize(*args, out)
+        return out
     args = _native_args(q)
     like = q.buffers["codes2"]
     out = A.empty(like, q.shape, output_dtype(q, dtype))
@@ -393,6 +490,8 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         TypeError / ValueError: as :func:`dequantize` for ``w``; x not a float array, not 2-D,
             K mismatch, non-contiguous or non-finite; x and w on different devices; a group_map
             that does not mark n4 groups.
+        NotImplementedError: the tiled layout on CUDA (its product on the CPU decodes a panel
+            of rows at a time, float32 output).
     """
     w = check_quantized(w, FORMAT)
     A.check_type(x, "x")
@@ -401,6 +500,10 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     if x.shape[1] != K:
         raise ValueError(f"x: expected K={K} columns, got shape {tuple(x.shape)}")
     A.same_device(("x", x), *w.buffers.items())
+    if _tiled(w):
+        out = A.empty(x, (x.shape[0], M), "float32")
+        _native.make_tiled_linear(*_tiled_args(w))(x, out)
+        return out
     if A.is_cuda(x):
         if not gemm_cuda_supported(w):
             return x @ dequantize(w, dtype=A.dtype_name(x)).T
@@ -419,6 +522,8 @@ def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None
     """mixed2bit weight ``q`` [rows, K] bound to the native weight-only kernel; on CUDA with the
     chunk index (``derived["chunk_index"]``, made here when not given), None for params the
     CUDA kernel does not take (outliers, other group sizes)."""
+    if _tiled(q):
+        return LinearKernel(_native.make_tiled_linear(*_tiled_args(q)))
     args = _native_args(q)
     if not _on_cuda(q.buffers["group_map"]):
         return LinearKernel(_native.make_linear(*args))
@@ -452,7 +557,8 @@ SPEC = FormatSpec(
     linear_rows=WEIGHT_ONLY_ROWS,
     tune_rows=TUNE_ROWS,
     make_linear=_make_linear,
-    trainable=lambda p: float(p.get("outlier_ratio", 0.0)) == 0.0 and p.get("sensitivity") is None,
+    trainable=lambda p: (float(p.get("outlier_ratio", 0.0)) == 0.0 and p.get("sensitivity") is None
+                         and p.get("layout", "global") == "global"),
     rounding=_rounding,
     calibrated=lambda p: float(p.get("ratio_4bit", DEFAULT_RATIO_4BIT)) > 0,
 )

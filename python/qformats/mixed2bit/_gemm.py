@@ -43,6 +43,8 @@ def _row_index(q: QuantizedTensor) -> Any:
 def gemm_cuda_supported(w: QuantizedTensor) -> bool:
     """Whether the CUDA GEMM kernel takes weight ``w``'s parameters: group_size = 16 * 2^j <= 512,
     a power-of-two scale_block, no outliers. :func:`gemm` falls back to dequantize + matmul on
-    the GPU otherwise."""
+    the GPU otherwise. The tiled layout has no CUDA kernel (False)."""
     p = w.params
+    if p.get("layout", "global") != "global":
+        return False
     return bool(_native.gemm_cuda_supports(*w.shape, p["group_size"], p["scale_block"], p["n4"], p["n_out"]))

@@ -296,3 +296,158 @@ def unpack_2bit(packed: np.ndarray, num_elements: int) -> np.ndarray:
     """int32 words (any shape) -> uint8 [num_elements]: the first values, in order."""
     p = np.asarray(packed, np.int32).reshape(-1, 1)
     return _unpack(p, 2, 16).reshape(-1)[:num_elements]
+
+
+# -- layout "tiled" -------------------------------------------------------------------------------
+# The same per-group rules (steps 1, 4, 6) with the 4-bit groups chosen per tile of TILE_GROUPS
+# consecutive groups of a row (a fixed count per tile), every group's 2 high bits in one regular
+# stream, and second-order blocks along the row. The spec is in
+# ``src/formats/mixed2bit/mixed2bit_tiled.h``.
+
+TILE_GROUPS = 256   #: groups per tile (the last tile of a row may be shorter)
+TILED_BUFFER_NAMES = ("codes", "scales", "so", "map", "lo", "mc4", "so4")
+
+
+def tiled_counts(K: int, group_size: int, ratio_4bit: float) -> tuple[int, int, int]:
+    """(G, n_tiles, n4_row): groups and tiles per row, 4-bit groups per row (every row has the
+    same: ``n4_count(ratio_4bit, tile size)`` per tile)."""
+    G = K // group_size
+    full, rest = divmod(G, TILE_GROUPS)
+    n4_row = full * n4_count(ratio_4bit, TILE_GROUPS) + (n4_count(ratio_4bit, rest) if rest else 0)
+    return G, -(-G // TILE_GROUPS), n4_row
+
+
+def tiled_buffer_shapes(rows: int, K: int, group_size: int, scale_block: int, n4_row: int) -> dict:
+    """{name: (dtype, shape)} of every buffer of the tiled layout (see mixed2bit_tiled.h)."""
+    G = K // group_size
+    return {
+        "codes": ("int32", (rows, K // 16)),
+        "scales": ("uint8", (rows, G)),
+        "so": ("float16", (rows, -(-G // scale_block), 2)),
+        "map": ("uint32", (rows, -(-G // 32))),
+        "lo": ("int32", (rows, n4_row, group_size // 16)),
+        "mc4": ("uint8", (rows, n4_row)),
+        "so4": ("float16", (rows, -(-G // TILE_GROUPS), 2)),
+    }
+
+
+def select_4bit_tiled(scores: np.ndarray, rows: int, G: int, ratio_4bit: float) -> np.ndarray:
+    """Step 2 of the tiled layout: bool [rows, G], per tile the ``n4_count(ratio_4bit, tile
+    size)`` largest scores (ties: the smaller position). Raises ValueError (:data:`TOO_LARGE`)
+    for a NaN score."""
+    if np.isnan(scores).any():
+        raise ValueError(TOO_LARGE)
+    s = scores.reshape(rows, G)
+    is4 = np.zeros((rows, G), bool)
+    for t0 in range(0, G, TILE_GROUPS):
+        tile = s[:, t0:t0 + TILE_GROUPS]
+        n = n4_count(ratio_4bit, tile.shape[1])
+        order = np.argsort(-tile, axis=1, kind="stable")[:, :n]  # stable: ties keep position order
+        np.put_along_axis(is4[:, t0:t0 + TILE_GROUPS], order, True, axis=1)
+    return is4
+
+
+def _row_block_max(v: np.ndarray, block: int) -> np.ndarray:
+    """float32 [rows, ceil(G / block)]: max of v [rows, G] (>= +0) over consecutive blocks of
+    each row (the last may be partial; an empty max is 0)."""
+    rows, G = v.shape
+    nb = -(-G // block)
+    padded = np.zeros((rows, nb * block), np.float32)
+    padded[:, :G] = v
+    return padded.reshape(rows, nb, block).max(axis=2, initial=_F0)
+
+
+def quantize_tiled(w, group_size: int = 16, ratio_4bit: float = 0.1, sensitivity=None,
+                   scale_block: int = 16) -> dict:
+    """float w [rows, K] -> the dict of tiled-layout buffers (see :func:`tiled_buffer_shapes`).
+
+    No argument checking beyond what the arithmetic needs (the package front end checks).
+    Raises ValueError (:data:`TOO_LARGE`) for a NaN score or an inf second-order fp16.
+    """
+    w = np.asarray(w, np.float32)
+    rows, K = w.shape
+    gs = group_size
+    G, n_tiles, n4_row = tiled_counts(K, gs, ratio_4bit)
+    shapes = tiled_buffer_shapes(rows, K, gs, scale_block, n4_row)
+    scores = group_scores(w, gs, None if sensitivity is None else np.asarray(sensitivity, np.float32))
+    is4 = select_4bit_tiled(scores, rows, G, ratio_4bit)                 # [rows, G]
+    scale, m, _ = first_order(w, gs, is4.reshape(-1), np.zeros(0, np.int64))
+    scale, m = scale.reshape(rows, G), m.reshape(rows, G)
+    g = w.reshape(rows, G, gs)
+
+    with np.errstate(over="ignore"):
+        # 2-bit groups: blocks of scale_block positions along the row, 4-bit groups left out
+        d2 = (_row_block_max(np.where(is4, _F0, scale), scale_block) / np.float32(S2)).astype(np.float16)
+        dm2 = (_row_block_max(np.where(is4, _F0, m), scale_block) / np.float32(S2)).astype(np.float16)
+        # 4-bit groups: one block per tile
+        d4 = (_row_block_max(np.where(is4, scale, _F0), TILE_GROUPS) / np.float32(S4)).astype(np.float16)
+        dm4 = (_row_block_max(np.where(is4, m, _F0), TILE_GROUPS) / np.float32(S4)).astype(np.float16)
+    if not (np.isfinite(d2).all() and np.isfinite(dm2).all() and np.isfinite(d4).all() and np.isfinite(dm4).all()):
+        raise ValueError(TOO_LARGE)
+    pos = np.arange(G)
+    d = np.where(is4, d4[:, pos // TILE_GROUPS], d2[:, pos // scale_block]).astype(np.float32)
+    dm = np.where(is4, dm4[:, pos // TILE_GROUPS], dm2[:, pos // scale_block]).astype(np.float32)
+    S = np.where(is4, np.float32(S4), np.float32(S2)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        sc = np.where(d > 0, np.minimum(np.maximum(np.rint(scale / d), _F0), S), _F0).astype(np.uint8)
+        mc = np.where(dm > 0, np.minimum(np.maximum(np.rint(m / dm), _F0), S), _F0).astype(np.uint8)
+    s_eff = (d * sc.astype(np.float32)).astype(np.float32)
+    m_eff = (dm * mc.astype(np.float32)).astype(np.float32)
+    qmax = np.where(is4, np.float32(QMAX4), np.float32(QMAX2)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        r = np.rint((g + m_eff[..., None]) / s_eff[..., None])
+    r = np.where(r > 0, np.minimum(r, qmax[..., None]), _F0)
+    q = np.where(s_eff[..., None] > 0, r, _F0).astype(np.uint8)          # [rows, G, gs]
+
+    hi = np.where(is4[..., None], q >> 2, q).astype(np.uint8)
+    bufs = {
+        "codes": _pack(hi.reshape(-1, 16), 2).reshape(rows, K // 16),
+        "scales": np.where(is4, sc, sc | (mc << 4)).astype(np.uint8),
+        "so": np.stack([d2, dm2], axis=2),
+        "map": _map_words(is4, shapes["map"][1][1]),
+        "lo": _pack((q[is4] & 3).reshape(-1, 16), 2).reshape(rows, n4_row, gs // 16),
+        "mc4": mc[is4].reshape(rows, n4_row),
+        "so4": np.stack([d4, dm4], axis=2),
+    }
+    return {k: np.ascontiguousarray(bufs[k].astype(shapes[k][0]).reshape(shapes[k][1])) for k in TILED_BUFFER_NAMES}
+
+
+def _map_words(is4: np.ndarray, words: int) -> np.ndarray:
+    """uint32 [rows, words]: bit c % 32 of word c / 32 = is4[:, c] (padding bits 0)."""
+    rows, G = is4.shape
+    bits = np.zeros((rows, words * 32), bool)
+    bits[:, :G] = is4
+    return np.packbits(bits.reshape(rows, words * 4, 8), axis=2, bitorder="little").reshape(rows, words * 4) \
+        .copy().view("<u4").astype(np.uint32)
+
+
+def tiled_is4(bufs: dict, rows: int, K: int, group_size: int) -> np.ndarray:
+    """bool [rows, G]: the map's bits."""
+    G = K // group_size
+    words = np.asarray(bufs["map"]).astype(np.uint64)
+    bits = (words[:, :, None] >> np.arange(32, dtype=np.uint64)) & np.uint64(1)
+    return bits.reshape(rows, words.shape[1] * 32)[:, :G].astype(bool)
+
+
+def dequantize_tiled(bufs: dict, rows: int, K: int, group_size: int, scale_block: int) -> np.ndarray:
+    """Tiled-layout buffers -> float32 [rows, K]: ``q * s_eff - m_eff`` per element, q the 2-bit
+    code, or ``hi << 2 | lo`` for a 4-bit group."""
+    gs = group_size
+    G = K // gs
+    is4 = tiled_is4(bufs, rows, K, gs)
+    hi = _unpack(np.asarray(bufs["codes"]).reshape(-1, 1), 2, 16).reshape(rows, G, gs)
+    q = hi.copy()
+    lo = _unpack(np.asarray(bufs["lo"]).reshape(-1, 1), 2, 16).reshape(-1, gs)
+    q[is4] = (hi[is4] << 2) | lo
+    sb = np.asarray(bufs["scales"], np.uint8)
+    mc = np.where(is4, 0, sb >> 4).astype(np.uint8)
+    mc[is4] = np.asarray(bufs["mc4"], np.uint8).reshape(-1)
+    sc = np.where(is4, sb, sb & 0x0F)
+    so, so4 = np.asarray(bufs["so"]).astype(np.float32), np.asarray(bufs["so4"]).astype(np.float32)
+    pos = np.arange(G)
+    d = np.where(is4, so4[:, pos // TILE_GROUPS, 0], so[:, pos // scale_block, 0])
+    dm = np.where(is4, so4[:, pos // TILE_GROUPS, 1], so[:, pos // scale_block, 1])
+    s_eff = (d * sc.astype(np.float32)).astype(np.float32)
+    m_eff = (dm * mc.astype(np.float32)).astype(np.float32)
+    y = ((q.astype(np.float32) * s_eff[..., None]).astype(np.float32) - m_eff[..., None]).astype(np.float32)
+    return y.reshape(rows, K)

@@ -143,16 +143,16 @@ struct PackedLinear {
   }
 };
 
-// Binds PackedLinear<Impl> as `<module>.Linear`: call(x, out, bias=None, stream=0) and
-// dequantize(out, workspace=None, stream=0) without the GIL, and read-only M, K,
+// Binds PackedLinear<Impl> as `<module>.<name>` (default Linear; one name per Impl of a module): call(x, out,
+// bias=None, stream=0) and dequantize(out, workspace=None, stream=0) without the GIL, and read-only M, K,
 // dequantize_workspace (bytes), device ("cpu" or "cuda:<id>").
 template <class Impl>
-void bind_linear(nb::module_& m, const char* doc) {
+void bind_linear(nb::module_& m, const char* doc, const char* name = "Linear") {
   using L = PackedLinear<Impl>;
   // Layers kept by module-level objects (a model in a script's globals) are still alive when the
   // interpreter exits; nanobind would report each bound weight as a leak then.
   nb::set_leak_warnings(false);
-  nb::class_<L>(m, "Linear", doc)
+  nb::class_<L>(m, name, doc)
       .def("__call__", &L::call, nb::arg("x"), nb::arg("out"), nb::arg("bias").none() = nb::none(),
            nb::arg("stream") = 0)
       .def("dequantize", &L::dequantize_call, nb::arg("out"), nb::arg("workspace").none() = nb::none(),

@@ -477,7 +477,8 @@ NB_MODULE(_native, m) {
   m.def("tiled_dequantize", &tiled_dequantize, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4_full"), nb::arg("n4_last"), nb::arg("codes"), nb::arg("scales"),
         nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"), nb::arg("out"), release_gil());
-  bind_linear<TiledLinear>(m, "A mixed2bit weight in the tiled layout [rows, K] bound for repeated x . W^T calls.");
+  bind_linear<TiledLinear>(m, "A mixed2bit weight in the tiled layout [rows, K] bound for repeated x . W^T calls.",
+                           "TiledLinear");
   m.def("make_tiled_linear", &make_tiled_linear, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4_full"), nb::arg("n4_last"), nb::arg("codes"), nb::arg("scales"),
         nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"));

@@ -129,8 +129,23 @@ def _templates():
             "gemm_cuda_supports": dict(dims),
             "pack_2bit": dict(values=_zeros(u8, 4, 16), out=_zeros(i32, 4)),
             "unpack_2bit": dict(packed=_zeros(i32, 4), out=_zeros(u8, 60)),
+            **_tiled_templates(),
         }
     raise SystemExit(f"no templates for format {FMT!r}: add them to {__file__}")
+
+
+def _tiled_templates():
+    """mixed2bit's tiled layout: real buffers (each row's map marks its n4_row groups)."""
+    w = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    q = qformats.mixed2bit.quantize(w, group_size=16, ratio_4bit=0.5, scale_block=2, layout="tiled")
+    dims = dict(rows=4, K=64, group_size=16, scale_block=2, n4_full=128, n4_last=2)
+    bufs = {k: np.ascontiguousarray(v) for k, v in q.buffers.items()}
+    empty = {k: np.zeros_like(v) for k, v in bufs.items()}
+    return {
+        "tiled_quantize": dict(w=w, sensitivity=None, group_size=16, scale_block=2, n4_full=128, n4_last=2, **empty),
+        "tiled_dequantize": dict(**dims, **bufs, out=_zeros(np.float32, 256)),
+        "make_tiled_linear": dict(**dims, **bufs),
+    }
 
 
 # Functions whose valid template call still raises a ValueError here (the size checks before
@@ -242,7 +257,7 @@ def run_case(fname, template, kinds, ints, emptied):
     outside_int64 = any(not (INT64[0] <= v <= INT64[1]) for v in ints.values())
     try:
         result = fn(**args)
-        if fname == "make_linear":
+        if fname in ("make_linear", "make_tiled_linear"):
             _call_linear(case, result)
         outcome = "ok"
         if outside_int64:

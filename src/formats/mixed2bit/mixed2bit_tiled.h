@@ -115,8 +115,10 @@ inline void check_dims(const Dims& d) {
   if (d.scale_block < 1 || d.scale_block > kTileGroups || (d.scale_block & (d.scale_block - 1)))
     throw std::invalid_argument("mixed2bit tiled: scale_block must be a power of two <= 256");
   const int64_t rest = d.groups_per_row() % kTileGroups;
-  if (d.n4_full < 0 || d.n4_full > kTileGroups || d.n4_last < 0 || d.n4_last > rest || (rest == 0 && d.n4_last != 0))
-    throw std::invalid_argument("mixed2bit tiled: 4-bit counts out of range");
+  if (d.n4_full < 0 || d.n4_full > kTileGroups)
+    throw std::invalid_argument("mixed2bit tiled: n4_full out of range [0, 256]");
+  if (d.n4_last < 0 || d.n4_last > rest)
+    throw std::invalid_argument("mixed2bit tiled: n4_last out of range [0, groups of the last tile]");
 }
 
 // Quantize w [rows, K] into every buffer (all written). sens: float32 [K] or nullptr. Throws

@@ -34,14 +34,20 @@ void require_f16(const Arr& a, const char* name, const Device& d) {
 // The dims of a call, checked: every buffer size of mixed2bit.h follows from them within int64
 // once rows * K does (the group counts are at most rows * K / 16, the ceilings of Dims do not
 // add before dividing).
-m2::Dims make_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4, int64_t n_out) {
+// The checks both layouts make on the shape: rows, K >= 0, group_size a positive multiple of 16
+// dividing K, rows * K within int64.
+void check_shape(int64_t rows, int64_t K, int64_t group_size) {
   nonneg(rows, "rows");
   nonneg(K, "K");
   if (group_size < m2::kGroupMultiple || group_size % m2::kGroupMultiple)
     throw std::invalid_argument("group_size must be a positive multiple of 16, got " + std::to_string(group_size));
   if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
-  if (scale_block < 1) throw std::invalid_argument("scale_block must be >= 1, got " + std::to_string(scale_block));
   mul(rows, K, "rows * K");
+}
+
+m2::Dims make_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4, int64_t n_out) {
+  check_shape(rows, K, group_size);
+  if (scale_block < 1) throw std::invalid_argument("scale_block must be >= 1, got " + std::to_string(scale_block));
   m2::Dims d;
   d.rows = rows;
   d.K = K;
@@ -310,12 +316,7 @@ void unpack_2bit(const InArray& packed, const OutArray& out, uintptr_t stream) {
 
 m2t::Dims make_tiled_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4_full,
                           int64_t n4_last) {
-  nonneg(rows, "rows");
-  nonneg(K, "K");
-  if (group_size < m2::kGroupMultiple || group_size % m2::kGroupMultiple)
-    throw std::invalid_argument("group_size must be a positive multiple of 16, got " + std::to_string(group_size));
-  if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
-  mul(rows, K, "rows * K");
+  check_shape(rows, K, group_size);
   m2t::Dims d;
   d.rows = rows;
   d.K = K;

@@ -156,20 +156,27 @@ def _second_order(scale: np.ndarray, m: np.ndarray, S: int, block: int):
     return so, _codes(scale, d, S, block), _codes(m, dm, S, block)
 
 
+def _param_codes(v: np.ndarray, d: np.ndarray, S) -> np.ndarray:
+    """``d > 0 ? clamp(rint(v / d), 0, S) : 0`` elementwise (d float32 like v; S a number or an
+    array like v)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        r = np.rint(v / d)
+    r = np.where(r > 0, np.minimum(r, np.float32(S) if np.isscalar(S) else S), _F0)
+    return np.where(d > 0, r, _F0).astype(np.uint8)
+
+
 def _codes(v: np.ndarray, d16: np.ndarray, S: int, block: int) -> np.ndarray:
     """``d16 > 0 ? clamp(rint(v / d16), 0, S) : 0`` with each value's block field."""
-    dv = np.repeat(d16.astype(np.float32), block)[: v.shape[0]]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        r = np.rint(v / dv)
-    r = np.where(r > 0, np.minimum(r, np.float32(S)), _F0)
-    return np.where(dv > 0, r, _F0).astype(np.uint8)
+    return _param_codes(v, np.repeat(d16.astype(np.float32), block)[: v.shape[0]], S)
 
 
-def _encode(g: np.ndarray, s_eff: np.ndarray, m_eff: np.ndarray, qmax: int) -> np.ndarray:
-    """Step 6: uint8 codes [n, gs] of groups g with per-group s_eff, m_eff (float32 [n])."""
+def _encode(g: np.ndarray, s_eff: np.ndarray, m_eff: np.ndarray, qmax) -> np.ndarray:
+    """Step 6: uint8 codes [n, gs] of groups g with per-group s_eff, m_eff (float32 [n]); qmax a
+    number or float32 [n]."""
+    qm = np.float32(qmax) if np.isscalar(qmax) else np.asarray(qmax, np.float32)[:, None]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         r = np.rint((g + m_eff[:, None]) / s_eff[:, None])
-    r = np.where(r > 0, np.minimum(r, np.float32(qmax)), _F0)
+    r = np.where(r > 0, np.minimum(r, qm), _F0)
     return np.where(s_eff[:, None] > 0, r, _F0).astype(np.uint8)
 
 
@@ -388,16 +395,11 @@ def quantize_tiled(w, group_size: int = 16, ratio_4bit: float = 0.1, sensitivity
     d = np.where(is4, d4[:, pos // TILE_GROUPS], d2[:, pos // scale_block]).astype(np.float32)
     dm = np.where(is4, dm4[:, pos // TILE_GROUPS], dm2[:, pos // scale_block]).astype(np.float32)
     S = np.where(is4, np.float32(S4), np.float32(S2)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        sc = np.where(d > 0, np.minimum(np.maximum(np.rint(scale / d), _F0), S), _F0).astype(np.uint8)
-        mc = np.where(dm > 0, np.minimum(np.maximum(np.rint(m / dm), _F0), S), _F0).astype(np.uint8)
+    sc, mc = _param_codes(scale, d, S), _param_codes(m, dm, S)
     s_eff = (d * sc.astype(np.float32)).astype(np.float32)
     m_eff = (dm * mc.astype(np.float32)).astype(np.float32)
     qmax = np.where(is4, np.float32(QMAX4), np.float32(QMAX2)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        r = np.rint((g + m_eff[..., None]) / s_eff[..., None])
-    r = np.where(r > 0, np.minimum(r, qmax[..., None]), _F0)
-    q = np.where(s_eff[..., None] > 0, r, _F0).astype(np.uint8)          # [rows, G, gs]
+    q = _encode(g.reshape(-1, gs), s_eff.reshape(-1), m_eff.reshape(-1), qmax.reshape(-1)).reshape(rows, G, gs)
 
     hi = np.where(is4[..., None], q >> 2, q).astype(np.uint8)
     bufs = {

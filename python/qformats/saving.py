@@ -298,11 +298,18 @@ def _weight_files(directory: Path) -> list:
 
 def _shards(tensors: dict, max_shard_size) -> dict:
     """``{file name: [tensor names]}``: one ``model.safetensors``, or shards of at most
-    ``max_shard_size`` bytes named as transformers names them."""
+    ``max_shard_size`` bytes named as transformers names them.
+
+    The tensors are passed to huggingface_hub as meta tensors: they are stored once each
+    already (ties are aliases), and on the CPU every empty tensor has the same null storage,
+    which huggingface_hub would take for one shared storage and move next to the first empty
+    one. So the plan depends only on the names, order, shapes and dtypes (what a streaming
+    writer knows before it has the data)."""
     if max_shard_size is None:
         return {WEIGHTS_NAME: list(tensors)}
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    tensors = {k: t.to("meta") for k, t in tensors.items()}
     try:
         split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     except (ValueError, TypeError) as e:

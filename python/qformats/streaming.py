@@ -49,7 +49,6 @@ import shutil
 import signal
 import struct
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -456,9 +455,8 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
     model = _skeleton(src, ck, dtype)
     glob = {"format": format, "bits": bits, "group_size": group_size, "params": dict(params)}
     report = QuantizationReport(method="rtn")
-    with warnings.catch_warnings(record=True):  # the messages are in report.warnings
-        warnings.simplefilter("always")
-        report.layers, plan, report.warnings = plan_layers(model, glob, ignore, overrides or {})
+    # layers kept in float: warned about (as quantize_model does) and in report.warnings
+    report.layers, plan, report.warnings = plan_layers(model, glob, ignore, overrides or {})
     units = _units(model, plan, ck)
     manifest = json.loads(json.dumps({
         "source": str(src.resolve()), "inputs": ck.signature(), "dtype": dtype,

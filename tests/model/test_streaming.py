@@ -130,7 +130,7 @@ def test_resume_after_kill(ckpt, tmp_path):
     assert r.returncode == -signal.SIGKILL
     now = {p.name: p.stat().st_mtime_ns for p in units.glob("*.safetensors")}
     assert len(now) == 5 and all(now[k] == v for k, v in first.items())
-    assert main(list(map(str, args))) == 0  # the same command, finishing in this process
+    assert main(["quantize", *map(str, args)]) == 0  # the same command, finishing here
     assert not (out / STAGE_DIR).exists()
     assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--out", str(tmp_path / "once"),
                  "--no-progress"]) == 0
@@ -157,11 +157,12 @@ def test_torchrun_two_processes_same_bytes(ckpt, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_memory_stays_near_one_tensor(tmp_path):
-    """A 96 MB checkpoint (largest tensor 4 MB): the quantizing process's peak resident memory
+    """A 185 MB checkpoint (largest tensor 8 MB): the quantizing process's peak resident memory
     grows by less than a third of the checkpoint over its peak on a tiny one (imports, native
-    code, a first quantization done); the in-memory path holds at least the whole checkpoint."""
+    code, a first quantization done; measured: ~36 MB, the same as on half the layers); the
+    in-memory path holds at least the whole checkpoint."""
     big, tiny = tmp_path / "big", tmp_path / "tiny"
-    nbytes = bench.write_checkpoint(big, hidden=1024, intermediate=2048, layers=4, vocab=4096,
+    nbytes = bench.write_checkpoint(big, hidden=1024, intermediate=2048, layers=8, vocab=4096,
                                     shard_bytes=32 << 20)
     bench.write_checkpoint(tiny, hidden=256, intermediate=256, layers=1, vocab=256)
     code = (
@@ -178,8 +179,9 @@ def test_memory_stays_near_one_tensor(tmp_path):
                        env=e, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     base, peak = map(int, r.stdout.split())
-    assert nbytes > 90e6
+    assert nbytes > 180e6
     assert peak - base < nbytes / 3, (peak - base, nbytes)
+    print(f"peak growth {(peak - base) / 1e6:.1f} MB for a {nbytes / 1e6:.1f} MB checkpoint")
 
 
 @pytest.mark.parametrize("make,kwargs,match", [

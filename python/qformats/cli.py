@@ -10,7 +10,7 @@ Subcommands:
 - ``export-gguf``: write a model folder as a GGUF file for llama.cpp (q4_0 layers as their
   bytes).
 
-Run as ``qformats ...`` (installed script) or ``python -m qformats.cli ...``.
+Run as ``qformats ...`` (installed script), ``python -m qformats ...`` or ``python -m qformats.cli ...``.
 """
 from __future__ import annotations
 
@@ -219,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--overwrite", action="store_true",
                    help="allow --out to be a folder that is not empty (files of the same names "
                         "are replaced)")
+    q.add_argument("--stream", action="store_true",
+                   help="rtn only: read the checkpoint's safetensors files tensor by tensor "
+                        "instead of loading the model (memory: about one tensor), writing the same "
+                        "folder; an interrupted run goes on when the same command is run again; "
+                        "under torchrun the processes share the work "
+                        "(qformats.streaming.quantize_checkpoint)")
     q.add_argument("--threads", type=_threads, metavar="N",
                    help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -295,6 +301,8 @@ examples:
   qformats quantize ../shared/models/pydoc-llama-17m --bits 4 --out llama-int4
   qformats quantize MODEL --format nf4:blocksize=64 --override '*.down_proj=8' --out DIR
   qformats quantize MODEL --bits 2 --group-size 32 --ignore lm_head '*.o_proj' --out DIR
+  qformats quantize MODEL --bits 4 --stream --max-shard-size 2GB --out DIR
+  torchrun --nproc-per-node 4 -m qformats quantize MODEL --bits 4 --stream --out DIR
   qformats eval llama-int4 --text ../shared/data/pydoc/valid.txt --max-tokens 4096
 """
 
@@ -386,9 +394,15 @@ def _cmd_quantize(args) -> int:
             if not sep or not pat or not sp:
                 raise ValueError(f"--override expects PATTERN=SPEC, got {item!r}")
             overrides[pat] = _parse_spec(sp)
+        if args.stream and (args.method != "rtn" or args.calibration):
+            raise ValueError("--stream quantizes with --method rtn without --calibration only "
+                             "(the calibrated methods need the model in memory)")
+        if not args.stream and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("several processes (torchrun) share the work with --stream only")
         # Check the choice, the method's options and the output folder before torch is imported
-        # and the model loaded (each takes seconds).
-        check_output_dir(args.out, args.model, overwrite=args.overwrite)
+        # and the model loaded (each takes seconds). --stream checks whether a folder that is not
+        # empty holds its own interrupted run, which it goes on with.
+        check_output_dir(args.out, args.model, overwrite=args.overwrite or args.stream)
         _check_writable(args.out)
         check_method(args.method)
         if args.max_shard_size is not None:
@@ -409,6 +423,8 @@ def _cmd_quantize(args) -> int:
                 method_options.update(max_perplexity_increase=args.max_perplexity_increase,
                                       max_per_token_kl_divergence=args.max_kl)
         resolve_spec(fmt, args.bits, args.group_size, **params)
+        if args.stream:
+            return _quantize_stream(args, fmt, params, overrides)
         from .model import quantize_model  # needs torch: see the note at the top
         from .saving import save_quantized
 
@@ -442,6 +458,30 @@ def _cmd_quantize(args) -> int:
         return _error("quantize", e)
     print(report.summary())
     print(f"saved to {out}")
+    return 0
+
+
+def _quantize_stream(args, fmt, params, overrides) -> int:
+    """``quantize --stream``: :func:`qformats.streaming.quantize_checkpoint`, with the tokenizer
+    saved as the in-memory path saves it (so the folders are the same). Under torchrun only
+    rank 0 prints; by default each process takes its share of the cores."""
+    from .streaming import quantize_checkpoint  # needs torch (see the top)
+
+    threads = args.threads
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if threads is None and local > 1:
+        threads = max(1, _runtime.num_threads() // local)
+    with _Threads(threads), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # listed in the report
+        report = quantize_checkpoint(args.model, args.out, format=fmt, bits=args.bits,
+                                     group_size=args.group_size, ignore=args.ignore,
+                                     overrides=overrides, dtype=args.dtype,
+                                     max_shard_size=args.max_shard_size,
+                                     tokenizer=_tokenizer(args.model), overwrite=args.overwrite,
+                                     progress=not args.no_progress, **params)
+    if report is not None:
+        print(report.summary())
+        print(f"saved to {args.out} ({report.seconds:.1f} s)")
     return 0
 
 

@@ -287,8 +287,7 @@ def quantize_model(model: nn.Module, format: Optional[str] = None, bits: Optiona
             continue
         name, q, secs = next(it)
         set_submodule(model, name, q)
-        report.layers[i] = LayerReport(name, "quantized", q.format, dict(q.params), q.in_features,
-                                       q.out_features, q.nbytes, q.avg_bits, seconds=secs)
+        report.layers[i] = LayerReport.of_quantized(name, q, secs)
     report.size = model_size(model)
     if "transformers" in sys.modules:  # a transformers model: save_pretrained keeps the layers
         from .hf import attach  # needs transformers (optional), imported by then

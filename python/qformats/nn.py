@@ -225,12 +225,21 @@ class QuantizedLinear(nn.Module):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"expected a torch.nn.Linear, got {type(linear).__name__}")
+        return cls.from_weight(linear.weight, linear.bias, format, **params)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], format: str,
+                    **params) -> "QuantizedLinear":
+        """:meth:`from_linear` for a bare weight ``[out_features, in_features]`` (float32 /
+        float16 / bfloat16) and bias (``[out_features]`` or None), e.g. tensors read from a
+        checkpoint without building the Linear (:mod:`qformats.streaming`). Same result, same
+        errors."""
         mod = format_module(format)
-        w = linear.weight.detach()
+        w = weight.detach()
         if not w.is_contiguous():
             w = w.contiguous()
         qt = mod.quantize(w, **params)
-        return cls.from_quantized(qt, linear.bias)
+        return cls.from_quantized(qt, bias)
 
     # -- the weight -------------------------------------------------------------------------
     @property

@@ -86,6 +86,13 @@ class LayerReport:
     seconds: float = 0.0
     reason: str = ""
 
+    @classmethod
+    def of_quantized(cls, name: str, layer: Any, seconds: float = 0.0) -> "LayerReport":
+        """The report of a quantized layer: ``layer`` a :class:`~qformats.nn.QuantizedLinear`
+        (its buffers may be on the meta device: only their shapes and dtypes are read)."""
+        return cls(name, "quantized", layer.format, dict(layer.params), layer.in_features,
+                   layer.out_features, layer.nbytes, layer.avg_bits, seconds=seconds)
+
 
 def plan_layers(model: nn.Module, glob: dict, ignore: Optional[Sequence[str]],
                 overrides: Mapping[str, Mapping[str, Any]]) -> tuple[list, list, list]:

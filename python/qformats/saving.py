@@ -77,25 +77,36 @@ def _source_dir(model: nn.Module, source) -> Optional[Path]:
     return None
 
 
-def _dedup_state(model: nn.Module) -> tuple[dict, dict]:
+def _dedup_state(model: nn.Module, *, meta: bool = False) -> tuple[dict, dict]:
     """``(tensors, aliases)``: CPU contiguous tensors of the state dict, each tied tensor
-    stored once (``aliases[name] = stored name``); other overlapping views are copied."""
+    stored once (``aliases[name] = stored name``); other overlapping views are copied.
+
+    With ``meta=True`` the model may be a skeleton on the meta device (what
+    :mod:`qformats.streaming` plans with): its tensors are returned as they are, and tied ones
+    are found by identity (the same Parameter object under two names, as transformers ties
+    them), since meta tensors have no storage to compare."""
     tensors: dict = {}
     aliases: dict = {}
     seen: dict = {}
     storages: set = set()
-    for name, t in model.state_dict().items():
+    for name, t in model.state_dict(keep_vars=meta).items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"state dict entry {name!r} is not a tensor ({type(t).__name__}); "
                              "save_quantized stores tensors only")
-        if t.device.type == "meta":
+        if meta:
+            key: tuple = (id(t),)
+        elif t.device.type == "meta":
             raise ValueError(f"{name} is on the meta device (no data); load the weights first")
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-               tuple(t.stride()), t.dtype)
+        else:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                   tuple(t.stride()), t.dtype)
         if t.numel() and key in seen:
             aliases[name] = seen[key]
             continue
         seen[key] = name
+        if meta:
+            tensors[name] = t
+            continue
         sptr = t.untyped_storage().data_ptr()
         t = t.detach().to("cpu")
         if not t.is_contiguous() or (t.numel() and sptr in storages):
@@ -196,9 +207,35 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
     out = check_output_dir(directory)
     if src is not None and src.resolve() == out.resolve():
         src = None  # re-saving a loaded model into its folder: nothing to copy onto itself
-    layers = {name: m.config() for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     tensors, aliases = _dedup_state(model)
     shards = _shards(tensors, max_shard_size)
+    out.mkdir(parents=True, exist_ok=True)
+    with cleanup_on_sigterm():
+        stage = Path(tempfile.mkdtemp(prefix=".qformats-save-", dir=out))
+        try:
+            for fname, names in shards.items():
+                save_file({k: tensors[k] for k in names}, str(stage / fname), metadata=WEIGHTS_METADATA)
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            finish_save(model, out, stage, shards, total, aliases, src=src, tokenizer=tokenizer)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+#: The safetensors metadata of every weights file save_quantized writes.
+WEIGHTS_METADATA = {"format": "pt", "qformats": str(CONFIG_VERSION)}
+
+
+def finish_save(model: nn.Module, out: Path, stage: Path, shards: dict, total_size: int,
+                aliases: dict, *, src: Optional[Path], tokenizer: Any) -> None:
+    """Complete a save whose weight files are already in ``stage`` (a folder inside ``out``):
+    write the shard index, ``config.json``, the tokenizer files and ``quantization_config.json``
+    there, then move everything into ``out``, the configs last (see :func:`save_quantized`).
+
+    ``model`` supplies the layer configs, sizes, computed-buffer dtypes and Hugging Face config;
+    it may be a skeleton on the meta device (:mod:`qformats.streaming`). ``shards`` is
+    ``{file name: [tensor names]}`` (:func:`_shards`), ``total_size`` their bytes together."""
+    layers = {name: m.config() for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     _attach_hf(model)  # config.json gets the quantization_config
     cls = type(model)
     cfg = {
@@ -214,52 +251,41 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike], *, toke
                  for k, v in model_size(model).items()},
     }
     last = ("config.json", CONFIG_NAME)  # moved into place in this order, after everything else
-    out.mkdir(parents=True, exist_ok=True)
-    with cleanup_on_sigterm():
-        stage = Path(tempfile.mkdtemp(prefix=".qformats-save-", dir=out))
-        try:
-            meta = {"format": "pt", "qformats": str(CONFIG_VERSION)}
-            for fname, names in shards.items():
-                save_file({k: tensors[k] for k in names}, str(stage / fname), metadata=meta)
-            if len(shards) > 1:
-                index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
-                                                        for t in tensors.values())},
-                         "weight_map": {k: f for f, names in shards.items() for k in names}}
-                (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-            hf_config = getattr(model, "config", None)
-            if hf_config is not None and callable(getattr(hf_config, "to_json_file", None)):
-                # what from_pretrained builds, and in which dtype (as save_pretrained records them)
-                if hasattr(hf_config, "architectures"):
-                    hf_config.architectures = [cls.__name__]
-                if isinstance(getattr(model, "dtype", None), torch.dtype) and hasattr(hf_config, "dtype"):
-                    hf_config.dtype = str(model.dtype).removeprefix("torch.")
-                hf_config.to_json_file(str(stage / "config.json"))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(stage))
-            if src is not None:
-                copy = TOKENIZER_FILES if tokenizer is None else ("generation_config.json",)
-                for fname in copy:
-                    if not (stage / fname).exists():
-                        _copy_source_file(src, fname, stage / fname)
-            with open(stage / CONFIG_NAME, "w", encoding="utf-8") as f:
-                json.dump(cfg, f, indent=2, sort_keys=False)
-                f.write("\n")
-            # into place: the old configs and weights go first and the new configs come last,
-            # so that a folder interrupted in between has neither config (both loaders refuse it)
-            for name in last:
-                (out / name).unlink(missing_ok=True)
-            for old in _weight_files(out):
-                old.unlink()
-            for entry in sorted(stage.iterdir(), key=lambda e: last.index(e.name) if e.name in last else -1):
-                dest = out / entry.name
-                if entry.is_file():
-                    fix_mode(entry)
-                if entry.is_dir() and dest.is_dir() and not dest.is_symlink():
-                    shutil.rmtree(dest)
-                os.replace(entry, dest)
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-    return out
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_size},
+                 "weight_map": {k: f for f, names in shards.items() for k in names}}
+        (stage / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and callable(getattr(hf_config, "to_json_file", None)):
+        # what from_pretrained builds, and in which dtype (as save_pretrained records them)
+        if hasattr(hf_config, "architectures"):
+            hf_config.architectures = [cls.__name__]
+        if isinstance(getattr(model, "dtype", None), torch.dtype) and hasattr(hf_config, "dtype"):
+            hf_config.dtype = str(model.dtype).removeprefix("torch.")
+        hf_config.to_json_file(str(stage / "config.json"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(stage))
+    if src is not None:
+        copy = TOKENIZER_FILES if tokenizer is None else ("generation_config.json",)
+        for fname in copy:
+            if not (stage / fname).exists():
+                _copy_source_file(src, fname, stage / fname)
+    with open(stage / CONFIG_NAME, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=False)
+        f.write("\n")
+    # into place: the old configs and weights go first and the new configs come last,
+    # so that a folder interrupted in between has neither config (both loaders refuse it)
+    for name in last:
+        (out / name).unlink(missing_ok=True)
+    for old in _weight_files(out):
+        old.unlink()
+    for entry in sorted(stage.iterdir(), key=lambda e: last.index(e.name) if e.name in last else -1):
+        dest = out / entry.name
+        if entry.is_file():
+            fix_mode(entry)
+        if entry.is_dir() and dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(entry, dest)
 
 
 def _weight_files(directory: Path) -> list:
@@ -272,11 +298,18 @@ def _weight_files(directory: Path) -> list:
 
 def _shards(tensors: dict, max_shard_size) -> dict:
     """``{file name: [tensor names]}``: one ``model.safetensors``, or shards of at most
-    ``max_shard_size`` bytes named as transformers names them."""
+    ``max_shard_size`` bytes named as transformers names them.
+
+    The tensors are passed to huggingface_hub as meta tensors: they are stored once each
+    already (ties are aliases), and on the CPU every empty tensor has the same null storage,
+    which huggingface_hub would take for one shared storage and move next to the first empty
+    one. So the plan depends only on the names, order, shapes and dtypes (what a streaming
+    writer knows before it has the data)."""
     if max_shard_size is None:
         return {WEIGHTS_NAME: list(tensors)}
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    tensors = {k: t.to("meta") for k, t in tensors.items()}
     try:
         split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     except (ValueError, TypeError) as e:

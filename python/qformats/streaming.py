@@ -1,0 +1,578 @@
+"""Round-to-nearest quantization of a Hugging Face checkpoint without loading the model:
+tensor by tensor from its safetensors files, resumable, optionally over several processes.
+
+Use::
+
+    from qformats.streaming import quantize_checkpoint
+    report = quantize_checkpoint("Llama-3-8B", "llama-int4", bits=4, max_shard_size="2GB")
+
+or ``qformats quantize MODEL --bits 4 --stream --out DIR`` (``torchrun --nproc-per-node N -m
+qformats quantize ... --stream`` splits the work over N processes).
+
+The output folder is the one :func:`qformats.quantize_model` + :func:`qformats.save_quantized`
+write for the same model and options (same tensors, same bytes; only the order of the two
+keys of each safetensors file's ``__metadata__``, which safetensors itself writes in a random
+order, may differ), so :func:`qformats.load_quantized` and ``qformats eval`` read it. How:
+
+1. The model is built on the meta device from ``config.json`` (no weights); the layer plan is
+   :func:`qformats.plan.plan_layers`' on that skeleton, the one ``quantize_model`` makes.
+2. The work is one unit per planned Linear (its weight, and bias) and one per other stored
+   tensor. A unit reads its tensors from the checkpoint (a memory map, opened per tensor, so
+   the pages read are given back when the unit ends), converts them to the model's dtype,
+   quantizes the weight (:meth:`qformats.nn.QuantizedLinear.from_weight`) and writes the
+   result to ``OUT/.qformats-stream/units/uNNNNN.safetensors`` (first as ``*.part``, then
+   renamed). Memory: about one tensor at a time, plus the codec's temporaries.
+3. When every unit is there, the weight files are assembled from the unit files by copying
+   byte ranges (``os.copy_file_range``: the data does not pass through the process), sharded
+   as ``save_quantized`` shards, and the folder is completed by the code that completes
+   ``save_quantized`` (index, ``config.json``, tokenizer, ``quantization_config.json`` last).
+
+Resume: a run that is killed leaves ``OUT/.qformats-stream`` with a manifest of its settings
+and the finished unit files; the same call (or command) again skips those and goes on. A
+run with other settings refuses the folder unless ``overwrite=True``.
+
+Several processes: under ``torchrun`` (``WORLD_SIZE`` > 1), or in a process group the caller
+initialized, the units are split among the ranks (largest first, round robin); each rank
+writes its own unit files, and rank 0 assembles the folder after a barrier. The process group
+only synchronizes (barriers; the bytes go through the shared output folder, so the ranks must
+share it, as on one machine), so it is a gloo group on the CPU.
+
+Only round to nearest without calibration: the methods that calibrate (``signround``,
+``budget``, calibrated mixed2bit groups) need the model's activations, so the model in memory.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ._files import check_output_dir, read_json, read_safetensors_header
+from .choice import resolve_spec
+from .config import RTNConfig
+from .evaluate import _is_causal
+from .model import QuantizationReport
+from .nn import QuantizedLinear
+from .plan import LayerReport, plan_layers, set_submodule
+from .progress import progress_bar
+from .saving import (INDEX_NAME, WEIGHTS_METADATA, WEIGHTS_NAME, _dedup_state, _shards,
+                     empty_weights, finish_save)
+from .sizes import model_size
+
+__all__ = ["quantize_checkpoint", "STAGE_DIR", "KILL_AFTER_ENV"]
+
+#: The folder inside the output folder that holds an unfinished run (manifest, unit files).
+STAGE_DIR = ".qformats-stream"
+_MANIFEST = "manifest.json"
+#: Test aid: a process that has written this many unit files kills itself with SIGKILL (to
+#: test resuming after a crash at a known point). Unset in normal use.
+KILL_AFTER_ENV = "QFORMATS_STREAM_KILL_AFTER"
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+# -- the checkpoint ---------------------------------------------------------------------------
+
+@dataclass
+class _Checkpoint:
+    """A Hugging Face folder's safetensors weights, from their headers only."""
+
+    folder: Path
+    files: list                       # the weight files, in index order
+    where: dict = field(default_factory=dict)   # tensor name -> file Path
+    info: dict = field(default_factory=dict)    # tensor name -> {"dtype", "shape", ...}
+
+    @classmethod
+    def open(cls, folder: Path) -> "_Checkpoint":
+        index, single = folder / INDEX_NAME, folder / WEIGHTS_NAME
+        if index.is_file():
+            wmap = read_json(index, INDEX_NAME).get("weight_map")
+            if not isinstance(wmap, dict) or not all(
+                    isinstance(v, str) and v and Path(v).name == v for v in wmap.values()):
+                raise ValueError(f"{index}: expected {{'weight_map': {{tensor: shard file name}}}}")
+            files = list(dict.fromkeys(folder / v for v in wmap.values()))
+        elif single.is_file():
+            wmap, files = None, [single]
+        else:
+            raise ValueError(f"{folder}: no {WEIGHTS_NAME} or {INDEX_NAME}; streaming reads "
+                             "safetensors checkpoints only (convert pytorch_model.bin first)")
+        ck = cls(folder, files)
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{folder}: the weights file {f.name} is missing")
+            for name, info in read_safetensors_header(f).items():
+                if name == "__metadata__":
+                    continue
+                if wmap is not None and wmap.get(name) != f.name:
+                    raise ValueError(f"{f}: holds {name!r}, which {INDEX_NAME} places elsewhere")
+                ck.where[name], ck.info[name] = f, info
+        if wmap is not None and set(wmap) - set(ck.where):
+            missing = sorted(set(wmap) - set(ck.where))
+            raise ValueError(f"{index}: names tensors that no shard holds: {missing[:4]}")
+        return ck
+
+    def dtype(self) -> torch.dtype:
+        """The dtype transformers picks with ``dtype="auto"`` when config.json names none:
+        the first floating-point tensor's (``get_state_dict_dtype``), float32 if none."""
+        from transformers.modeling_utils import str_to_torch_dtype
+
+        names = sorted(n for n, f in self.where.items() if f == self.files[0])
+        for n in names:
+            dt = str_to_torch_dtype.get(self.info[n].get("dtype"))
+            if dt is not None and dt.is_floating_point and "float8" not in str(dt):
+                return dt
+        return torch.float32
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``name`` in ``dtype`` (a copy when the stored dtype differs, else a view of
+        the file's memory map that lives as long as the tensor)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[name]), framework="pt") as f:
+            t = f.get_tensor(name)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    def signature(self) -> dict:
+        """What identifies the inputs in the manifest: each file's size and mtime."""
+        return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in self.files}
+
+
+def _skeleton(folder: Path, ck: _Checkpoint, dtype: str) -> nn.Module:
+    """The model of ``config.json`` with its parameters on the meta device and its computed
+    buffers real, in the dtypes ``qformats.evaluate.load_model(folder, dtype)`` gives it: built
+    in the checkpoint's dtype (``dtype="auto"``, as ``from_pretrained``), then ``.to(dtype)``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{folder}/config.json: cannot read it: {str(e).splitlines()[0]}") from e
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{folder}: encoder-decoder models ({config.model_type}) are not supported")
+    auto = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or ck.dtype()
+    if isinstance(auto, str):
+        auto = getattr(torch, auto)
+    cls = AutoModelForCausalLM if _is_causal(config) else AutoModel
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with empty_weights():
+            model = cls.from_config(config, **{key: auto})
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if dtype != "auto":
+        model.to(getattr(torch, dtype))
+    return model.eval()
+
+
+# -- the work units ----------------------------------------------------------------------------
+
+@dataclass
+class _Unit:
+    """One file of work: a planned Linear (``layer`` set) or one other stored tensor."""
+
+    index: int
+    name: str                # the layer's or the tensor's name
+    reads: dict              # {role ("weight", "bias" or the tensor's name): (checkpoint name, dtype)}
+    nbytes: int = 0          # bytes read from the checkpoint (progress)
+    layer: Optional[tuple] = None   # (format, params) of a planned Linear
+
+    @property
+    def file(self) -> str:
+        return f"u{self.index:05d}.safetensors"
+
+
+def _units(model: nn.Module, plan: list, ck: _Checkpoint) -> list:
+    """The units of the skeleton's stored tensors, in state-dict order; ValueError naming the
+    tensors the checkpoint lacks. A tied tensor (lm_head.weight of tied embeddings) is read
+    under whichever of its names the checkpoint holds."""
+    tensors, aliases = _dedup_state(model, meta=True)
+    ties: dict = {}
+    for alias, target in aliases.items():
+        ties.setdefault(alias, target)
+        ties.setdefault(target, alias)
+
+    def stored(name):  # the name the checkpoint holds the tensor under
+        return name if name in ck.where or name not in ties else ties[name]
+
+    planned = {f"{name}.weight": (name, m, fmt, qp) for name, m, fmt, qp in plan}
+    biases = {f"{name}.bias" for name, m, _, _ in plan if m.bias is not None}
+    units: list = []
+    for tname, t in model.state_dict(keep_vars=True).items():
+        if tname in planned:
+            lname, m, fmt, qp = planned[tname]
+            reads = {"weight": (stored(tname), m.weight.dtype)}
+            if m.bias is not None:
+                reads["bias"] = (stored(f"{lname}.bias"), m.bias.dtype)
+            units.append(_Unit(len(units), lname, reads, layer=(fmt, qp)))
+        elif tname in tensors and tname not in biases:
+            if stored(tname) in ck.where or t.device.type == "meta":
+                reads = {tname: (stored(tname), t.dtype)}
+            else:  # a persistent buffer the model computes and the checkpoint does not hold
+                reads = {}
+            units.append(_Unit(len(units), tname, reads))
+    missing = [n for u in units for n, _ in u.reads.values() if n not in ck.where]
+    if missing:
+        raise ValueError(f"{ck.folder}: the checkpoint lacks tensor(s) {missing[:4]}"
+                         f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''} that the "
+                         f"{type(model).__name__} model of config.json has (a checkpoint whose "
+                         "names transformers converts on loading? quantize it in memory)")
+    for u in units:
+        u.nbytes = sum(math.prod(ck.info[n]["shape"]) * dt.itemsize for n, dt in u.reads.values()) or 1
+    return units
+
+
+def _run_unit(unit: _Unit, ck: _Checkpoint, model: nn.Module, path: Path) -> None:
+    """Quantize or convert one unit and write it to ``path`` (via ``path.part``)."""
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    meta = dict(WEIGHTS_METADATA)
+    if unit.layer is not None:
+        fmt, qp = unit.layer
+        w = ck.read(*unit.reads["weight"])
+        b = ck.read(*unit.reads["bias"]) if "bias" in unit.reads else None
+        try:
+            q = QuantizedLinear.from_weight(w, b, fmt, **qp)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"layer {unit.name}: {fmt} {qp}: {e}") from e
+        del w, b
+        tensors = {f"{unit.name}.{k}": v.contiguous() for k, v in q.state_dict().items()}
+        derived = {n: [str(q._buffers[n].dtype).removeprefix("torch."), list(q._buffers[n].shape)]
+                   for n in q.derived_names}
+        meta["layer"] = json.dumps({"config": q.config(), "derived": derived,
+                                    "seconds": time.perf_counter() - t0})
+    elif unit.reads:
+        tensors = {unit.name: ck.read(*unit.reads[unit.name]).contiguous()}
+    else:
+        owner, _, b = unit.name.rpartition(".")
+        tensors = {unit.name: (model.get_submodule(owner) if owner else model)._buffers[b].contiguous()}
+    part = path.with_name(path.name + ".part")
+    save_file(tensors, str(part), metadata=meta)
+    os.replace(part, path)
+
+
+# -- the output files --------------------------------------------------------------------------
+
+def _write_safetensors(path: Path, tensors: dict, sources: dict, metadata: dict) -> None:
+    """Write ``tensors`` (``{name: tensor}``, only dtype and shape read: meta tensors) as the
+    safetensors file ``safetensors.torch.save_file`` writes for them, taking each tensor's
+    bytes from ``sources[name] = (file, byte offset, byte length)``.
+
+    safetensors writes a file from tensors held in memory; this writes the same file from byte
+    ranges on disk. The layout is safetensors' own: the order of the tensors (by dtype, then
+    name) and of the metadata keys comes from ``safetensors.torch.save`` of zero-size tensors
+    of the same names and dtypes; the header is its compact JSON, padded with spaces to a
+    multiple of 8 bytes; then each tensor's bytes in that order."""
+    from safetensors.torch import save
+
+    probe = save({n: torch.empty(0, dtype=t.dtype) for n, t in tensors.items()}, metadata=metadata)
+    (n,) = struct.unpack("<Q", probe[:8])
+    order = json.loads(probe[8:8 + n])
+    header: dict = {"__metadata__": order.pop("__metadata__")}
+    offset = 0
+    for name, entry in order.items():
+        size = sources[name][2]
+        header[name] = {"dtype": entry["dtype"], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        out.flush()
+        for name in order:
+            src, start, size = sources[name]
+            with open(src, "rb") as f:
+                _copy_range(f.fileno(), out.fileno(), start, size)
+    os.replace(part, path)
+
+
+def _copy_range(src: int, dst: int, start: int, size: int) -> None:
+    """Append ``size`` bytes of ``src`` from ``start`` to ``dst`` (at its current position)."""
+    done = 0
+    while done < size:
+        n = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                n = os.copy_file_range(src, dst, size - done, start + done)
+            except OSError:  # a file system that does not do it: copy through memory
+                n = 0
+        if n <= 0:
+            chunk = os.pread(src, min(size - done, 1 << 24), start + done)
+            if not chunk:
+                raise ValueError(f"unit file ended {size - done} bytes early (truncated?)")
+            os.write(dst, chunk)
+            n = len(chunk)
+        done += n
+
+
+def _unit_sources(units_dir: Path, units: list) -> tuple[dict, dict]:
+    """``(sources, layers)`` from the unit files' headers: ``sources[tensor] = (file, byte
+    offset, byte length)``; ``layers[layer name]`` the metadata a Linear unit recorded."""
+    sources: dict = {}
+    layers: dict = {}
+    for u in units:
+        f = units_dir / u.file
+        header = read_safetensors_header(f, "unit file")
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+        meta = header.pop("__metadata__", {}) or {}
+        for name, info in header.items():
+            a, b = info["data_offsets"]
+            sources[name] = (f, 8 + n + a, b - a)
+        if u.layer is not None:
+            layers[u.name] = json.loads(meta["layer"])
+    return sources, layers
+
+
+def _quantized_skeleton(model: nn.Module, layers: dict) -> None:
+    """Swap the skeleton's planned Linears for QuantizedLinears on the meta device, as the
+    units recorded them (config, and the tensors the layer derives on loading, which
+    ``quantization_config.json`` lists among the computed buffers)."""
+    for name, rec in layers.items():
+        old = model.get_submodule(name)
+        q = QuantizedLinear.from_config(rec["config"], device="meta",
+                                        dtype=old.bias.dtype if old.bias is not None else None)
+        for n, (dt, shape) in rec["derived"].items():
+            q.register_buffer(n, torch.empty(shape, dtype=getattr(torch, dt), device="meta"),
+                              persistent=False)
+        set_submodule(model, name, q)
+
+
+# -- several processes --------------------------------------------------------------------------
+
+class _Group:
+    """The torch.distributed group the ranks share: the caller's, one made from torchrun's
+    environment (gloo), or a single process (no group)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist, self.owned = dist, False
+        if not (dist.is_available() and dist.is_initialized()) \
+                and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group("gloo")  # env://: MASTER_ADDR, RANK... set by torchrun
+            self.owned = True
+        self.active = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.active else 0
+        self.world = dist.get_world_size() if self.active else 1
+
+    def barrier(self, wait=None) -> None:
+        """All ranks here; ``wait()`` is called every half second meanwhile (progress)."""
+        if not self.active:
+            return
+        work = self.dist.barrier(async_op=True)
+        while wait is not None and not work.is_completed():
+            wait()
+            time.sleep(0.5)
+        work.wait()
+
+    def close(self) -> None:
+        if self.owned:
+            self.dist.destroy_process_group()
+
+
+# -- the entry point ---------------------------------------------------------------------------
+
+def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
+                        format: Optional[str] = None, bits: Optional[int] = None,
+                        group_size: Optional[int] = None, *,
+                        ignore: Optional[Sequence[str]] = None,
+                        overrides: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                        dtype: str = "auto", max_shard_size: Union[int, str, None] = None,
+                        tokenizer: Any = None, overwrite: bool = False, progress: bool = False,
+                        **params) -> Optional[QuantizationReport]:
+    """Quantize the Linear layers of a Hugging Face safetensors checkpoint with round to
+    nearest, reading and writing it tensor by tensor, and write the quantized model folder.
+
+    The folder equals what ``m = load_model(source, dtype).model; quantize_model(m, format,
+    bits, group_size, ignore=ignore, overrides=overrides, **params); save_quantized(m, out,
+    tokenizer=tokenizer, source=source, max_shard_size=max_shard_size)`` writes: the same
+    files, with the same tensors and bytes (see the module's description for the one header
+    detail that safetensors itself varies). Memory stays at about one tensor of the checkpoint
+    plus its quantized form, whatever the model's size. Interrupted, the same call resumes;
+    under ``torchrun`` (or in an initialized process group) the ranks share the work.
+
+    Args:
+        source: a Hugging Face model folder: ``config.json`` and ``model.safetensors`` or
+            ``model.safetensors.index.json`` with its shards.
+        out: the output folder: new, empty, or holding an interrupted run of this call.
+        format, bits, group_size, ignore, overrides, **params: as
+            :func:`qformats.quantize_model` (``method="rtn"``).
+        dtype: ``"auto"`` (the checkpoint's dtype, as ``qformats quantize`` loads it),
+            ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the weights are converted
+            to before quantizing, and the tensors that stay in float are stored in.
+        max_shard_size: None (one ``model.safetensors``) or the largest output shard (bytes,
+            or a string such as ``"2GB"``), as :func:`qformats.save_quantized`.
+        tokenizer: a tokenizer to save with the model (``save_pretrained``); None copies the
+            tokenizer files of ``source``.
+        overwrite: allow ``out`` to hold other files, or an interrupted run with other
+            settings (discarded).
+        progress: a progress bar over the checkpoint's bytes, with ETA, on stderr (rank 0:
+            the work of every rank).
+    Returns:
+        the :class:`~qformats.model.QuantizationReport` (per-layer formats and sizes, the
+        seconds each layer took in its process, the total wall time) on rank 0; None on the
+        other ranks.
+    Raises:
+        ValueError: ``source`` is not a folder, has no ``config.json`` or safetensors weights,
+            or lacks tensors the model needs; ``out`` is a file, the source folder, or a folder
+            with other content (without ``overwrite``); a bad format, parameter, override or
+            dtype; ``calibration=`` or other method options (round to nearest only); a unit
+            file of the resumed run that is unreadable.
+        OSError: the folder cannot be written.
+    """
+    t0 = time.perf_counter()
+    src = Path(source)
+    if not src.is_dir():
+        raise ValueError(f"{source}: not a folder (expected a Hugging Face model folder)")
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{source}: no config.json; not a Hugging Face model folder")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
+    for k in ("method", *RTNConfig.names()):
+        if k in params:
+            raise ValueError(f"{k}=: streaming quantizes with plain round to nearest only; "
+                             "calibrated methods need the model in memory (quantize_model)")
+    if max_shard_size is not None:
+        _shards({}, max_shard_size)  # a bad size fails here, before any work
+    outp = check_output_dir(out, src)
+    resolve_spec(format, bits, group_size, **params)  # the global choice, checked up front
+    ck = _Checkpoint.open(src)
+    model = _skeleton(src, ck, dtype)
+    glob = {"format": format, "bits": bits, "group_size": group_size, "params": dict(params)}
+    report = QuantizationReport(method="rtn")
+    # layers kept in float: warned about (as quantize_model does) and in report.warnings
+    report.layers, plan, report.warnings = plan_layers(model, glob, ignore, overrides or {})
+    units = _units(model, plan, ck)
+    manifest = json.loads(json.dumps({
+        "source": str(src.resolve()), "inputs": ck.signature(), "dtype": dtype,
+        "choice": glob, "ignore": None if ignore is None else list(ignore),
+        "overrides": overrides or {}, "max_shard_size": max_shard_size,
+        "units": [[u.name, u.layer] for u in units]}, default=str))
+
+    group = _Group()
+    try:
+        stage = outp / STAGE_DIR
+        restart = _check_stage(outp, stage, manifest, overwrite)  # every rank raises alike
+        group.barrier()
+        if group.rank == 0:
+            if restart:
+                shutil.rmtree(stage, ignore_errors=True)
+            (stage / "units").mkdir(parents=True, exist_ok=True)
+            tmp = stage / (_MANIFEST + ".part")
+            tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, stage / _MANIFEST)
+        group.barrier()
+        _work(units, ck, model, stage / "units", group, progress)
+        if group.rank != 0:
+            group.barrier()
+            return None
+        layers = _assemble(model, units, stage, outp, src, tokenizer, max_shard_size)
+        group.barrier()
+    finally:
+        group.close()
+    names = iter(name for name, *_ in plan)
+    for i, l in enumerate(report.layers):
+        if l is None:
+            name = next(names)
+            report.layers[i] = LayerReport.of_quantized(name, model.get_submodule(name),
+                                                        layers[name]["seconds"])
+    report.size = model_size(model)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _check_stage(out: Path, stage: Path, manifest: dict, overwrite: bool) -> bool:
+    """Whether to start over (True) or go on with ``stage`` (False); ValueError when ``out``
+    holds something else and ``overwrite`` is False."""
+    mfile = stage / _MANIFEST
+    if mfile.is_file():
+        if read_json(mfile, _MANIFEST) == manifest:
+            return False
+        if not overwrite:
+            raise ValueError(f"{out}: holds an interrupted run with other settings or inputs "
+                             f"({mfile}); run the same command to finish it, or allow "
+                             "overwriting to start over")
+        return True
+    if out.is_dir() and not overwrite and any(e.name != STAGE_DIR for e in out.iterdir()):
+        raise ValueError(f"{out}: folder exists and is not empty (use a new folder, or allow "
+                         "overwriting)")
+    return True
+
+
+def _work(units: list, ck: _Checkpoint, model: nn.Module, units_dir: Path, group: _Group,
+          progress: bool) -> None:
+    """This rank's share of the units (largest first, round robin over the ranks), skipping
+    those already written; then wait for the other ranks, rank 0 showing everyone's progress."""
+    mine = sorted(units, key=lambda u: -u.nbytes)[group.rank::group.world]
+    total = sum(u.nbytes for u in units)
+    show = progress and group.rank == 0
+    bar = progress_bar(total=total, enabled=show, desc="quantize (stream)", unit="B",
+                       unit_scale=True, unit_divisor=1024)
+    size = {u.file: u.nbytes for u in units}
+
+    def refresh():  # every rank's finished units, from the shared folder
+        if show:  # update(), not refresh(): tqdm's mininterval keeps a log file short
+            bar.update(sum(size.get(f.name, 0) for f in units_dir.iterdir()) - bar.n)
+
+    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
+    written = 0
+    try:
+        refresh()
+        for u in mine:
+            path = units_dir / u.file
+            if path.is_file():
+                continue
+            if show:
+                bar.set_postfix_str(u.name, refresh=False)
+            _run_unit(u, ck, model, path)
+            written += 1
+            if kill_after and written >= kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            refresh()
+        group.barrier(wait=refresh if show else None)
+        refresh()
+    finally:
+        bar.close()
+
+
+def _assemble(model: nn.Module, units: list, stage: Path, out: Path, src: Path, tokenizer: Any,
+              max_shard_size) -> dict:
+    """Rank 0, every unit written: the weight files from the unit files, then the rest of the
+    folder (:func:`qformats.saving.finish_save`), then the stage removed. Returns what the
+    Linear units recorded, by layer name (``config``, ``derived``, ``seconds``)."""
+    missing = [u.file for u in units if not (stage / "units" / u.file).is_file()]
+    if missing:
+        raise RuntimeError(f"{stage}: unit files {missing[:4]} missing after every rank finished")
+    sources, layers = _unit_sources(stage / "units", units)
+    _quantized_skeleton(model, layers)
+    tensors, aliases = _dedup_state(model, meta=True)
+    if set(tensors) != set(sources):
+        odd = sorted(set(tensors) ^ set(sources))
+        raise ValueError(f"{stage}: the unit files hold other tensors than the model stores "
+                         f"(e.g. {odd[:4]}); remove the folder and run again")
+    shards = _shards(tensors, max_shard_size)
+    final = stage / "final"
+    shutil.rmtree(final, ignore_errors=True)
+    final.mkdir()
+    for fname, names in shards.items():
+        _write_safetensors(final / fname, {k: tensors[k] for k in names}, sources,
+                           WEIGHTS_METADATA)
+    total = sum(sources[k][2] for k in tensors)
+    finish_save(model, out, final, shards, total, aliases, src=src, tokenizer=tokenizer)
+    shutil.rmtree(stage, ignore_errors=True)
+    return layers

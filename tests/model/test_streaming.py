@@ -1,0 +1,237 @@
+"""qformats.streaming: quantize_checkpoint and ``qformats quantize --stream`` write the folder
+that quantize_model + save_quantized write (compared file by file, safetensors by header and
+tensor bytes), resume after being killed, share the work under torchrun, keep memory at about
+one tensor, and refuse bad input with clear ValueErrors. Random checkpoints written by
+benchmarks/stream_quantize.py's write_checkpoint (a few MB, 3+ shards); no ../shared needed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import qformats  # noqa: E402
+from qformats.cli import main  # noqa: E402
+from qformats.streaming import KILL_AFTER_ENV, STAGE_DIR, quantize_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("stream_quantize", REPO / "benchmarks" / "stream_quantize.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+SMALL = dict(hidden=256, intermediate=512, layers=2, vocab=1024, heads=4)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """fp16, untied lm_head, 4 shards of at most 1 MB."""
+    d = tmp_path_factory.mktemp("ckpt")
+    bench.write_checkpoint(d, dtype="float16", shard_bytes=1 << 20, **SMALL)
+    assert len(list(d.glob("*.safetensors"))) >= 3
+    return d
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """bfloat16, lm_head tied to the embeddings (the checkpoint holds it once)."""
+    d = tmp_path_factory.mktemp("tied")
+    bench.write_checkpoint(d, dtype="bfloat16", shard_bytes=1 << 20, tie=True, seed=1, **SMALL)
+    assert "lm_head.weight" not in json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    return d
+
+
+def _in_memory(src, out, dtype="auto", max_shard_size=None, **choice):
+    """What quantize_checkpoint must equal: the model loaded as `qformats quantize` loads it
+    (from_pretrained in the checkpoint's dtype, then .to(dtype)), quantize_model, save_quantized."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
+    if dtype != "auto":
+        m = m.to(getattr(torch, dtype))
+    report = qformats.quantize_model(m, **choice)
+    qformats.save_quantized(m, out, source=src, max_shard_size=max_shard_size)
+    return m, report
+
+
+def _layers(report):
+    return [(l.name, l.status, l.format, l.params, l.nbytes) for l in report.layers]
+
+
+CASES = {
+    "int4": ("ckpt", dict(bits=4), "auto", None),
+    "nf4-float32-sharded": ("ckpt", dict(format="nf4"), "float32", "300KB"),
+    "int4-tied": ("tied", dict(bits=4), "auto", None),
+    "mixed2bit-overrides-lm_head": ("tied", dict(bits=2, ratio_4bit=0.1, ignore=[],
+                                                  overrides={"*.down_proj": {"bits": 8}}),
+                                    "float16", "500KB"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stream_equals_in_memory(case, request, tmp_path):
+    which, choice, dtype, shard = CASES[case]
+    src = request.getfixturevalue(which)
+    ref, ref_report = _in_memory(src, tmp_path / "ref", dtype, shard, **choice)
+    report = quantize_checkpoint(src, tmp_path / "stream", dtype=dtype, max_shard_size=shard, **choice)
+    assert bench.compare_folders(tmp_path / "ref", tmp_path / "stream") == []
+    assert not (tmp_path / "stream" / STAGE_DIR).exists()
+    if shard is not None:
+        assert len(list((tmp_path / "stream").glob("model-*.safetensors"))) >= 2
+    assert _layers(report) == _layers(ref_report) and report.size == ref_report.size
+    back = qformats.load_quantized(tmp_path / "stream")
+    ids = torch.randint(0, SMALL["vocab"], (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(back(input_ids=ids, use_cache=False).logits,
+                           ref(input_ids=ids, use_cache=False).logits)
+
+
+def test_cli_stream_equals_cli_in_memory(ckpt, tmp_path, capsys):
+    assert main(["quantize", str(ckpt), "--bits", "4", "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--out", str(tmp_path / "b"),
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "quantized 14 of 15 Linear layers (rtn): int4 x14" in out
+    assert bench.compare_folders(tmp_path / "a", tmp_path / "b") == []
+    assert (tmp_path / "b" / "tokenizer.json").is_file()
+
+
+def _cli(args, env=None, timeout=120):
+    e = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "qformats", "quantize", *map(str, args)],
+                          env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def test_resume_after_kill(ckpt, tmp_path):
+    """Killed (SIGKILL) after 3 units, then after 2 more: the unit files stay and are not
+    redone; a leftover *.part is not taken for a unit; the third run finishes and the folder
+    equals an uninterrupted run's."""
+    out = tmp_path / "out"
+    args = [ckpt, "--bits", "4", "--stream", "--out", out, "--no-progress"]
+    r = _cli(args, {KILL_AFTER_ENV: "3"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    units = out / STAGE_DIR / "units"
+    first = {p.name: p.stat().st_mtime_ns for p in units.glob("*.safetensors")}
+    assert len(first) == 3 and not (out / "quantization_config.json").exists()
+    total = len(json.loads((out / STAGE_DIR / "manifest.json").read_text())["units"])
+    # a unit written halfway (what a kill during save_file leaves): ignored and rewritten
+    todo = sorted(f"u{i:05d}.safetensors" for i in range(total) if f"u{i:05d}.safetensors" not in first)
+    (units / (todo[0] + ".part")).write_bytes(b"\x10\x00 half a file")
+    with pytest.raises(ValueError, match="interrupted run with other settings"):
+        quantize_checkpoint(ckpt, out, bits=8)
+    r = _cli(args, {KILL_AFTER_ENV: "2"})
+    assert r.returncode == -signal.SIGKILL
+    now = {p.name: p.stat().st_mtime_ns for p in units.glob("*.safetensors")}
+    assert len(now) == 5 and all(now[k] == v for k, v in first.items())
+    assert main(["quantize", *map(str, args)]) == 0  # the same command, finishing here
+    assert not (out / STAGE_DIR).exists()
+    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--out", str(tmp_path / "once"),
+                 "--no-progress"]) == 0
+    assert bench.compare_folders(out, tmp_path / "once") == []
+
+
+def test_torchrun_two_processes_same_bytes(ckpt, tmp_path):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    e = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", "-m", "qformats", "quantize", str(ckpt), "--bits", "4",
+                        "--stream", "--out", str(tmp_path / "two")],
+                       env=e, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("quantized 14 of 15 Linear layers") == 1  # rank 0 only
+    assert "quantize (stream)" in r.stderr  # rank 0's progress bar
+    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--out", str(tmp_path / "one"),
+                 "--no-progress"]) == 0
+    assert bench.compare_folders(tmp_path / "two", tmp_path / "one") == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_memory_stays_near_one_tensor(tmp_path):
+    """A 185 MB checkpoint (largest tensor 8 MB): the quantizing process's peak resident memory
+    grows by less than a third of the checkpoint over its peak on a tiny one (imports, native
+    code, a first quantization done; measured: ~36 MB, the same as on half the layers); the
+    in-memory path holds at least the whole checkpoint."""
+    big, tiny = tmp_path / "big", tmp_path / "tiny"
+    nbytes = bench.write_checkpoint(big, hidden=1024, intermediate=2048, layers=8, vocab=4096,
+                                    shard_bytes=32 << 20)
+    bench.write_checkpoint(tiny, hidden=256, intermediate=256, layers=1, vocab=256)
+    code = (
+        "import sys\nfrom qformats.streaming import quantize_checkpoint\n"
+        "def hwm():\n"
+        "    # VmHWM: this process's peak RSS (its own memory map, unlike ru_maxrss after a fork)\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024\n"
+        "quantize_checkpoint(sys.argv[1], sys.argv[3], bits=4)\n"
+        "base = hwm()\n"
+        "quantize_checkpoint(sys.argv[2], sys.argv[4], bits=4)\n"
+        "print(base, hwm())\n")
+    e = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code, tiny, big, tmp_path / "o1", tmp_path / "o2"],
+                       env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    base, peak = map(int, r.stdout.split())
+    assert nbytes > 180e6
+    assert peak - base < nbytes / 3, (peak - base, nbytes)
+    print(f"peak growth {(peak - base) / 1e6:.1f} MB for a {nbytes / 1e6:.1f} MB checkpoint")
+
+
+@pytest.mark.parametrize("make,kwargs,match", [
+    (lambda d: d / "nope", {}, "not a folder"),
+    (lambda d: d, {}, "no config.json"),
+])
+def test_bad_source(tmp_path, make, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantize_checkpoint(make(tmp_path), tmp_path / "out", bits=4, **kwargs)
+
+
+def test_bad_input(ckpt, tmp_path):
+    from transformers import LlamaConfig
+
+    bare = tmp_path / "bare"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1).save_pretrained(bare)
+    with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
+        quantize_checkpoint(bare, tmp_path / "o", bits=4)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x.txt").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        quantize_checkpoint(ckpt, full, bits=4)
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        quantize_checkpoint(ckpt, full / "x.txt", bits=4)
+    with pytest.raises(ValueError, match="source folder"):
+        quantize_checkpoint(ckpt, ckpt, bits=4)
+    with pytest.raises(ValueError, match="round to nearest only"):
+        quantize_checkpoint(ckpt, tmp_path / "o", bits=4, calibration=[torch.zeros(1, 8, dtype=torch.long)])
+    with pytest.raises(ValueError, match="dtype"):
+        quantize_checkpoint(ckpt, tmp_path / "o", bits=4, dtype="int8")
+    with pytest.raises(ValueError, match="max_shard_size"):
+        quantize_checkpoint(ckpt, tmp_path / "o", bits=4, max_shard_size="lots")
+    with pytest.raises(ValueError, match="bits"):
+        quantize_checkpoint(ckpt, tmp_path / "o", bits=3)
+    # a shard the index names but that is missing
+    broken = tmp_path / "broken"
+    bench.write_checkpoint(broken, shard_bytes=1 << 20, **SMALL)
+    next(broken.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(ValueError, match="is missing"):
+        quantize_checkpoint(broken, tmp_path / "o", bits=4)
+    assert not (tmp_path / "o").exists()  # nothing written before the checks
+
+
+def test_cli_stream_errors(ckpt, tmp_path, capsys):
+    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--method", "signround",
+                 "--calibration", str(ckpt / "config.json"), "--out", str(tmp_path / "o")]) == 2
+    assert "--stream quantizes with --method rtn" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--out", str(tmp_path / "full"),
+                 "--no-progress"]) == 2
+    assert "not empty" in capsys.readouterr().err

@@ -27,7 +27,15 @@ the outputs of the already-quantized previous blocks. The optimizer is SignSGD
 (``p -= lr_t * sign(grad)``, no momentum) with a linearly decaying learning rate
 ``lr_t = lr * (1 - t / iters)``; after each step the parameters are clamped to their ranges.
 The parameters with the lowest loss seen (evaluated before every step and once after the last)
-are kept.
+are kept; the forward over all samples that measures the kept parameters' loss also gives the
+next block its inputs.
+
+What this costs is the blocks' matrix products (``benchmarks/README.md``, "Trainable rounding
+and the budget on the CPU", has the cost model). The fake quantization is one autograd node per
+layer: the weight-only part of the format's rule is computed once per layer (group bounds,
+group kinds), the rest once per step (cached for forwards without gradients), and on the CPU it
+and the SignSGD step run on :data:`WEIGHT_OP_THREADS` thread(s), since their weight-sized ops
+gain little from more threads and wait at every op's barrier when the cores are busy.
 
 mixed2bit with 4-bit groups (``ratio_4bit > 0``): the format chooses its 4-bit groups before
 training and keeps them fixed, by ``sum(sensitivity * w**2)`` where ``sensitivity`` is the mean

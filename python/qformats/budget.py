@@ -164,7 +164,10 @@ class _Metric:
         for i, w in enumerate(self.batches):
             self.batch = i
             w = w.to(device)
-            out = self.model(w)
+            try:  # no key / value cache: one forward per window, nothing to keep
+                out = self.model(w, use_cache=False)
+            except TypeError:
+                out = self.model(w)
             logits = (out.logits if hasattr(out, "logits") else out)[:, :-1].float()
             logp = torch.log_softmax(logits, dim=-1)
             nll += float(-logp.gather(-1, w[:, 1:, None]).sum())

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Rounding", "round_ste", "ste"]
+__all__ = ["Rounding", "round_ste", "ste", "WeightMemo"]
 
 
 class Rounding(Protocol):
@@ -44,12 +44,48 @@ class Rounding(Protocol):
         ...
 
 
+class _RoundSTE(torch.autograd.Function):
+    """``(round(x) - x) + x`` forward (``round(x)`` with -0 read as +0, NaN for infinite x),
+    identity backward: one graph node instead of three, the same values bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x).sub_(x).add_(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def round_ste(x: torch.Tensor) -> torch.Tensor:
     """Round half to even forward, identity backward. ``(round(x) - x) + x`` equals
     ``round(x)`` exactly in float (``round(x) - x`` is exact by Sterbenz / for |x| < 1/2)."""
-    return (torch.round(x) - x).detach() + x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RoundSTE.apply(x)
+    return torch.round(x).sub_(x).add_(x)
 
 
 def ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``y`` forward, identity (gradient of ``x``) backward."""
     return (y - x).detach() + x
+
+
+class WeightMemo:
+    """The part of a fake quantization that depends on the weight alone (group minima and
+    maxima, group kinds), computed by ``make(w)`` once and reused while the same tensor ``w``
+    is passed unchanged: training calls the fake quantization with the same frozen weight at
+    every step, and only ``V``, ``alpha``, ``beta`` move. An in-place change of ``w`` (its
+    version counter) or another tensor recomputes it."""
+
+    def __init__(self, make):
+        self.make = make
+        self.w = None
+        self.version = -1
+        self.value = None
+
+    def __call__(self, w: torch.Tensor):
+        if self.w is not w or self.version != w._version:
+            with torch.no_grad():
+                self.value = self.make(w)
+            self.w, self.version = w, w._version
+        return self.value

@@ -44,7 +44,7 @@ from .config import BudgetConfig, SignRoundConfig
 from .nn import QuantizedLinear
 from .plan import block, resolve_spec, set_submodule
 from .progress import progress_bar
-from .signround import quantize_plan
+from .signround import find_blocks, quantize_plan
 
 # Defined in qformats.config, first defined here: still importable from here.
 from .config import CANDIDATE_METHODS, DEFAULT_CANDIDATES  # noqa: E402,F401
@@ -57,9 +57,44 @@ OPTIONS = BudgetConfig.names()
 DEFAULTS = BudgetConfig.defaults()
 
 
+class _Cached(nn.Module):
+    """Stands in for transformer block ``j`` of the float model: returns (a copy of) what the
+    block returned on the current batch in the reference run. Other attributes are the
+    block's (a model's forward may read e.g. its attention type)."""
+
+    def __init__(self, metric: "_Metric", j: int, block: nn.Module):
+        super().__init__()
+        self.j = j
+        self._refs = (metric, block)  # neither a submodule
+
+    def forward(self, *args, **kwargs):
+        m = self._refs[0]
+        return _clone(m.cache[self.j][m.batch])
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._refs[1], name)
+
+
+def _clone(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_clone(x) for x in v)
+    return v
+
+
 class _Metric:
     """The budgeted quantity of the model on the windows: mean NLL per predicted token, and/or
-    mean per-token KL(reference || model) against log-probs of the float model taken once."""
+    mean per-token KL(reference || model) against log-probs of the float model taken once.
+
+    The reference run also keeps what every transformer block (:func:`qformats.signround.find_blocks`)
+    returns on every batch, so that a model whose only change is in block ``k`` is evaluated
+    from block ``k`` on (``metric(start=k)``): the blocks before it get the same inputs as in
+    the reference run and would return the same outputs, so they are replaced by those
+    outputs (the same logits, bit for bit, at a fraction of the forward)."""
 
     def __init__(self, model, samples, config: BudgetConfig):
         # batches of equal-length samples ([1, L] tensors from calibration.calibration_samples)
@@ -77,23 +112,62 @@ class _Metric:
         self.use_ppl = config.max_perplexity_increase is not None
         self.evaluations = 0
         self.ref_logp = None
-        nll0, kl0, ref = self._run(keep=self.use_kl)
+        try:
+            self.blocks = find_blocks(model)[1]
+        except ValueError:
+            self.blocks = None
+        self.cache: list = []
+        self.batch = 0
+        nll0, kl0, ref = self._run(keep=self.use_kl, record=self.blocks is not None)
         self.ref_logp = ref if self.use_kl else None
         self.nll0 = nll0
         self.limit_nll = (nll0 + math.log1p(config.max_perplexity_increase / 100.0)
                           if self.use_ppl else math.inf)
         self.limit_kl = config.max_per_token_kl_divergence if self.use_kl else math.inf
 
+    def block_of(self, module: nn.Module) -> int:
+        """The index of the transformer block holding ``module`` (0 when none does: such a
+        layer is evaluated with the whole forward)."""
+        if self.blocks is not None:
+            for k, b in enumerate(self.blocks):
+                if any(x is module for x in b.modules()):
+                    return k
+        return 0
+
     @torch.inference_mode()
-    def _run(self, keep=False):
+    def _run(self, keep=False, record=False, start=0):
         self.evaluations += 1
         device = next(self.model.parameters(), torch.empty(0)).device
+        hooks = []
+        if record:
+            self.cache = [[] for _ in self.blocks]
+            for j, b in enumerate(self.blocks):
+                hooks.append(b.register_forward_hook(
+                    lambda mod, a, out, j=j: self.cache[j].append(_clone(out))))
+        originals = []
+        if start > 0 and self.cache:
+            originals = [self.blocks[j] for j in range(start)]
+            for j in range(start):
+                self.blocks[j] = _Cached(self, j, originals[j])
+        try:
+            return self._windows(device, keep)
+        finally:
+            for h in hooks:
+                h.remove()
+            for j, b in enumerate(originals):
+                self.blocks[j] = b
+
+    def _windows(self, device, keep):
         nll = kl = 0.0
         count = 0
         kept = []
         for i, w in enumerate(self.batches):
+            self.batch = i
             w = w.to(device)
-            out = self.model(w)
+            try:  # no key / value cache: one forward per window, nothing to keep
+                out = self.model(w, use_cache=False)
+            except TypeError:
+                out = self.model(w)
             logits = (out.logits if hasattr(out, "logits") else out)[:, :-1].float()
             logp = torch.log_softmax(logits, dim=-1)
             nll += float(-logp.gather(-1, w[:, 1:, None]).sum())
@@ -105,9 +179,10 @@ class _Metric:
                 kl += float((ref.exp() * (ref - logp)).sum())
         return nll / count, kl / count, kept
 
-    def __call__(self) -> tuple[float, float]:
-        """(nll, kl) of the model as it is now."""
-        nll, kl, _ = self._run()
+    def __call__(self, start: int = 0) -> tuple[float, float]:
+        """(nll, kl) of the model as it is now; ``start``: the first block that differs from
+        the float model (the blocks before it are not run again)."""
+        nll, kl, _ = self._run(start=start)
         return nll, kl
 
     def excess(self, nll: float, kl: float) -> float:
@@ -212,6 +287,7 @@ def quantize_budget(model: nn.Module, plan: list, options: Union[BudgetConfig, M
                        unit="eval", leave=False)
     for name, m, _, _ in plan:
         opts = []
+        start = metric.block_of(m)  # only this layer differs from the float model
         for ci, (fmt, params, meth) in enumerate(cands):
             bar.update(1)
             if m.in_features % block(fmt, params):
@@ -225,7 +301,7 @@ def quantize_budget(model: nn.Module, plan: list, options: Union[BudgetConfig, M
                 q = QuantizedLinear.from_linear(m, fmt, **params, **extra)
                 secs = time.perf_counter() - t1
             set_submodule(model, name, q)
-            cost = metric.cost(*metric())
+            cost = metric.cost(*metric(start))
             set_submodule(model, name, m)
             opts.append((q.avg_bits, q, max(cost, 0.0), secs, meth))
         if not opts:

@@ -27,7 +27,15 @@ the outputs of the already-quantized previous blocks. The optimizer is SignSGD
 (``p -= lr_t * sign(grad)``, no momentum) with a linearly decaying learning rate
 ``lr_t = lr * (1 - t / iters)``; after each step the parameters are clamped to their ranges.
 The parameters with the lowest loss seen (evaluated before every step and once after the last)
-are kept.
+are kept; the forward over all samples that measures the kept parameters' loss also gives the
+next block its inputs.
+
+What this costs is the blocks' matrix products (``benchmarks/README.md``, "Trainable rounding
+and the budget on the CPU", has the cost model). The fake quantization is one autograd node per
+layer: the weight-only part of the format's rule is computed once per layer (group bounds,
+group kinds), the rest once per step (cached for forwards without gradients), and on the CPU it
+and the SignSGD step run on :data:`WEIGHT_OP_THREADS` thread(s), since their weight-sized ops
+gain little from more threads and wait at every op's barrier when the cores are busy.
 
 mixed2bit with 4-bit groups (``ratio_4bit > 0``): the format chooses its 4-bit groups before
 training and keeps them fixed, by ``sum(sensitivity * w**2)`` where ``sensitivity`` is the mean
@@ -72,6 +80,55 @@ DEFAULTS = SignRoundConfig.defaults()
 V_RANGE = (-0.5, 0.5)
 SCALE_RANGE = (0.5, 1.0)
 
+#: CPU threads of the work on weight-sized tensors (10^5 - 10^6 floats): the fake
+#: quantization (some 60 elementwise ops, forward and backward) and the SignSGD step. Split
+#: over threads each such op gains little and pays a barrier, which on a machine whose cores
+#: are busy with other work waits for a descheduled thread (benchmarks/README.md, "Trainable
+#: rounding"). The block's matrix products keep torch's setting.
+WEIGHT_OP_THREADS = 1
+
+
+class _cpu_threads:
+    """Context manager (reusable): torch's intra-op CPU threads set to ``n`` inside; nothing
+    changes for a CUDA device."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.n, self.cpu = int(n), device.type == "cpu"
+        self.old = None
+
+    def __enter__(self):
+        self.old = torch.get_num_threads()
+        if self.cpu and self.old != self.n:
+            torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        if torch.get_num_threads() != self.old:
+            torch.set_num_threads(self.old)
+        return False
+
+
+class _FakeQuant(torch.autograd.Function):
+    """The layer's fake quantization as one autograd node, so that its own graph runs its
+    forward and backward with :data:`WEIGHT_OP_THREADS` CPU threads: the gradients are those
+    of the format's ``fake_quant`` graph, bit for bit (the same ops, run on fewer threads)."""
+
+    @staticmethod
+    def forward(ctx, layer, v, alpha, beta):
+        leaves = [t.detach().requires_grad_(True) for t in (v, alpha, beta)]
+        with _cpu_threads(WEIGHT_OP_THREADS, v.device), torch.enable_grad():
+            out = layer.rounding.fake_quant(layer.weight, *leaves)
+        ctx.graph = (out, leaves)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, leaves = ctx.graph
+        del ctx.graph
+        with _cpu_threads(WEIGHT_OP_THREADS, grad.device):
+            gv, ga, gb = torch.autograd.grad(out, leaves, grad)
+        return None, gv, ga, gb
+
 
 class SignRoundLinear(nn.Module):
     """A Linear whose weight is fake-quantized with trainable V / alpha / beta (float32).
@@ -99,6 +156,7 @@ class SignRoundLinear(nn.Module):
         self.v = nn.Parameter(torch.zeros(out_f, in_f))
         self.alpha = nn.Parameter(torch.ones(out_f, in_f // group_size))
         self.beta = nn.Parameter(torch.ones(out_f, in_f // group_size))
+        self._cached: tuple = (None, None)  # (key, weight) of forwards without gradients
 
     @classmethod
     def for_layer(cls, linear: nn.Linear, fmt: str, params: Mapping[str, Any],
@@ -116,8 +174,17 @@ class SignRoundLinear(nn.Module):
         return cls(linear, spec.rounding(linear.weight, params, sensitivity))
 
     def qweight(self) -> torch.Tensor:
-        """The fake-quantized float32 weight ``[out, in]`` (differentiable in v, alpha, beta)."""
-        return self.rounding.fake_quant(self.weight, self.v, self.alpha, self.beta)
+        """The fake-quantized float32 weight ``[out, in]`` (differentiable in v, alpha, beta).
+        Without gradients it is computed once per parameter values (evaluations over several
+        batches reuse it)."""
+        ps = (self.v, self.alpha, self.beta)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in ps):
+            return _FakeQuant.apply(self, *ps)
+        key = tuple((t._version, t.data_ptr()) for t in (self.weight, *ps))
+        if self._cached[0] != key:
+            with _cpu_threads(WEIGHT_OP_THREADS, self.v.device), torch.no_grad():
+                self._cached = (key, self.rounding.fake_quant(self.weight, *ps))
+        return self._cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.qweight(), self.bias)
@@ -174,19 +241,27 @@ def _groups(inputs: list, idx: Sequence[int], limit: int = 0) -> list:
     return out
 
 
-def _forward_all(block: nn.Module, inputs: list, batch_size: int) -> list:
-    """The block's outputs ``[1, L, H]`` per input, computed in batches, without gradients."""
-    outs: list = [None] * len(inputs)
+def _forward_all(block: nn.Module, inputs: list, batch_size: int,
+                 targets: Optional[list] = None) -> tuple:
+    """``(outputs, loss)``: the block's outputs ``[1, L, H]`` per input, computed in batches,
+    without gradients; with ``targets`` the MSE over all inputs (each batch's mean weighted by
+    its share of the inputs), else None."""
+    n = len(inputs)
+    outs: list = [None] * n
+    total = 0.0
     with torch.no_grad():
-        for grp in _groups(inputs, range(len(inputs)), batch_size):
+        for grp in _groups(inputs, range(n), batch_size):
             y = _block_out(block, torch.cat([inputs[i][0] for i in grp]), inputs[grp[0]][1])
+            if targets is not None:
+                total += float(F.mse_loss(y, torch.cat([targets[i] for i in grp])) * (len(grp) / n))
             for j, i in enumerate(grp):
                 outs[i] = y[j:j + 1].detach()
-    return outs
+    return outs, (total if targets is not None else None)
 
 
 def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, iters: int,
-                lr: Optional[float], batch_size: int, seed: int = 0) -> dict:
+                lr: Optional[float], batch_size: int, seed: int = 0,
+                keep_outputs: bool = False) -> dict:
     """Train the SignRoundLinears of ``block`` (a float32 module already holding them:
     ``linears`` ``{name: SignRoundLinear}``) to map ``inputs`` ``[(x, kwargs)]`` to
     ``targets`` (MSE, mean over the batch's samples), SignSGD with linearly decaying lr.
@@ -194,7 +269,9 @@ def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, it
     Leaves the best parameters seen in the modules. Returns stats: ``rtn_loss`` and ``loss``
     (the loss over all samples before / after training), ``best_loss`` / ``best_iter`` (the
     lowest batch loss seen and the step whose parameters it was; ``iters`` = after the last
-    step), ``losses`` (the batch loss of every evaluated parameter set)."""
+    step), ``losses`` (the batch loss of every evaluated parameter set); with
+    ``keep_outputs`` also ``outputs``: the trained block's outputs per input, from the forward
+    that measured ``loss`` (the next block's inputs)."""
     params = [p for m in linears.values() for p in (m.v, m.alpha, m.beta)]
     for p in block.parameters():
         p.requires_grad_(False)
@@ -217,11 +294,8 @@ def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, it
             total += float(loss.detach())
         return total
 
-    def full_loss() -> float:
-        with torch.no_grad():
-            return batch_loss(range(n), False)
-
-    rtn_loss = full_loss()
+    rtn_loss = _forward_all(block, inputs, bs, targets)[1]
+    weight_ops = _cpu_threads(WEIGHT_OP_THREADS, params[0].device if params else torch.device("cpu"))
     best = [p.detach().clone() for p in params]
     best_loss, best_iter, losses = math.inf, 0, []
     for t in range(iters + 1):
@@ -236,24 +310,30 @@ def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, it
         losses.append(loss)
         if loss < best_loss:
             best_loss, best_iter = loss, t
-            best = [p.detach().clone() for p in params]
+            with torch.no_grad(), weight_ops:
+                for b, p in zip(best, params):
+                    b.copy_(p)
         if last:
             break
         lr_t = lr * (1.0 - t / iters)
-        with torch.no_grad():
+        with torch.no_grad(), weight_ops:
             for p in params:
                 if p.grad is not None:
                     p.sub_(lr_t * torch.sign(p.grad))
-        for m in linears.values():
-            m.clamp_()
+            for m in linears.values():
+                m.clamp_()
     with torch.no_grad():
         for p, b in zip(params, best):
             p.copy_(b)
     for p in params:
         p.requires_grad_(False)
         p.grad = None
-    return {"rtn_loss": rtn_loss, "loss": full_loss(), "best_loss": best_loss,
-            "best_iter": best_iter, "losses": losses}
+    outs, loss = _forward_all(block, inputs, bs, targets)
+    st = {"rtn_loss": rtn_loss, "loss": loss, "best_loss": best_loss, "best_iter": best_iter,
+          "losses": losses}
+    if keep_outputs:
+        st["outputs"] = outs
+    return st
 
 
 # -- the model-level driver -------------------------------------------------------------------
@@ -315,11 +395,11 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
         if mixed and config.selection == "sensitivity":
             def run():
                 nonlocal targets
-                targets = _forward_all(fblock, inputs, config.batch_size)
+                targets = _forward_all(fblock, inputs, config.batch_size)[0]
             targets = None
             moments = capture_second_moments(mixed, run)
         else:
-            targets = _forward_all(fblock, inputs, config.batch_size)
+            targets = _forward_all(fblock, inputs, config.batch_size)[0]
         linears = {}
         for rel, (name, fmt, qp) in names:
             sens = None
@@ -328,9 +408,11 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
             srl = SignRoundLinear.for_layer(fblock.get_submodule(rel), fmt, qp, sens)
             _replace(fblock, rel, srl)
             linears[rel] = srl
+        outs = None
         if linears:
             st = train_block(fblock, linears, inputs, targets, iters, config.lr,
-                             config.batch_size, config.seed + bi)
+                             config.batch_size, config.seed + bi, keep_outputs=True)
+            outs = st.pop("outputs")
             secs = time.perf_counter() - t0
             for rel, (name, fmt, qp) in names:
                 orig = block.get_submodule(rel)
@@ -340,7 +422,8 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
             st["seconds"] = secs
             st["layers"] = [n for _, (n, _, _) in names]
             stats["blocks"].append(st)
-        outs = _forward_all(fblock, inputs, config.batch_size)
+        if outs is None:
+            outs = _forward_all(fblock, inputs, config.batch_size)[0]
         inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
     bar.close()
     new = []

@@ -140,3 +140,26 @@ def test_budget_needs_calibration(make_small_net):
     with pytest.raises(ValueError, match="calibration"):
         qformats.quantize_model(make_small_net(), method="budget", max_perplexity_increase=5)
     assert budget.DEFAULT_CANDIDATES[0][0] == "int8"
+
+
+def test_metric_from_the_changed_block_equals_the_whole_forward(llama, valid_text):
+    # A model whose only change is in block k is evaluated from block k on, the blocks before
+    # it standing in with their outputs of the reference run: the same nll and kl, bit for
+    # bit, as the whole forward; the blocks are put back afterwards.
+    from qformats.calibration import calibration_samples
+    from qformats.config import BudgetConfig
+    from qformats.plan import set_submodule
+
+    model = copy.deepcopy(llama.model)
+    samples = calibration_samples(valid_text, llama.tokenizer, nsamples=3, seqlen=64)
+    cfg = BudgetConfig(calibration=samples, max_perplexity_increase=5.0, max_per_token_kl_divergence=1.0,
+                       nsamples=3, seqlen=64, batch_size=2)
+    metric = budget._Metric(model, samples, cfg)
+    blocks = list(model.model.layers)
+    name = "model.layers.3.mlp.down_proj"
+    m = model.get_submodule(name)
+    assert metric.block_of(m) == 3 and metric.block_of(model.lm_head) == 0
+    set_submodule(model, name, QuantizedLinear.from_linear(m, "int4", group_size=64))
+    nll, kl = metric(start=3)
+    assert list(model.model.layers) == blocks
+    assert (nll, kl) == metric() and kl > 0 and nll != metric.nll0

@@ -209,6 +209,82 @@ def test_straight_through_gradients_reach_every_parameter(fmt, gs, ratio):
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
+def _grads(fq, w, v, a, b):
+    """(fake-quantized weight, grad v, grad alpha, grad beta) under a fixed upstream gradient."""
+    v, a, b = (t.clone().requires_grad_(True) for t in (v, a, b))
+    y = fq(w, v, a, b)
+    up = torch.sin(torch.arange(y.numel(), dtype=torch.float32)).reshape(y.shape)
+    (y * up).sum().backward()
+    return y.detach(), v.grad, a.grad, b.grad
+
+
+def _bits(t):
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("fmt,gs,ratio,sb", [("int4", 32, 0.0, 16), ("mixed2bit", 16, 0.0, 16),
+                                             ("mixed2bit", 16, 0.25, 5), ("mixed2bit", 32, 1.0, 3)])
+def test_layer_rounding_reuses_weight_part_and_equals_the_function_bit_for_bit(fmt, gs, ratio, sb):
+    # The per-layer object computes what depends on the weight alone once (WeightMemo); its
+    # values and gradients equal the standalone function's at every call, also after the
+    # weight is changed in place (the memo is recomputed), ties in maxima included.
+    w = (_weight(24, 96) * 64).round() / 64
+    is4 = m2_rounding.select_4bit(w, gs, ratio, None, sb) if ratio else None
+    if fmt == "int4":
+        r, f = int4_rounding.Int4Rounding(gs), lambda *t: int4_rounding.fake_quant_int4(*t, gs)
+    else:
+        r = m2_rounding.Mixed2bitRounding(tuple(w.shape), gs, sb, is4, ratio)
+        f = lambda *t: m2_rounding.fake_quant_mixed2bit(*t, gs, sb, is4)  # noqa: E731
+    for step in range(3):
+        if step == 2:
+            w.mul_(0.5)  # in place: the memo must not serve the old bounds
+        v, a, b = _random_params(w, gs, seed=step)
+        a[::3] = 1.0
+        for x, y in zip(_grads(r.fake_quant, w, v, a, b), _grads(f, w, v, a, b)):
+            assert torch.equal(_bits(x), _bits(y))
+
+
+def test_mixed2bit_layer_rounding_still_refuses_fields_too_large_for_fp16():
+    w = _weight(8, 32)
+    w[0, 0] = 3e7  # scale / 15 beyond fp16 for any alpha in [0.5, 1]
+    r = m2_rounding.Mixed2bitRounding(tuple(w.shape), 16, 16)
+    v, a, b = _random_params(w, 16)
+    with pytest.raises(ValueError, match="too large"):
+        r.fake_quant(w, v, a, b)
+    with pytest.raises(ValueError, match="too large"):
+        m2_rounding.fake_quant_2bit(w, v, a, b, 16)
+
+
+@pytest.mark.parametrize("fmt,gs,ratio", [("int4", 32, 0.0), ("mixed2bit", 16, 0.25)])
+def test_signround_linear_node_and_cache_equal_the_plain_fake_quant(fmt, gs, ratio):
+    # qweight() with gradients is one autograd node (run on WEIGHT_OP_THREADS threads), without
+    # them a cached tensor: both equal the format's fake_quant and its gradients bit for bit,
+    # and the cache follows every change of the parameters.
+    w = _weight()
+    lin = nn.Linear(64, 16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    is4 = m2_rounding.select_4bit(w, gs, ratio) if ratio else None
+    m = sr.SignRoundLinear(lin, _rounding(lin, gs, fmt, is4, ratio))
+    v, a, b = _random_params(w, gs)
+    with torch.no_grad():
+        m.v.copy_(v), m.alpha.copy_(a), m.beta.copy_(b)
+    want = _grads(m.rounding.fake_quant, m.weight, v, a, b)
+    y = m.qweight()
+    (y * torch.sin(torch.arange(y.numel(), dtype=torch.float32)).reshape(y.shape)).sum().backward()
+    for x, z in zip((y.detach(), m.v.grad, m.alpha.grad, m.beta.grad), want):
+        assert torch.equal(_bits(x), _bits(z))
+    with torch.no_grad():
+        first = m.qweight()
+        assert m.qweight() is first  # the same parameters: reused
+        m.v.sub_(0.25 * torch.sign(m.v.grad))
+        m.clamp_()
+        again = m.qweight()
+    assert again is not first
+    fresh = m.rounding.fake_quant(m.weight, m.v.detach(), m.alpha.detach(), m.beta.detach())
+    assert torch.equal(_bits(again), _bits(fresh)) and not torch.equal(again, first)
+
+
 def _rounding(lin, gs, fmt, is4, ratio):
     """The format's trainable rounding of ``lin`` (scale_block 16 for mixed2bit)."""
     if fmt == "int4":
@@ -259,6 +335,21 @@ def test_train_block_improves_on_rtn_keeps_ranges_and_exports_what_it_trained(fm
     with torch.no_grad():
         for x, kw in inputs:
             torch.testing.assert_close(qb(x, **kw), fb(x, **kw), rtol=1.3e-6, atol=1e-5)
+
+
+def test_train_block_outputs_are_the_trained_blocks_and_give_the_final_loss():
+    net = _Net()
+    fb, linears, inputs, targets = _setup_block(net, _ids(n=5))
+    st = sr.train_block(fb, linears, inputs, targets, iters=4, lr=None, batch_size=2, keep_outputs=True)
+    outs = st.pop("outputs")
+    with torch.no_grad():
+        for y, (x, kw) in zip(outs, inputs):
+            torch.testing.assert_close(y, fb(x, **kw), rtol=1e-6, atol=1e-7)
+    # the loss over all samples (batches of 2, weighted by their share) from those outputs
+    loss = sum(float(F.mse_loss(torch.cat(outs[i:i + 2]), torch.cat(targets[i:i + 2])) * (len(outs[i:i + 2]) / 5))
+               for i in range(0, 5, 2))
+    assert st["loss"] == loss
+    assert "outputs" not in sr.train_block(fb, linears, inputs, targets, iters=0, lr=None, batch_size=2)
 
 
 def test_best_parameters_seen_are_kept():

@@ -23,20 +23,28 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .._core import QuantizedTensor, validate
-from .._rounding import round_ste
+from .._rounding import WeightMemo, round_ste
 from . import FORMAT, SPEC
 
 __all__ = ["fake_quant_int4", "export_int4", "Int4Rounding", "for_layer"]
 
 
-def _int4_parts(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
-                group_size: int):
-    """(q, zero, scale) as float32 tensors ``[n_groups, gs]``, ``[n_groups, 1]``, ``[n_groups, 1]``
-    for a float32 weight ``[out, in]``; differentiable in v, alpha, beta through the STE."""
+def _int4_bounds(w: torch.Tensor, group_size: int):
+    """What :func:`_int4_parts` computes from ``w`` alone: the groups ``[n_groups, gs]`` and
+    their unclipped ``min(min(w), 0)``, ``max(max(w), 0)`` ``[n_groups, 1]``."""
     g = w.reshape(-1, group_size)
-    vg = v.reshape(-1, group_size)
     mn = torch.clamp(g.min(dim=1, keepdim=True).values, max=0.0)
     mx = torch.clamp(g.max(dim=1, keepdim=True).values, min=0.0)
+    return g, mn, mx
+
+
+def _int4_parts(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                group_size: int, bounds: Optional[tuple] = None):
+    """(q, zero, scale) as float32 tensors ``[n_groups, gs]``, ``[n_groups, 1]``, ``[n_groups, 1]``
+    for a float32 weight ``[out, in]``; differentiable in v, alpha, beta through the STE.
+    ``bounds``: ``_int4_bounds(w, group_size)`` computed before (training reuses it), or None."""
+    g, mn, mx = _int4_bounds(w, group_size) if bounds is None else bounds
+    vg = v.reshape(-1, group_size)
     lo = mn * beta.reshape(-1, 1)
     hi = mx * alpha.reshape(-1, 1)
     scale = (hi - lo) / 15.0
@@ -52,7 +60,11 @@ def _int4_parts(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: tor
 def fake_quant_int4(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
                     group_size: int) -> torch.Tensor:
     """The fake-quantized float32 weight ``(q - zero) * scale`` ``[out, in]`` (module docstring)."""
-    q, zero, scale = _int4_parts(w, v, alpha, beta, group_size)
+    return _dequant(w, _int4_parts(w, v, alpha, beta, group_size))
+
+
+def _dequant(w: torch.Tensor, parts: tuple) -> torch.Tensor:
+    q, zero, scale = parts
     return ((q - zero) * scale).reshape(w.shape)
 
 
@@ -80,9 +92,12 @@ class Int4Rounding:
 
     def __init__(self, group_size: int):
         self.group_size = int(group_size)
+        self._bounds = WeightMemo(lambda w: _int4_bounds(w, self.group_size))
 
     def fake_quant(self, w, v, alpha, beta):
-        return fake_quant_int4(w, v, alpha, beta, self.group_size)
+        """:func:`fake_quant_int4`, bit for bit, with the groups' bounds computed once per
+        weight."""
+        return _dequant(w, _int4_parts(w, v, alpha, beta, self.group_size, self._bounds(w)))
 
     def export(self, w, v, alpha, beta, dtype: str = "float32") -> QuantizedTensor:
         return export_int4(w, v, alpha, beta, self.group_size, dtype)

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .._core import QuantizedTensor, validate
-from .._rounding import round_ste, ste
+from .._rounding import WeightMemo, round_ste, ste
 from . import DEFAULT_SCALE_BLOCK, FORMAT, SPEC, expected_buffers, quantize
 from .reference import n4_count
 
@@ -38,8 +38,76 @@ __all__ = ["fake_quant_2bit", "export_2bit", "fake_quant_mixed2bit", "export_mix
            "Mixed2bitRounding", "for_layer"]
 
 
+class _Groups:
+    """What :func:`_m2_parts` computes from ``w`` and ``is4`` alone (constant while ``V``,
+    ``alpha``, ``beta`` train): the groups ``g [n, gs]`` (-0 read as +0), their clipped-free
+    bounds ``lo0 = min(min(g), 0)``, ``hi0 = max(g)`` ``[n, 1]``, ``qmax`` / ``smax`` per group,
+    and the two lists' group ids (None when every group is 2-bit: no gather, no scatter).
+
+    ``peak_ok``: whether every second-order field is finite in fp16 for any ``alpha, beta`` in
+    ``[0, 1]`` (they peak at round to nearest: ``scale <= max(hi0, 0) - lo0`` over ``qmax``,
+    ``m <= -lo0``), so that training skips the per-step check (a host sync on the GPU).
+    """
+
+    def __init__(self, w: torch.Tensor, group_size: int, is4: Optional[torch.Tensor] = None):
+        g = w.reshape(-1, group_size) + 0.0        # -0 read as +0, as the format does
+        n = g.shape[0]
+        if is4 is not None:
+            is4 = is4.reshape(-1)
+            if is4.numel() != n:
+                raise ValueError(f"is4: expected {n} group flags, got {is4.numel()}")
+        self.g, self.n = g, n
+        self.lo0 = torch.clamp(g.min(dim=1, keepdim=True).values, max=0.0)
+        self.hi0 = g.max(dim=1, keepdim=True).values
+        if is4 is None or not bool(is4.any()):
+            self.ids = None
+            self.qmax = torch.full((n, 1), 3.0, device=w.device)
+            self.smax = torch.full((n, 1), 15.0, device=w.device)
+        else:
+            ids2, ids4 = torch.nonzero(~is4).reshape(-1), torch.nonzero(is4).reshape(-1)
+            self.ids = (ids2, ids4)
+            order = torch.cat([ids2, ids4])
+            self.order, self.inverse = order, torch.argsort(order)
+            self.qmax = torch.where(is4, 15.0, 3.0).to(torch.float32).reshape(-1, 1)
+            self.smax = torch.where(is4, 255.0, 15.0).to(torch.float32).reshape(-1, 1)
+        peak = torch.maximum((torch.clamp(self.hi0, min=0.0) - self.lo0) / self.qmax, -self.lo0) / self.smax
+        self.peak_ok = n == 0 or bool(torch.isfinite(peak.max().to(torch.float16)))
+
+
+def _block_fields(val: torch.Tensor, scale_block: int, S: float, check: bool):
+    """fp16 fields (float32 values) of the blocks of ``scale_block`` consecutive entries of
+    ``val`` ``[k]`` (a list in id order), and the per-entry field ``[k]``."""
+    k = int(val.numel())
+    if k == 0:
+        return val.new_zeros(0), val.new_zeros(0)
+    nb = -(-k // scale_block)
+    vv = torch.clamp(val, min=0.0)
+    pad = nb * scale_block - k
+    if pad:
+        vv = torch.cat([vv, vv.new_zeros(pad)])
+    bmax = vv.reshape(nb, scale_block).max(dim=1).values / S
+    b16 = ste(bmax, bmax.to(torch.float16).to(torch.float32))
+    if check and not torch.isfinite(b16).all():
+        raise ValueError("values too large for mixed2bit's fp16 second-order scales")
+    return b16, b16.repeat_interleave(scale_block)[:k]
+
+
+def _group_fields(grp: _Groups, val: torch.Tensor, scale_block: int, check: bool):
+    """The per-group second-order field ``[n, 1]`` of ``val`` ``[n, 1]`` (the 2-bit list
+    against 15, the 4-bit list against 255), and the blocks' fields of each list."""
+    if grp.ids is None:
+        f2, per = _block_fields(val.reshape(-1), scale_block, 15.0, check)
+        return per.reshape(-1, 1), f2, val.new_zeros(0)
+    k2 = grp.ids[0].numel()
+    vals = val.reshape(-1)[grp.order]
+    f2, per2 = _block_fields(vals[:k2], scale_block, 15.0, check)
+    f4, per4 = _block_fields(vals[k2:], scale_block, 255.0, check)
+    return torch.cat([per2, per4])[grp.inverse].reshape(-1, 1), f2, f4
+
+
 def _m2_parts(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
-              group_size: int, scale_block: int, is4: Optional[torch.Tensor] = None):
+              group_size: int, scale_block: int, is4: Optional[torch.Tensor] = None,
+              groups: Optional[_Groups] = None):
     """mixed2bit groups without outliers (``mixed2bit.h`` steps 4-6) with clipping.
 
     Per group (read with -0 as +0) ``lo = min(min(v), 0) * beta``, ``hi = max(v) * alpha``,
@@ -54,54 +122,25 @@ def _m2_parts(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch
     Args:
         w, v: float32 ``[out, in]``; alpha, beta: float32 ``[out, in // group_size]``.
         is4: bool ``[n_groups]`` (row-major group ids) or None (all 2-bit).
+        groups: ``_Groups(w, group_size, is4)`` computed before (training reuses it; then the
+            fields are checked once there, not at every call), or None.
     Returns:
         float32 ``(q [n, gs], s_eff [n, 1], m_eff [n, 1], sc [n, 1], mc [n, 1],
         fields2 (d16 [nb2], dm16 [nb2]), fields4 (d16 [nb4], dm16 [nb4]))``, n = n_groups.
     Raises:
         ValueError: a second-order field that is inf in fp16 ("values too large ...").
     """
-    g = w.reshape(-1, group_size) + 0.0        # -0 read as +0, as the format does
-    vg = v.reshape(-1, group_size)
-    n = g.shape[0]
-    if is4 is None:
-        is4 = torch.zeros(n, dtype=torch.bool, device=w.device)
-    is4 = is4.reshape(-1)
-    if is4.numel() != n:
-        raise ValueError(f"is4: expected {n} group flags, got {is4.numel()}")
-    qmax = torch.where(is4, 15.0, 3.0).to(torch.float32).reshape(-1, 1)
-    smax = torch.where(is4, 255.0, 15.0).to(torch.float32).reshape(-1, 1)
-    mn = g.min(dim=1, keepdim=True).values
-    mx = g.max(dim=1, keepdim=True).values
-    lo = torch.clamp(mn, max=0.0) * beta.reshape(-1, 1)
-    hi = mx * alpha.reshape(-1, 1)
+    check = groups is None
+    grp = _Groups(w, group_size, is4) if groups is None else groups
+    if not check and not grp.peak_ok:
+        raise ValueError("values too large for mixed2bit's fp16 second-order scales")
+    g, qmax, smax = grp.g, grp.qmax, grp.smax
+    lo = grp.lo0 * beta.reshape(-1, 1)
+    hi = grp.hi0 * alpha.reshape(-1, 1)
     scale = (hi - lo) / qmax
     m = 0.0 - lo
-
-    def block_fields(val, sel, S):
-        """fp16 fields (float32 values) of the blocks of the groups ``sel`` (ids ascending),
-        and the per-group field [len(sel)]."""
-        k = int(sel.numel())
-        nb = -(-k // scale_block)
-        if k == 0:
-            return val.new_zeros(0), val.new_zeros(0)
-        vv = torch.clamp(val.reshape(-1)[sel], min=0.0)
-        pad = nb * scale_block - k
-        if pad:
-            vv = torch.cat([vv, vv.new_zeros(pad)])
-        bmax = vv.reshape(nb, scale_block).max(dim=1).values / S
-        b16 = ste(bmax, bmax.to(torch.float16).to(torch.float32))
-        if not torch.isfinite(b16).all():
-            raise ValueError("values too large for mixed2bit's fp16 second-order scales")
-        return b16, b16.repeat_interleave(scale_block)[:k]
-
-    ids2 = torch.nonzero(~is4).reshape(-1)
-    ids4 = torch.nonzero(is4).reshape(-1)
-    d2, dg2 = block_fields(scale, ids2, 15.0)
-    dm2, dmg2 = block_fields(m, ids2, 15.0)
-    d4, dg4 = block_fields(scale, ids4, 255.0)
-    dm4, dmg4 = block_fields(m, ids4, 255.0)
-    dg = scale.new_zeros(n).index_put((ids2,), dg2).index_put((ids4,), dg4).reshape(-1, 1)
-    dmg = scale.new_zeros(n).index_put((ids2,), dmg2).index_put((ids4,), dmg4).reshape(-1, 1)
+    dg, d2, d4 = _group_fields(grp, scale, scale_block, check)
+    dmg, dm2, dm4 = _group_fields(grp, m, scale_block, check)
 
     def code(val, dd):
         ok = dd > 0
@@ -115,7 +154,7 @@ def _m2_parts(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch
     m_eff = dmg * mc
     ok = s_eff > 0
     safe = torch.where(ok, s_eff, torch.ones_like(s_eff))
-    q = torch.minimum(torch.clamp(round_ste((g + m_eff) / safe + vg), min=0.0), qmax)
+    q = torch.minimum(torch.clamp(round_ste((g + m_eff) / safe + v.reshape(-1, group_size)), min=0.0), qmax)
     q = torch.where(ok, q, torch.zeros_like(q))
     return q, s_eff, m_eff, sc, mc, (d2, dm2), (d4, dm4)
 
@@ -147,7 +186,11 @@ def fake_quant_mixed2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, 
     Raises:
         ValueError: fp16 second-order fields that overflow, or ``is4`` of the wrong size.
     """
-    q, s_eff, m_eff, *_ = _m2_parts(w, v, alpha, beta, group_size, scale_block, is4)
+    return _dequant(w, _m2_parts(w, v, alpha, beta, group_size, scale_block, is4))
+
+
+def _dequant(w: torch.Tensor, parts: tuple) -> torch.Tensor:
+    q, s_eff, m_eff, *_ = parts
     return (q * s_eff - m_eff).reshape(w.shape)
 
 
@@ -277,12 +320,16 @@ class Mixed2bitRounding:
                 raise ValueError(f"is4 holds {int(is4.sum())} 4-bit groups, ratio_4bit={ratio_4bit} "
                                  f"gives {n4_count(self.ratio_4bit, ng)}")
         self.is4 = is4
+        self._groups = WeightMemo(lambda w: _Groups(w, self.group_size, self._flags(w)))
 
     def _flags(self, w: torch.Tensor) -> Optional[torch.Tensor]:
         return None if self.is4 is None else self.is4.to(w.device)
 
     def fake_quant(self, w, v, alpha, beta):
-        return fake_quant_mixed2bit(w, v, alpha, beta, self.group_size, self.scale_block, self._flags(w))
+        """:func:`fake_quant_mixed2bit`, bit for bit, with what depends on ``w`` alone computed
+        once per weight (``alpha``, ``beta`` in [0.5, 1], as training keeps them)."""
+        return _dequant(w, _m2_parts(w, v, alpha, beta, self.group_size, self.scale_block,
+                                     groups=self._groups(w)))
 
     def export(self, w, v, alpha, beta, dtype: str = "float32") -> QuantizedTensor:
         return export_mixed2bit(w, v, alpha, beta, self.group_size, self.scale_block, self._flags(w),

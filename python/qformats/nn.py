@@ -232,8 +232,17 @@ class QuantizedLinear(nn.Module):
                     **params) -> "QuantizedLinear":
         """:meth:`from_linear` for a bare weight ``[out_features, in_features]`` (float32 /
         float16 / bfloat16) and bias (``[out_features]`` or None), e.g. tensors read from a
-        checkpoint without building the Linear (:mod:`qformats.streaming`). Same result, same
-        errors."""
+        checkpoint without building the Linear (:mod:`qformats.streaming`). Same result.
+
+        Raises:
+            TypeError: ``weight`` or ``bias`` not a torch.Tensor, or a parameter of the wrong
+                type.
+            ValueError: as :meth:`from_linear`, and a bias of the wrong shape.
+        """
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
         mod = format_module(format)
         w = weight.detach()
         if not w.is_contiguous():

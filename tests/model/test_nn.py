@@ -251,6 +251,13 @@ def test_bad_input_and_arguments():
         q(torch.randn(3, 256).double())
     with pytest.raises(TypeError, match="nn.Linear"):
         QuantizedLinear.from_linear(torch.nn.Conv1d(3, 3, 1), "q4_0")
+    lin = _linear()
+    with pytest.raises(TypeError, match="weight: expected a torch.Tensor"):
+        QuantizedLinear.from_weight(lin.weight.detach().numpy(), None, "q4_0")
+    with pytest.raises(TypeError, match="bias: expected a torch.Tensor"):
+        QuantizedLinear.from_weight(lin.weight, lin.bias.tolist(), "q4_0")
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        QuantizedLinear.from_weight(lin.weight, lin.bias[:-1], "q4_0")
     with pytest.raises(ValueError, match="unknown qformats format"):
         QuantizedLinear.from_linear(_linear(), "q5_k")
     with pytest.raises(ValueError, match="unknown qformats format"):

@@ -17,8 +17,8 @@ Prints a table (MB = 10^6 bytes) and with ``--json`` a last line of JSON. Exit s
 the folders differ. Usage::
 
     python benchmarks/stream_quantize.py --dir /tmp/stream-bench        # 4.13 GB checkpoint
-    python benchmarks/stream_quantize.py --dir D --hidden 1024 --intermediate 2048 --layers 2 \\
-        --vocab 32768 --shard-mb 64 --json                                # ~200 MB (the test's)
+    python benchmarks/stream_quantize.py --dir D --hidden 1024 --intermediate 2048 --layers 8 \\
+        --vocab 4096 --shard-mb 32 --json              # ~185 MB (the memory test's checkpoint)
 """
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ import torch
 import torch.nn as nn
 
 from ._core import format_spec
-from .calibration import calibration_samples, model_second_moments, sensitivity_from_moments
+from .calibration import (calibration_samples, forward_without_cache, model_second_moments,
+                          sensitivity_from_moments)
 from .config import BudgetConfig, SignRoundConfig
 from .nn import QuantizedLinear
 from .plan import block, resolve_spec, set_submodule
@@ -164,10 +165,7 @@ class _Metric:
         for i, w in enumerate(self.batches):
             self.batch = i
             w = w.to(device)
-            try:  # no key / value cache: one forward per window, nothing to keep
-                out = self.model(w, use_cache=False)
-            except TypeError:
-                out = self.model(w)
+            out = forward_without_cache(self.model, w)
             logits = (out.logits if hasattr(out, "logits") else out)[:, :-1].float()
             logp = torch.log_softmax(logits, dim=-1)
             nll += float(-logp.gather(-1, w[:, 1:, None]).sum())

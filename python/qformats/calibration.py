@@ -15,7 +15,18 @@ import torch
 from torch import nn
 
 __all__ = ["calibration_samples", "context_length", "capture_second_moments", "model_second_moments",
-           "sensitivity_from_moments", "capture_block_inputs"]
+           "sensitivity_from_moments", "capture_block_inputs", "forward_without_cache"]
+
+
+def forward_without_cache(model: nn.Module, ids: torch.Tensor) -> Any:
+    """``model(ids, use_cache=False)``: one forward over the token ids ``ids`` (int64
+    ``[B, L]``) without filling a key / value cache (nothing is generated after it), or
+    ``model(ids)`` when that call raises TypeError (a model whose forward does not take
+    ``use_cache``). Returns what the model returns."""
+    try:
+        return model(ids, use_cache=False)
+    except TypeError:
+        return model(ids)
 
 
 # -- calibration data ----------------------------------------------------------------------------
@@ -126,11 +137,7 @@ def model_second_moments(model: nn.Module, layers: dict, samples: Sequence[torch
                 else:
                     batches.append([t])
             for b in batches:
-                ids = torch.cat(b).to(dev)
-                try:
-                    model(ids, use_cache=False)
-                except TypeError:
-                    model(ids)
+                forward_without_cache(model, torch.cat(b).to(dev))
 
     return capture_second_moments(layers, run)
 
@@ -196,10 +203,7 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, samples: Sequence[t
         with torch.no_grad():
             for ids in samples:
                 try:
-                    try:
-                        model(ids.to(dev), use_cache=False)
-                    except TypeError:
-                        model(ids.to(dev))
+                    forward_without_cache(model, ids.to(dev))
                 except _Stop:
                     pass
                 else:

@@ -136,6 +136,15 @@ class LoadedModel:
     pooling: str = "mean"
 
 
+def _dtype_key() -> str:
+    """The keyword that gives transformers' ``from_pretrained`` / ``from_config`` a dtype:
+    ``dtype`` from transformers 5, ``torch_dtype`` before (every 4.x takes it; 4.56 added
+    ``dtype`` and deprecated it)."""
+    import transformers
+
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
 def _is_causal(config) -> bool:
     archs = getattr(config, "architectures", None) or []
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) or bool(
@@ -181,9 +190,8 @@ def load_model(path: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
         causal = _is_causal(config)
         cls = AutoModelForCausalLM if causal else AutoModel
         kwargs: dict = {}
-        if dtype == "auto":  # `torch_dtype` before transformers 4.56, `dtype` since
-            key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-            kwargs[key] = "auto"
+        if dtype == "auto":
+            kwargs[_dtype_key()] = "auto"
         with warnings.catch_warnings():
             # torch's weights-only unpickler warns about the pickle protocol before refusing
             warnings.filterwarnings("ignore", message="Detected pickle protocol")

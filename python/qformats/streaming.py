@@ -59,7 +59,7 @@ from torch import nn
 from ._files import check_output_dir, read_json, read_safetensors_header
 from .choice import resolve_spec
 from .config import RTNConfig
-from .evaluate import _is_causal
+from .evaluate import _dtype_key, _is_causal
 from .model import QuantizationReport
 from .nn import QuantizedLinear
 from .plan import LayerReport, plan_layers, set_submodule
@@ -163,12 +163,11 @@ def _skeleton(folder: Path, ck: _Checkpoint, dtype: str) -> nn.Module:
     if isinstance(auto, str):
         auto = getattr(torch, auto)
     cls = AutoModelForCausalLM if _is_causal(config) else AutoModel
-    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
         with empty_weights():
-            model = cls.from_config(config, **{key: auto})
+            model = cls.from_config(config, **{_dtype_key(): auto})
     finally:
         transformers.logging.set_verbosity(verbosity)
     if dtype != "auto":

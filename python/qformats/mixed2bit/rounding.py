@@ -40,7 +40,7 @@ __all__ = ["fake_quant_2bit", "export_2bit", "fake_quant_mixed2bit", "export_mix
 
 class _Groups:
     """What :func:`_m2_parts` computes from ``w`` and ``is4`` alone (constant while ``V``,
-    ``alpha``, ``beta`` train): the groups ``g [n, gs]`` (-0 read as +0), their clipped-free
+    ``alpha``, ``beta`` train): the groups ``g [n, gs]`` (-0 read as +0), their unclipped
     bounds ``lo0 = min(min(g), 0)``, ``hi0 = max(g)`` ``[n, 1]``, ``qmax`` / ``smax`` per group,
     and the two lists' group ids (None when every group is 2-bit: no gather, no scatter).
 

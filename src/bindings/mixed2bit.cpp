@@ -312,7 +312,7 @@ void unpack_2bit(const InArray& packed, const OutArray& out, uintptr_t stream) {
   }
 }
 
-// -- layout "tiled" (formats/mixed2bit/mixed2bit_tiled.h): CPU kernels ---------------------------
+// -- layout "tiled" (formats/mixed2bit/mixed2bit_tiled.h) ----------------------------------------
 
 m2t::Dims make_tiled_dims(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4_full,
                           int64_t n4_last) {
@@ -349,22 +349,19 @@ void check_tiled_buffers(const m2t::Dims& d, const Device& dev, const Arr& codes
   require_numel(so4, mul(mul(rows, d.tiles_per_row(), "so4"), 2, "so4"), "so4");
 }
 
-void require_cpu(const Device& dev) {
-  if (dev.cuda) throw std::invalid_argument("mixed2bit layout 'tiled': CPU arrays only (no CUDA kernels yet)");
-}
-
 m2t::ConstBuffers tiled_const_buffers(const InArray& codes, const InArray& scales, const InArray& so,
                                       const InArray& map, const InArray& lo, const InArray& mc4, const InArray& so4) {
   return {cptr<uint32_t>(codes), cptr<uint8_t>(scales), cptr<half_t>(so), cptr<uint32_t>(map),
           cptr<uint32_t>(lo),    cptr<uint8_t>(mc4),    cptr<half_t>(so4)};
 }
 
-// w: float [rows, K] (CPU); sensitivity: float32 [K] or None; outputs as in mixed2bit_tiled.h.
+// w: float [rows, K]; sensitivity: float32 [K] or None; outputs as in mixed2bit_tiled.h; flags:
+// uint8 of m2t::kFlagsBytes on CUDA (None on the CPU). CUDA: synchronizes `stream` once.
 void tiled_quantize(const InArray& w, const InArray& sensitivity, int64_t group_size, int64_t scale_block,
                     int64_t n4_full, int64_t n4_last, const OutArray& codes, const OutArray& scales, const OutArray& so,
-                    const OutArray& map, const OutArray& lo, const OutArray& mc4, const OutArray& so4) {
-  const Device dev = device_of(w, 0, "w");
-  require_cpu(dev);
+                    const OutArray& map, const OutArray& lo, const OutArray& mc4, const OutArray& so4,
+                    const OutArray& flags, uintptr_t stream) {
+  const Device dev = device_of(w, stream, "w");
   if (w.ndim() != 2) throw std::invalid_argument("w: expected a 2-D array");
   const m2t::Dims d = make_tiled_dims(static_cast<int64_t>(w.shape(0)), static_cast<int64_t>(w.shape(1)), group_size,
                                       scale_block, n4_full, n4_last);
@@ -377,42 +374,72 @@ void tiled_quantize(const InArray& w, const InArray& sensitivity, int64_t group_
   }
   const m2t::Buffers out{mptr<uint32_t>(codes), mptr<uint8_t>(scales), mptr<half_t>(so), mptr<uint32_t>(map),
                          mptr<uint32_t>(lo),    mptr<uint8_t>(mc4),    mptr<half_t>(so4)};
+  void* pflags = nullptr;
+  if (dev.cuda) {
+    if (!flags.is_valid()) throw std::invalid_argument("flags: a CUDA call needs a flags array");
+    require<uint8_t>(flags, "flags", dev);
+    require_numel(flags, m2t::kFlagsBytes, "flags");
+    pflags = mptr<void>(flags);
+  }
+  (void)pflags;  // unused in CPU-only builds
   dispatch_float(w, "w", dev, [&](auto* pw) {
     if (d.rows * d.groups_per_row() == 0) return;  // no output (nb_common.h)
-    m2t::quantize_cpu(pw, sens, d, out);
+    if (dev.cuda) {
+      QF_ON_CUDA(m2t::quantize_cuda(pw, sens, d, out, pflags, dev.stream));
+    } else {
+      m2t::quantize_cpu(pw, sens, d, out);
+    }
   });
 }
 
-// out: float32, float16 or bfloat16 [rows * K] (CPU).
+// out: float32, float16 or bfloat16 [rows * K]. CUDA: asynchronous on `stream`; a tile whose
+// map breaks its count decodes to NaN (the CPU raises).
 void tiled_dequantize(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4_full,
                       int64_t n4_last, const InArray& codes, const InArray& scales, const InArray& so,
                       const InArray& map, const InArray& lo, const InArray& mc4, const InArray& so4,
-                      const OutArray& out) {
-  const Device dev = device_of(out, 0, "out");
-  require_cpu(dev);
+                      const OutArray& out, uintptr_t stream) {
+  const Device dev = device_of(out, stream, "out");
   const m2t::Dims d = make_tiled_dims(rows, K, group_size, scale_block, n4_full, n4_last);
   check_tiled_buffers(d, dev, codes, scales, so, map, lo, mc4, so4);
   const m2t::ConstBuffers q = tiled_const_buffers(codes, scales, so, map, lo, mc4, so4);
   dispatch_float_out(out, "out", dev, [&](auto* py) {
     require_numel(out, mul(rows, K, "rows * K"), "out");
     if (rows * d.groups_per_row() == 0) return;
-    m2t::dequantize_cpu(q, d, py);
+    if (dev.cuda) {
+      QF_ON_CUDA(m2t::dequantize_cuda(q, d, py, dev.stream));
+    } else {
+      m2t::dequantize_cpu(q, d, py);
+    }
   });
 }
 
-// The policy of bindings/linear.h over a tiled-layout weight: CPU only (make_tiled_linear refuses
-// CUDA arrays, so the CUDA members are never reached).
+// bad_tiles: int32 [1] on map's device, increased by the number of tiles whose map words do not
+// mark their n4 groups (CUDA, asynchronous on `stream`; the CPU kernels check it themselves).
+void tiled_check_map(int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4_full, int64_t n4_last,
+                     const InArray& map, const OutArray& bad_tiles, uintptr_t stream) {
+  const m2t::Dims d = make_tiled_dims(rows, K, group_size, scale_block, n4_full, n4_last);
+  const Device dev = device_of(map, stream, "map");
+  if (!dev.cuda) throw std::invalid_argument("map: tiled_check_map is for CUDA arrays");
+  require<uint32_t>(map, "map", dev);
+  require_numel(map, mul(rows, d.map_words(), "map"), "map");
+  require<int32_t>(bad_tiles, "bad_tiles", dev);
+  require_numel(bad_tiles, 1, "bad_tiles");
+  QF_ON_CUDA(m2t::check_map_cuda(cptr<uint32_t>(map), d, mptr<int32_t>(bad_tiles), dev.stream));
+}
+
+// The policy of bindings/linear.h over a tiled-layout weight. CUDA: the caller has checked the
+// map with tiled_check_map (the kernels trust its counts; mixed2bit_tiled.h).
 struct TiledLinear {
   m2t::ConstBuffers q;
   m2t::Dims d;
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
-  void cuda(const T*, int64_t, T*, const T*, void*) const {
-    throw std::invalid_argument("mixed2bit layout 'tiled': no CUDA kernels");
+  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
+    m2t::gemm_cuda(x, N, q, d, y, bias, stream);
   }
   template <class T>
-  void dequantize_cuda(T*, void*, int64_t, void*) const {
-    throw std::invalid_argument("mixed2bit layout 'tiled': no CUDA kernels");
+  void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
+    m2t::dequantize_cuda(q, d, w, stream);
   }
   int64_t dequantize_workspace_cuda() const { return 0; }
 #endif
@@ -428,9 +455,12 @@ PackedLinear<TiledLinear> make_tiled_linear(int64_t rows, int64_t K, int64_t gro
                                             const InArray& scales, const InArray& so, const InArray& map,
                                             const InArray& lo, const InArray& mc4, const InArray& so4) {
   const Device dev = device_of(codes, 0, "codes");
-  require_cpu(dev);
   const m2t::Dims d = make_tiled_dims(rows, K, group_size, scale_block, n4_full, n4_last);
   check_tiled_buffers(d, dev, codes, scales, so, map, lo, mc4, so4);
+  if (dev.cuda && !m2t::gemm_cuda_supports(d))
+    throw std::invalid_argument(
+        "the tiled layout's CUDA GEMM needs group_size = 16 * 2^j <= 512 and fewer than "
+        "2^32 units of 16 values");
   std::vector<InArray> keep{codes, scales, so, map, lo, mc4, so4};
   return packed_linear(TiledLinear{tiled_const_buffers(codes, scales, so, map, lo, mc4, so4), d}, rows, K, codes,
                        std::move(keep));
@@ -474,10 +504,22 @@ NB_MODULE(_native, m) {
   m.def("unpack_2bit", &unpack_2bit, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("tiled_quantize", &tiled_quantize, nb::arg("w"), nb::arg("sensitivity").none(), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4_full"), nb::arg("n4_last"), nb::arg("codes"), nb::arg("scales"),
-        nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"), release_gil());
+        nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"),
+        nb::arg("flags").none() = nb::none(), nb::arg("stream") = 0, release_gil());
   m.def("tiled_dequantize", &tiled_dequantize, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
         nb::arg("scale_block"), nb::arg("n4_full"), nb::arg("n4_last"), nb::arg("codes"), nb::arg("scales"),
-        nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"), nb::arg("out"), release_gil());
+        nb::arg("so"), nb::arg("map"), nb::arg("lo"), nb::arg("mc4"), nb::arg("so4"), nb::arg("out"),
+        nb::arg("stream") = 0, release_gil());
+  m.def("tiled_check_map", &tiled_check_map, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),
+        nb::arg("scale_block"), nb::arg("n4_full"), nb::arg("n4_last"), nb::arg("map"), nb::arg("bad_tiles"),
+        nb::arg("stream") = 0, release_gil());
+  m.def(
+      "tiled_gemm_cuda_supports",
+      [](int64_t rows, int64_t K, int64_t group_size, int64_t scale_block, int64_t n4_full, int64_t n4_last) {
+        return m2t::gemm_cuda_supports(make_tiled_dims(rows, K, group_size, scale_block, n4_full, n4_last));
+      },
+      nb::arg("rows"), nb::arg("K"), nb::arg("group_size"), nb::arg("scale_block"), nb::arg("n4_full"),
+      nb::arg("n4_last"));
   bind_linear<TiledLinear>(m, "A mixed2bit weight in the tiled layout [rows, K] bound for repeated x . W^T calls.",
                            "TiledLinear");
   m.def("make_tiled_linear", &make_tiled_linear, nb::arg("rows"), nb::arg("K"), nb::arg("group_size"),

@@ -34,6 +34,15 @@ __device__ __forceinline__ void nibbles_lo_first(uint32_t w, float zf, float (&v
   }
 }
 
+// 8 2-bit fields in the low 16 bits -> 8 nibbles (field i to bits 4i..4i+3): mixed2bit's 2-bit
+// codes to the layout of nibbles_lo_first.
+__device__ __forceinline__ uint32_t spread2(uint32_t x) {
+  x &= 0xFFFFu;
+  x = (x | (x << 8)) & 0x00FF00FFu;
+  x = (x | (x << 4)) & 0x0F0F0F0Fu;
+  return (x | (x << 2)) & 0x33333333u;
+}
+
 // Word j (0..3) of a 16-byte unit.
 __device__ __forceinline__ uint32_t word_of(const uint4& q, int j) {
   return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;  // j is a constant after unrolling

@@ -50,6 +50,8 @@ CASES = [
     ("q4_0", {}),
     ("mixed2bit", {}), ("mixed2bit", {"group_size": 32, "ratio_4bit": 0.25}), ("mixed2bit", {"ratio_4bit": 0.0}),
     ("mixed2bit", {"ratio_4bit": 1.0, "scale_block": 4}),
+    ("mixed2bit", {"layout": "tiled"}), ("mixed2bit", {"layout": "tiled", "group_size": 32, "ratio_4bit": 0.25}),
+    ("mixed2bit", {"layout": "tiled", "ratio_4bit": 1.0, "scale_block": 4}),
 ]
 
 
@@ -78,6 +80,8 @@ def native_gemm_into_nan(fmt, mod, q, qc, x, m):
                          q.params["group_size"], stream)
     elif fmt == "q4_0":
         mod._native.gemm(x, qc.buffers["blocks"], out, m, n, k, stream)
+    elif qc.params.get("layout") == "tiled":
+        mod._native.make_tiled_linear(*mixed2bit._tiled_args(qc))(x, out, None, stream)
     else:
         mod._native.gemm(x, *mixed2bit._native_args(qc), out, mixed2bit._row_index(qc), stream)
     torch.cuda.synchronize()
@@ -85,7 +89,8 @@ def native_gemm_into_nan(fmt, mod, q, qc, x, m):
 
 
 @pytest.mark.parametrize("fmt,params", [("nf4", {}), ("int4", {"group_size": 32}), ("q4_0", {}),
-                                        ("mixed2bit", {"group_size": 16})])
+                                        ("mixed2bit", {"group_size": 16}), ("mixed2bit", {"layout": "tiled"}),
+                                        ("mixed2bit", {"layout": "tiled", "group_size": 64})])
 def test_weight_only_poison_and_long_k(fmt, params):
     """Outputs pre-filled with NaN are all overwritten; K spans many warp steps (K = 4096 + a
     partial step), M not a multiple of the 16 rows of a CTA."""
@@ -96,7 +101,7 @@ def test_weight_only_poison_and_long_k(fmt, params):
 
 
 GEMV_FORMATS = [("int4", {"group_size": 32}), ("int4", {"group_size": 64, "symmetric": True}),
-                ("int4", {"group_size": 128}), ("q4_0", {})]
+                ("int4", {"group_size": 128}), ("q4_0", {}), ("mixed2bit", {"layout": "tiled"})]
 
 
 @pytest.mark.parametrize("fmt,params,k", [(f, p, k) for f, p in GEMV_FORMATS for k in (32 * 10, 32 * 131, 4096)
@@ -114,7 +119,8 @@ def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
 
 
 @pytest.mark.parametrize("fmt,params,k", [(f, p, k) for f, p in [("nf4", {}), ("int4", {"group_size": 32}),
-                                                                   ("int4", {"group_size": 128}), ("q4_0", {})]
+                                                                   ("int4", {"group_size": 128}), ("q4_0", {}),
+                                                                   ("mixed2bit", {"layout": "tiled"})]
                                           for k in (32 * 131, 4096 + 96, 14336) if k % p.get("group_size", 32) == 0],
                          ids=str)
 @pytest.mark.parametrize("n", [2, 3, 4, 7, 8])
@@ -129,7 +135,8 @@ def test_weight_only_staged_activations(fmt, params, k, n, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
-WIDE_FORMATS = [("nf4", {}), ("int4", {"group_size": 32}), ("int4", {"group_size": 128}), ("q4_0", {})]
+WIDE_FORMATS = [("nf4", {}), ("int4", {"group_size": 32}), ("int4", {"group_size": 128}), ("q4_0", {}),
+                ("mixed2bit", {"layout": "tiled"})]
 
 
 @pytest.mark.parametrize("fmt,params,m,k", [(f, p, m, k) for f, p in WIDE_FORMATS
@@ -167,8 +174,8 @@ def test_weight_only_wide_bias(fmt, params, n, m, k):
     assert torch.equal(y, y0 + bias)
 
 
-@pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 32}), ("q4_0", {}), ("mixed2bit", {"group_size": 16})],
-                         ids=str)
+@pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 32}), ("q4_0", {}), ("mixed2bit", {"group_size": 16}),
+                                        ("mixed2bit", {"layout": "tiled"})], ids=str)
 @pytest.mark.parametrize("k", [20480 - 32, 20480 + 256])
 def test_weight_only_gemv_activation_table_limit(fmt, params, k):
     """One fp16 activation row on the tensor-core kernel, K on either side of the largest row its
@@ -189,6 +196,9 @@ SPLIT_CASES = [("mixed2bit", {"group_size": 16}, 16 * (32 * 9 + 3)),
                ("mixed2bit", {"group_size": 16, "ratio_4bit": 0.3}, 16 * (32 * 33 + 5)),
                ("mixed2bit", {"group_size": 64, "ratio_4bit": 0.5, "scale_block": 4}, 64 * 265),
                ("mixed2bit", {"group_size": 512, "ratio_4bit": 0.25}, 512 * 33),
+               ("mixed2bit", {"layout": "tiled"}, 16 * (32 * 9 + 3)),
+               ("mixed2bit", {"layout": "tiled", "group_size": 64, "ratio_4bit": 0.5, "scale_block": 4}, 64 * 265),
+               ("mixed2bit", {"layout": "tiled", "group_size": 512, "ratio_4bit": 0.25}, 512 * 33),
                ("nf4", {}, 32 * (32 * 33 + 7))]
 
 
@@ -246,6 +256,23 @@ def test_mixed2bit_outliers_fall_back_and_bad_map_raises():
     q2.buffers["group_map"][0] ^= 1  # one group more or less than n4
     with pytest.raises(ValueError, match="group_map"):
         mixed2bit.gemm(x, q2)
+
+
+def test_mixed2bit_tiled_bad_map_raises():
+    """A tile whose map marks one 4-bit group more or less, or a bit past the row's last group:
+    the tiled layout's CUDA GEMM and its QuantizedLinear refuse the weight."""
+    from qformats import format_spec
+
+    w = np.random.default_rng(4).standard_normal((6, 16 * 300)).astype(np.float32)
+    x = torch.randn(2, 16 * 300, device="cuda")
+    for word, bit in [(0, 0), (9, 31)]:  # word 9 holds groups 288..319 of a 300-group row: bit 31 is padding
+        q = mixed2bit.quantize(w, layout="tiled")
+        q.buffers["map"][3, word] ^= np.uint32(1 << bit)
+        q = q.to("cuda")
+        with pytest.raises(ValueError, match="map"):
+            mixed2bit.gemm(x, q)
+        with pytest.raises(ValueError, match="map"):
+            format_spec("mixed2bit").make_linear(q)
 
 
 # --- integer GEMMs: equal to the CPU ------------------------------------------------------------

@@ -3,36 +3,14 @@ the per-tile 4-bit count and order; the layout's invariants; GEMM and QuantizedL
 input; save / load; the global layout's params and bytes unchanged."""
 import numpy as np
 import pytest
-from hypothesis import event, given, settings, strategies as st
-from hypothesis.extra import numpy as hnp
+from hypothesis import event, given, settings
 
 from qformats import QuantizedTensor, mixed2bit as M
 from qformats.mixed2bit import reference as R
-from strategies import assert_bytes_equal, float_inputs
+from mixed2bit_cases import tiled_cases as cases
+from strategies import assert_bytes_equal
 
 SETTINGS = settings(max_examples=100, deadline=None)
-SENS_VALUES = [0.0, -0.0, 1e-40, 1e-3, 0.5, 1.0, 3.0, 1e10, 3e38]
-
-
-@st.composite
-def cases(draw, dtypes=("float32", "float16", "bfloat16")):
-    """(input, params dict, sensitivity float32 [K] or None). Rows of up to 600 groups: several
-    tiles of 256, the last one shorter."""
-    gs = draw(st.sampled_from([16, 32]))
-    max_blocks = draw(st.sampled_from([5, 40, 600]))
-    inp = draw(float_inputs(block=gs, min_rows=1, max_rows=4, min_blocks=1, max_blocks=max_blocks, dtypes=dtypes))
-    K = inp.x32.shape[1]
-    params = {
-        "group_size": gs,
-        "ratio_4bit": draw(st.sampled_from([0.0, 0.1, 1.0]) | st.floats(0, 1)),
-        "scale_block": draw(st.sampled_from([1, 2, 16, 64, 256])),
-    }
-    sens = None
-    if draw(st.booleans()):
-        sens = draw(hnp.arrays(np.float32, (K,), elements=st.sampled_from(SENS_VALUES) | st.floats(0, 100, width=32)))
-    return inp, params, sens
-
-
 def _quantize_both(inp, params, sens):
     try:
         ref = R.quantize_tiled(inp.x32, sensitivity=sens, **params)
@@ -205,11 +183,3 @@ def test_save_load_round_trip(tmp_path):
     back = load_quantized(tmp_path / "m", model=build)
     assert torch.equal(back(x), y)
     assert back[0].quantized_weight.params["layout"] == "tiled"
-
-
-def test_cuda_not_implemented():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    with pytest.raises(NotImplementedError, match="tiled"):
-        M.quantize(torch.zeros(2, 64, device="cuda"), layout="tiled")

@@ -145,13 +145,16 @@ def _tiled_templates():
         "tiled_quantize": dict(w=w, sensitivity=None, group_size=16, scale_block=2, n4_full=128, n4_last=2, **empty),
         "tiled_dequantize": dict(**dims, **bufs, out=_zeros(np.float32, 256)),
         "make_tiled_linear": dict(**dims, **bufs),
+        "tiled_check_map": dict(**dims, map=bufs["map"], bad_tiles=_zeros(np.int32, 1)),
+        "tiled_gemm_cuda_supports": dict(dims),
     }
 
 
 # Functions whose valid template call still raises a ValueError here (the size checks before
-# that run all the same): row_index takes CUDA arrays only (the child passes CPU arrays), the
-# workspace queries need a CUDA build.
-REFUSED_HERE = {"row_index"} | (set() if CUDA_BUILT else {"quantize_workspace_bytes", "dequantize_workspace_bytes"})
+# that run all the same): row_index and tiled_check_map take CUDA arrays only (the child passes CPU
+# arrays), the workspace queries need a CUDA build.
+REFUSED_HERE = {"row_index", "tiled_check_map"} | (
+    set() if CUDA_BUILT else {"quantize_workspace_bytes", "dequantize_workspace_bytes"})
 # In a CUDA build, mixed2bit's quantize workspace query asks CUB (with outliers), which needs a
 # CUDA context: the capped child may fail to create one, a RuntimeError naming the CUDA error.
 CUDA_CONTEXT = {"quantize_workspace_bytes"} if CUDA_BUILT else set()

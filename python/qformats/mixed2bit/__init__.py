@@ -34,8 +34,10 @@ group: a 4-bit group's high bits), ``scales`` uint8 [rows, G] (sc | mc << 4, or 
 8-bit sc), ``so`` float16 [rows, ceil(G / scale_block), 2] (blocks of consecutive positions),
 ``map`` uint32 [rows, ceil(G / 32)] (bit c: group c is 4-bit), ``lo`` int32 [rows, n4_row,
 group_size / 16] (the 4-bit groups' low bits, in position order), ``mc4`` uint8 [rows, n4_row]
-and ``so4`` float16 [rows, ceil(G / 256), 2]. About 2.95 bits per weight at the defaults. CPU
-kernels only in this version.
+and ``so4`` float16 [rows, ceil(G / 256), 2]. About 2.95 bits per weight at the defaults. It
+runs on the CPU and on CUDA devices like the global layout; its CUDA dequantizer decodes a tile
+whose map does not mark its count of 4-bit groups to NaN (the CPU raises ValueError), and its
+CUDA GEMM checks the map once per weight.
 
 Decoded value: ``q * (d * sc) - (dm * mc)`` (float32), outliers replaced by their fp16 value.
 At the defaults this stores ~2.94 bits per weight (every buffer counted by
@@ -73,7 +75,7 @@ from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
 from .._spec import TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from . import _native, reference
-from ._gemm import _row_index, gemm_cuda_supported
+from ._gemm import _check_tiled_map, _row_index, gemm_cuda_supported
 
 FORMAT = "mixed2bit"
 GROUP_MULTIPLE = 16          #: group_size must be a multiple of this
@@ -85,6 +87,7 @@ PARAM_NAMES = ("group_size", "ratio_4bit", "outlier_ratio", "scale_block", "sele
 LAYOUTS = ("global", "tiled")  #: "global": mixed2bit.h; "tiled": mixed2bit_tiled.h
 TILED_BUFFER_NAMES = reference.TILED_BUFFER_NAMES
 _MAX_INT32 = 2**31 - 1
+_TILED_FLAGS_BYTES = 16  # the CUDA quantizer's error flags (kFlagsBytes of mixed2bit_tiled.h)
 
 __all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "gemm", "gemm_cuda_supported", "pack_2bit",
            "unpack_2bit", "nmse",
@@ -207,8 +210,7 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
         layout: "global" (default; the 4-bit groups chosen over the whole matrix,
             ``mixed2bit.h``) or "tiled" (``round(ratio_4bit * 256)`` 4-bit groups in every tile
             of 256 consecutive groups of a row, every group's high 2 bits at its column, no
-            outliers; ``mixed2bit_tiled.h``). The tiled layout has CPU kernels only in this
-            version.
+            outliers; ``mixed2bit_tiled.h``).
     Returns:
         A :class:`~qformats.QuantizedTensor` (format ``"mixed2bit"``) whose buffers are in the
         library of ``w`` (numpy or torch); params hold the arguments above (sensitivity as
@@ -224,7 +226,6 @@ def quantize(w: Any, group_size: int = DEFAULT_GROUP_SIZE, ratio_4bit: float = D
             or a range above about 2.9e6 (4-bit groups: 17x and 85x more), or an fp16 outlier
             beyond 65504; the tiled layout with outlier_ratio > 0 or a scale_block that is not a
             power of two <= 256.
-        NotImplementedError: the tiled layout with w on a CUDA device.
     """
     gs = _check_group_size(group_size)
     ratio = _check_ratio(ratio_4bit, "ratio_4bit")
@@ -267,29 +268,23 @@ def _check_tiled(outlier_ratio: float, scale_block: int) -> None:
                          f"got {scale_block}")
 
 
-def _no_cuda_tiled(x: Any) -> None:
-    if _on_cuda(x):
-        raise NotImplementedError("mixed2bit layout 'tiled' has CPU kernels only in this version; "
-                                  "quantize and decode it on the CPU")
-
-
-def _tiled_counts(K: int, gs: int, ratio: float) -> tuple[int, int]:
-    """(n4_full, n4_last): 4-bit groups of a full tile and of the row's last, shorter tile."""
-    rest = (K // gs) % reference.TILE_GROUPS
-    return reference.n4_count(ratio, reference.TILE_GROUPS), (reference.n4_count(ratio, rest) if rest else 0)
-
-
 def _quantize_tiled(w: Any, sens: np.ndarray | None, gs: int, ratio: float, orat: float,
                     sb: int) -> QuantizedTensor:
     _check_tiled(orat, sb)
-    _no_cuda_tiled(w)
     rows, K = (int(s) for s in w.shape)
     params = {"group_size": gs, "ratio_4bit": ratio, "outlier_ratio": 0.0, "scale_block": sb,
               "selection": "range" if sens is None else "sensitivity",
               "n4": rows * reference.tiled_counts(K, gs, ratio)[2], "n_out": 0, "layout": "tiled"}
     shapes = expected_buffers((rows, K), params)
     bufs = {name: A.empty(w, shape, dt) for name, (dt, shape) in shapes.items()}
-    _native.tiled_quantize(w, sens, gs, sb, *_tiled_counts(K, gs, ratio), *(bufs[n] for n in TILED_BUFFER_NAMES))
+    with A.stream_for(w) as stream:
+        flags = None
+        if _on_cuda(w):
+            if sens is not None:
+                sens = A._torch().from_numpy(sens).to(w.device)
+            flags = A.empty(w, (_TILED_FLAGS_BYTES,), "uint8")
+        _native.tiled_quantize(w, sens, gs, sb, *reference.tiled_tile_counts(K, gs, ratio),
+                               *(bufs[n] for n in TILED_BUFFER_NAMES), flags, stream)
     return QuantizedTensor(FORMAT, (rows, K), A.dtype_name(w), params, bufs)
 
 
@@ -299,9 +294,9 @@ def _tiled_args(q: QuantizedTensor) -> tuple:
     for name, (dt, _) in expected_buffers(q.shape, p).items():
         A.check_array(q.buffers[name], name, dt)
     A.same_device(*((n, q.buffers[n]) for n in TILED_BUFFER_NAMES))
-    _no_cuda_tiled(q.buffers["codes"])
     rows, K = q.shape
-    return (rows, K, p["group_size"], p["scale_block"], *_tiled_counts(K, p["group_size"], p["ratio_4bit"]),
+    gs = p["group_size"]
+    return (rows, K, gs, p["scale_block"], *reference.tiled_tile_counts(K, gs, p["ratio_4bit"]),
             *(q.buffers[n] for n in TILED_BUFFER_NAMES))
 
 
@@ -349,15 +344,16 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
         buffers that do not match the params (shape, dtype, device; on the CPU also the map
         count and the outlier indices: on CUDA such buffers decode to all-NaN instead, since
         raising would need a synchronization).
-        NotImplementedError: buffers on a device without kernels in this build (the tiled
-            layout: CUDA).
+        NotImplementedError: buffers on a device without kernels in this build.
     """
     q = check_quantized(q, FORMAT)
     if _tiled(q):
         args = _tiled_args(q)
-        out = A.empty(q.buffers["codes"], q.shape, output_dtype(q, dtype))
+        like = q.buffers["codes"]
+        out = A.empty(like, q.shape, output_dtype(q, dtype))
         if q.numel:
-            _native.tiled_dequantize(*args, out)
+            with A.stream_for(like) as stream:
+                _native.tiled_dequantize(*args, out, stream)
         return out
     args = _native_args(q)
     like = q.buffers["codes2"]
@@ -490,8 +486,8 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         TypeError / ValueError: as :func:`dequantize` for ``w``; x not a float array, not 2-D,
             K mismatch, non-contiguous or non-finite; x and w on different devices; a group_map
             that does not mark n4 groups.
-        NotImplementedError: the tiled layout on CUDA (its product on the CPU decodes a panel
-            of rows at a time, float32 output).
+    The tiled layout runs the same way (on the CPU a panel of rows decoded at a time; on CUDA
+    ``src/formats/mixed2bit/mixed2bit_tiled_gemm_cuda.cu``), its map checked once per weight.
     """
     w = check_quantized(w, FORMAT)
     A.check_type(x, "x")
@@ -501,8 +497,17 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         raise ValueError(f"x: expected K={K} columns, got shape {tuple(x.shape)}")
     A.same_device(("x", x), *w.buffers.items())
     if _tiled(w):
-        out = A.empty(x, (x.shape[0], M), "float32")
-        _native.make_tiled_linear(*_tiled_args(w))(x, out)
+        args = _tiled_args(w)
+        if not A.is_cuda(x):
+            out = A.empty(x, (x.shape[0], M), "float32")
+            _native.make_tiled_linear(*args)(x, out)
+            return out
+        if not gemm_cuda_supported(w):
+            return x @ dequantize(w, dtype=A.dtype_name(x)).T
+        _check_tiled_map(w, args[:6])
+        x, out = A.gemm_operands(x, x.shape[0], M)
+        with A.stream_for(x) as stream:
+            _native.make_tiled_linear(*args)(x, out, None, stream)
         return out
     if A.is_cuda(x):
         if not gemm_cuda_supported(w):
@@ -523,7 +528,12 @@ def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None
     chunk index (``derived["chunk_index"]``, made here when not given), None for params the
     CUDA kernel does not take (outliers, other group sizes)."""
     if _tiled(q):
-        return LinearKernel(_native.make_tiled_linear(*_tiled_args(q)))
+        args = _tiled_args(q)
+        if _on_cuda(q.buffers["codes"]):
+            if not gemm_cuda_supported(q):
+                return None
+            _check_tiled_map(q, args[:6])
+        return LinearKernel(_native.make_tiled_linear(*args))
     args = _native_args(q)
     if not _on_cuda(q.buffers["group_map"]):
         return LinearKernel(_native.make_linear(*args))

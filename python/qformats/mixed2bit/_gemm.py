@@ -6,7 +6,7 @@ from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor
-from . import _native
+from . import _native, reference
 
 # The chunk index that the CUDA GEMM finds each group's slot in the 2-bit or 4-bit list with
 # (per row and 32-group chunk: the 4-bit groups before it and its map bits) is computed once per
@@ -40,11 +40,37 @@ def _row_index(q: QuantizedTensor) -> Any:
     return idx
 
 
+_MAP_CHECKED_ATTR = "_qformats_tiled_map_ok"
+
+
+def _check_tiled_map(q: QuantizedTensor, dims: tuple) -> None:
+    """Raise ValueError unless every tile of the tiled-layout CUDA weight ``q`` marks its count
+    of 4-bit groups in ``map`` (``dims``: rows, K, group_size, scale_block, n4_full, n4_last).
+    One launch and one host sync, remembered on the map tensor as its version counter, as
+    :func:`_row_index` does."""
+    m = q.buffers["map"]
+    if getattr(m, _MAP_CHECKED_ATTR, None) == m._version:
+        return
+    import torch  # CUDA tensors only
+
+    bad = torch.zeros(1, dtype=torch.int32, device=m.device)
+    with A.stream_for(m) as stream:
+        _native.tiled_check_map(*dims, m, bad, stream)
+    n = int(bad)
+    if n:
+        raise ValueError(f"mixed2bit tiled: the map of {n} tile(s) does not mark their n4 groups (n4_full / n4_last)")
+    setattr(m, _MAP_CHECKED_ATTR, m._version)
+
+
 def gemm_cuda_supported(w: QuantizedTensor) -> bool:
-    """Whether the CUDA GEMM kernel takes weight ``w``'s parameters: group_size = 16 * 2^j <= 512,
-    a power-of-two scale_block, no outliers. :func:`gemm` falls back to dequantize + matmul on
-    the GPU otherwise. The tiled layout has no CUDA kernel (False)."""
+    """Whether the CUDA GEMM kernel takes weight ``w``'s parameters. The global layout:
+    group_size = 16 * 2^j <= 512, a power-of-two scale_block, no outliers; the tiled layout:
+    group_size = 16 * 2^j <= 512. :func:`gemm` falls back to dequantize + matmul on the GPU
+    otherwise."""
     p = w.params
-    if p.get("layout", "global") != "global":
-        return False
+    if p.get("layout", "global") == "tiled":
+        rows, K = w.shape
+        gs = p["group_size"]
+        return bool(_native.tiled_gemm_cuda_supports(rows, K, gs, p["scale_block"],
+                                                     *reference.tiled_tile_counts(K, gs, p["ratio_4bit"])))
     return bool(_native.gemm_cuda_supports(*w.shape, p["group_size"], p["scale_block"], p["n4"], p["n_out"]))

@@ -315,13 +315,19 @@ TILE_GROUPS = 256   #: groups per tile (the last tile of a row may be shorter)
 TILED_BUFFER_NAMES = ("codes", "scales", "so", "map", "lo", "mc4", "so4")
 
 
+def tiled_tile_counts(K: int, group_size: int, ratio_4bit: float) -> tuple[int, int]:
+    """(n4_full, n4_last): 4-bit groups of a full tile and of the row's last, shorter tile (0
+    when the row has none), ``n4_count(ratio_4bit, tile size)`` each."""
+    rest = (K // group_size) % TILE_GROUPS
+    return n4_count(ratio_4bit, TILE_GROUPS), (n4_count(ratio_4bit, rest) if rest else 0)
+
+
 def tiled_counts(K: int, group_size: int, ratio_4bit: float) -> tuple[int, int, int]:
     """(G, n_tiles, n4_row): groups and tiles per row, 4-bit groups per row (every row has the
-    same: ``n4_count(ratio_4bit, tile size)`` per tile)."""
+    same)."""
     G = K // group_size
-    full, rest = divmod(G, TILE_GROUPS)
-    n4_row = full * n4_count(ratio_4bit, TILE_GROUPS) + (n4_count(ratio_4bit, rest) if rest else 0)
-    return G, -(-G // TILE_GROUPS), n4_row
+    n4_full, n4_last = tiled_tile_counts(K, group_size, ratio_4bit)
+    return G, -(-G // TILE_GROUPS), (G // TILE_GROUPS) * n4_full + n4_last
 
 
 def tiled_buffer_shapes(rows: int, K: int, group_size: int, scale_block: int, n4_row: int) -> dict:

@@ -19,6 +19,7 @@ using cuda_wo::lo_lo;
 using cuda_wo::magic_u4;
 using cuda_wo::nibbles_lo_first;
 using cuda_wo::NoShared;
+using cuda_wo::spread2;
 using cuda_wo::word_of;
 using cuda_wo::xpair_lo_first;
 
@@ -62,13 +63,6 @@ struct Mixed2 {
     const int64_t gb = u0 >> ushift;  // groups before u0 (u0 is a multiple of 32 >= a group's units)
     const int64_t n4 = fours_before(__ldg(index + m * C + (gb >> 5)), static_cast<uint32_t>(gb & 31));
     return {n4, m * G + gb - n4, map_byte(m, u0 + (threadIdx.x & 31))};
-  }
-  // 8 2-bit fields in the low 16 bits -> 8 nibbles (field i to bits 4i..4i+3).
-  static __device__ __forceinline__ uint32_t spread2(uint32_t x) {
-    x &= 0xFFFFu;
-    x = (x | (x << 8)) & 0x00FF00FFu;
-    x = (x | (x << 4)) & 0x0F0F0F0Fu;
-    return (x | (x << 2)) & 0x33333333u;
   }
   __device__ Unit load(RowState& rs, int64_t m, int64_t u, bool valid) const {
     const int sub = static_cast<int>(u & ((1 << ushift) - 1));

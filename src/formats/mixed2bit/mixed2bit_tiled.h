@@ -74,20 +74,47 @@ struct Dims {
   int64_t n4_full = 0;  // 4-bit groups of a full tile
   int64_t n4_last = 0;  // 4-bit groups of the last, shorter tile (0 when G % 256 == 0)
 
-  int64_t groups_per_row() const { return group_size ? K / group_size : 0; }
-  int64_t tiles_per_row() const { return groups_per_row() / kTileGroups + (groups_per_row() % kTileGroups != 0); }
-  int64_t n4_row() const { return (groups_per_row() / kTileGroups) * n4_full + n4_last; }
-  int64_t blocks_per_row() const { return groups_per_row() / scale_block + (groups_per_row() % scale_block != 0); }
-  int64_t map_words() const { return groups_per_row() / kMapBits + (groups_per_row() % kMapBits != 0); }
-  int64_t words_per_group() const { return group_size / kCodes2PerWord; }
+  QF_HOST_DEVICE int64_t groups_per_row() const { return group_size ? K / group_size : 0; }
+  QF_HOST_DEVICE int64_t tiles_per_row() const {
+    return groups_per_row() / kTileGroups + (groups_per_row() % kTileGroups != 0);
+  }
+  QF_HOST_DEVICE int64_t n4_row() const { return (groups_per_row() / kTileGroups) * n4_full + n4_last; }
+  QF_HOST_DEVICE int64_t blocks_per_row() const {
+    return groups_per_row() / scale_block + (groups_per_row() % scale_block != 0);
+  }
+  QF_HOST_DEVICE int64_t map_words() const { return groups_per_row() / kMapBits + (groups_per_row() % kMapBits != 0); }
+  QF_HOST_DEVICE int64_t words_per_group() const { return group_size / kCodes2PerWord; }
   // 4-bit groups of tile t (of tg groups) and the slot of its first one in the row
-  int64_t tile_groups(int64_t t) const {
+  QF_HOST_DEVICE int64_t tile_groups(int64_t t) const {
     const int64_t G = groups_per_row();
     return (t + 1) * kTileGroups <= G ? kTileGroups : G - t * kTileGroups;
   }
-  int64_t tile_n4(int64_t t) const { return tile_groups(t) == kTileGroups ? n4_full : n4_last; }
-  int64_t tile_slot0(int64_t t) const { return t * n4_full; }
+  QF_HOST_DEVICE int64_t tile_n4(int64_t t) const { return tile_groups(t) == kTileGroups ? n4_full : n4_last; }
+  QF_HOST_DEVICE int64_t tile_slot0(int64_t t) const { return t * n4_full; }
 };
+
+QF_HOST_DEVICE int popcount32(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __popc(v);
+#else
+  return __builtin_popcount(v);
+#endif
+}
+
+// What check_map (CPU) and check_map_cuda compare with tile_n4(t): the set bits of tile t's map
+// words in one row's map, or -1 when a bit past the row's last group is set (that would move a
+// 4-bit group into the padding and keep the count).
+QF_HOST_DEVICE int64_t tile_map_count(const uint32_t* row_map, const Dims& d, int64_t t) {
+  constexpr int64_t kTileWords = kTileGroups / kMapBits;
+  const int64_t words = d.map_words(), rest = d.groups_per_row() % kMapBits;
+  int64_t n = 0;
+  for (int64_t i = t * kTileWords; i < words && i < (t + 1) * kTileWords; ++i) {
+    const uint32_t v = row_map[i];
+    if (i == words - 1 && rest && (v >> rest)) return -1;
+    n += popcount32(v);
+  }
+  return n;
+}
 
 struct Buffers {
   uint32_t* codes;
@@ -127,8 +154,9 @@ template <class T>
 void quantize_cpu(const T* w, const float* sens, const Dims& dims, const Buffers& out);
 
 // Decode into y [rows, K] of T = float, half_t or bf16_t (float32 values rounded once to T).
-// Throws std::invalid_argument when a row's map does not mark n4_row groups (the slots would
-// leave lo / mc4).
+// Throws std::invalid_argument when a tile's map words do not mark exactly tile_n4 groups (or
+// mark padding past the row): the slots of a tile's 4-bit groups start at tile_slot0, so a map
+// that breaks the count would send them into another tile's lo / mc4.
 template <class T>
 void dequantize_cpu(const ConstBuffers& q, const Dims& dims, T* y);
 
@@ -136,15 +164,33 @@ void dequantize_cpu(const ConstBuffers& q, const Dims& dims, T* y);
 // (gemm/weight_only_cpu.h). Throws as dequantize_cpu.
 void gemm_cpu(const float* X, int64_t N, const ConstBuffers& q, const Dims& dims, float* Y);
 
-// CUDA (mixed2bit_tiled_cuda.cu), on `stream`, every pointer on the current device. The
-// quantizer reads each tile of w from device memory once (one warp per tile; its second pass
-// re-reads the tile from cache) and synchronizes the stream once at the end to raise the "too
-// large" error; `flags` is a device workspace of kFlagsBytes. The dequantizer is asynchronous;
-// a row whose map does not mark n4_row groups decodes to NaN.
+// CUDA, on `stream`, every pointer on the current device.
+//
+// mixed2bit_tiled_quantize_cuda.cu: the quantizer reads each tile of w from device memory once
+// (one warp per tile; its second pass re-reads the tile from cache) and synchronizes the stream
+// once at the end to raise the "too large" error; `flags` is a device workspace of kFlagsBytes.
 constexpr int64_t kFlagsBytes = 16;
 template <class T>
 void quantize_cuda(const T* w, const float* sens, const Dims& dims, const Buffers& out, void* flags, void* stream);
+
+// mixed2bit_tiled_cuda.cu: the dequantizer is asynchronous; a tile whose map breaks the count
+// (as dequantize_cpu checks it) decodes to NaN. check_map_cuda adds to *bad_tiles (int32 on the
+// device) the number of such tiles: what a caller checks once before it trusts the map, as
+// the GEMM does (it clamps slots to the row, so a bad map reads no byte outside the buffers, but
+// multiplies wrong values).
 template <class T>
 void dequantize_cuda(const ConstBuffers& q, const Dims& dims, T* y, void* stream);
+void check_map_cuda(const uint32_t* map, const Dims& dims, int32_t* bad_tiles, void* stream);
+
+// mixed2bit_tiled_gemm_cuda.cu: Y [N, rows] = X [N, K] . W^T under the contract of
+// gemm/weight_only_cuda.h (X and Y of T, bias [rows] of T or nullptr), W decoded in registers.
+// Needs gemm_cuda_supports(dims).
+inline bool gemm_cuda_supports(const Dims& d) {
+  const int64_t units = d.group_size / kCodes2PerWord;  // 16-value units per group
+  // a warp step (32 units) inside one map word; 16-value units indexed in 32 bits
+  return units > 0 && units <= 32 && (units & (units - 1)) == 0 && d.rows * (d.K / kCodes2PerWord) < (int64_t(1) << 32);
+}
+template <class T>
+void gemm_cuda(const T* X, int64_t N, const ConstBuffers& q, const Dims& dims, T* Y, const T* bias, void* stream);
 
 }  // namespace qf::mixed2bit::tiled

@@ -135,16 +135,14 @@ void quantize_cpu(const T* w, const float* sens, const Dims& d, const Buffers& o
 
 namespace {
 
-// Whether every row's map marks n4_row groups and no padding bit: what keeps slots in lo / mc4.
+// Whether every tile's map words mark its tile_n4 groups and no padding bit: what keeps every
+// slot inside its tile's run of lo / mc4 (the same test as mixed2bit_tiled_cuda.cu's).
 void check_map(const ConstBuffers& q, const Dims& d) {
-  const int64_t words = d.map_words(), G = d.groups_per_row();
-  const uint32_t pad_mask = G % kMapBits ? ~((1u << (G % kMapBits)) - 1u) : 0u;
-  for (int64_t r = 0; r < d.rows; ++r) {
-    int64_t n = 0;
-    for (int64_t i = 0; i < words; ++i) n += __builtin_popcount(q.map[r * words + i]);
-    if (n != d.n4_row() || (words > 0 && (q.map[r * words + words - 1] & pad_mask)))
-      throw std::invalid_argument("mixed2bit tiled: a row's map does not mark n4_row groups");
-  }
+  const int64_t words = d.map_words(), nt = d.tiles_per_row();
+  for (int64_t r = 0; r < d.rows; ++r)
+    for (int64_t t = 0; t < nt; ++t)
+      if (tile_map_count(q.map + r * words, d, t) != d.tile_n4(t))
+        throw std::invalid_argument("mixed2bit tiled: a tile's map does not mark its n4 groups (n4_full / n4_last)");
 }
 
 // Rows [r0, r1) decoded to float32 [r1 - r0, K].

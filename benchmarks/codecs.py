@@ -9,17 +9,23 @@ fp16 output for dequantize); "% copy" compares with a device-to-device copy of t
 measured in the same run. "quantize" is the public call (input validated, including the
 NaN/Inf scan); "quantize*" runs it inside qformats.skip_finite_check(). bitsandbytes'
 quantize_4bit / dequantize_4bit (nf4, blocksize 64) are measured alongside when installed.
-Every format runs at its default parameters (``qformats.<fmt>.SPEC.defaults``).
+Every format runs at its default parameters (``qformats.<fmt>.SPEC.defaults``), plus the rows of
+--variants (default: mixed2bit's tiled layout, row "mixed2bit-tiled").
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 import qformats
 from qformats._core import format_spec
+
+sys.path.insert(0, str(Path(__file__).parent))
+import variants  # noqa: E402
 
 L2_BYTES = 60 * 2**20  # H200: 60 MB
 
@@ -74,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
     ap.add_argument("--formats", default=",".join(qformats.FORMATS))
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--variants", default=variants.DEFAULT, help=variants.HELP)
     args = ap.parse_args(argv)
     if not qformats.cuda_available():
         print("no CUDA device or a CPU-only build: nothing to measure")
@@ -96,10 +103,9 @@ def main(argv=None) -> int:
         copy_gbs = 2 * nbytes(w0) / copy_ms / 1e6
         rows.append((f"{m}x{k}", "copy", "d2d", copy_ms, copy_gbs, 100.0, (copy_ms,)))
         del dst
-        for fmt in formats:
+        for fmt, base, params in variants.rows(formats, args.variants):
             try:
-                spec = format_spec(fmt)  # each format at its default parameters
-                params = dict(spec.defaults)
+                spec = format_spec(base)
                 qts = [spec.quantize(s[0], **params) for s in sets]
             except Exception as e:  # a format without CUDA kernels in this build
                 rows.append((f"{m}x{k}", fmt, f"n/a: {type(e).__name__}: {str(e)[:60]}", 0, 0, 0, ()))
@@ -135,15 +141,15 @@ def main(argv=None) -> int:
         del sets
 
     print()
-    print(f"| {'shape':<11} | {'format':<9} | {'op':<10} | {'kernel us':>9} | {'GB/s':>6} | {'% copy':>7} "
+    print(f"| {'shape':<11} | {'format':<15} | {'op':<10} | {'kernel us':>9} | {'GB/s':>6} | {'% copy':>7} "
           f"| {'API us':>17} |")
-    print(f"|{'-' * 13}|{'-' * 11}|{'-' * 12}|{'-' * 11}|{'-' * 8}|{'-' * 9}|{'-' * 19}|")
+    print(f"|{'-' * 13}|{'-' * 17}|{'-' * 12}|{'-' * 11}|{'-' * 8}|{'-' * 9}|{'-' * 19}|")
     for shape, fmt, op, ms, gbs, pct, api in rows:
         if op.startswith("n/a"):
-            print(f"| {shape:<11} | {fmt:<9} | {op[:70]}")
+            print(f"| {shape:<11} | {fmt:<15} | {op[:70]}")
             continue
         api_s = " / ".join(f"{a * 1000:.0f}" for a in api)
-        print(f"| {shape:<11} | {fmt:<9} | {op:<10} | {ms * 1000:>9.1f} | {gbs:>6.0f} | {pct:>6.1f}% | {api_s:>17} |")
+        print(f"| {shape:<11} | {fmt:<15} | {op:<10} | {ms * 1000:>9.1f} | {gbs:>6.0f} | {pct:>6.1f}% | {api_s:>17} |")
     print("\nkernel us: device time of the library's own kernels per call (torch profiler); GB/s and"
           "\n% copy from it (bytes read + written). API us: CUDA-event time of the whole Python call;"
           "\nfor quantize 'checked / unchecked', unchecked = inside qformats.skip_finite_check().")

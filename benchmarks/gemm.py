@@ -3,7 +3,7 @@
     python benchmarks/gemm.py [--shapes 4096x4096,14336x4096,4096x14336]
                               [--n 1,2,4,8,16,64,512,2048] [--iters 15] [--csv FILE]
                               [--json FILE] [--kernels "q4_0xq8_1,int8 fused,..."]
-                              [--resident] [--calls 200]
+                              [--resident] [--calls 200] [--variants mixed2bit:layout=tiled]
 
 Y = X . W^T with W [M, K] and X [N, K] (fp16 activations). Each time is the median over `iters`
 calls timed with CUDA events; the weights (and activations) rotate through copies that together
@@ -16,6 +16,9 @@ NaN/Inf scan) are switched off with qformats.skip_finite_check(), as a model's f
 Columns: time in microseconds; TFLOP/s = 2 N M K / time; weight GB/s = stored weight bytes /
 time; % copy = weight GB/s over the device-to-device copy bandwidth measured in the same run
 (bytes read + written / time); x fp16 = cuBLAS fp16 time / this time.
+
+--variants adds weight-only rows at other quantize parameters (default: mixed2bit's tiled layout,
+row "mixed2bit-tiled"; FMT:KEY=VALUE;KEY=VALUE, comma-separated).
 
 --kernels times only the named rows (the fp16 cuBLAS row, the ratios' base, always runs).
 
@@ -62,6 +65,7 @@ from qformats import int4, int8, q4_0
 from qformats._core import format_spec
 
 sys.path.insert(0, str(Path(__file__).parent))
+import variants  # noqa: E402
 from linear_call import TinyGemmInt4  # noqa: E402  (the tinygemm peer, as linear_call builds it)
 
 L2_BYTES = 60 * 2**20
@@ -159,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=None, help="comma-separated row names to time (default: all)")
     ap.add_argument("--resident", action="store_true", help="llama.cpp's perf mode: one weight, calls in a CUDA graph")
     ap.add_argument("--calls", type=int, default=200, help="calls per graph with --resident")
+    ap.add_argument("--variants", default=variants.DEFAULT, help=variants.HELP)
     args = ap.parse_args(argv)
     def timer(fn, arg_sets, iters):  # the mode's timer, for every row alike
         if not args.resident:
@@ -186,6 +191,7 @@ def main(argv=None) -> int:
     # x fp16 . W^T: every format whose weight-only gemm has a CUDA kernel (linear_rows names the devices)
     weight_only = [f for f in qformats.FORMATS
                    if format_spec(f).gemm is not None and format_spec(f).linear_rows.get("cuda")]
+    wo_rows = variants.rows(weight_only, args.variants)
     try:
         import gemlite
     except Exception:
@@ -213,9 +219,8 @@ def main(argv=None) -> int:
             q0 = fn(w16)
             reps = rotations(nbytes_of(weight_of(q0)))
             return [q0] + [fn(w16 * (1 + 0.001 * i)) for i in range(1, reps)]
-        for fmt in weight_only:
-            spec = format_spec(fmt)
-            ours[fmt] = quant_sets(fmt, lambda w: spec.quantize(w, **spec.defaults))
+        for name, fmt, params in wo_rows:
+            ours[name] = quant_sets(fmt, lambda w: format_spec(fmt).quantize(w, **params))
         w8 = [int8.quantize(w, "row") for w in ws16[: rotations(m * k)]]
         w4s = [int4.quantize(w, group_size=k, symmetric=True) for w in ws16[: rotations(m * k // 2)]]
         bnb_w = []
@@ -248,14 +253,14 @@ def main(argv=None) -> int:
             fp16_us = timer(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws16)], args.iters)
             res["fp16 cuBLAS"] = (fp16_us, 2 * m * k)
             with qformats.skip_finite_check():
-                for fmt in weight_only:
+                for name, fmt, _ in wo_rows:
                     gemm = format_spec(fmt).gemm
-                    qs = ours[fmt]
+                    qs = ours[name]
                     sets = [(q, xs[i % 4]) for i, q in enumerate(qs)]
-                    if n <= DIRECT_MAX_N and want(fmt):
-                        res[fmt] = (timer(lambda q, x: gemm(x, q), sets, args.iters), qs[0].nbytes)
-                    if n >= 16 and want(f"{fmt}+cuBLAS"):
-                        res[f"{fmt}+cuBLAS"] = (timer(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,
+                    if n <= DIRECT_MAX_N and want(name):
+                        res[name] = (timer(lambda q, x: gemm(x, q), sets, args.iters), qs[0].nbytes)
+                    if n >= 16 and want(f"{name}+cuBLAS"):
+                        res[f"{name}+cuBLAS"] = (timer(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,
                                                         args.iters), qs[0].nbytes)
                 qs = ours[q4_0.FORMAT]  # q4_0.linear: the q4_0 weights with q8_1 activations
                 if want("q4_0xq8_1"):
@@ -304,11 +309,11 @@ def main(argv=None) -> int:
         del ours, w8, w4s, bnb_w, bnb_l8, ws16, tiny, glite
         torch.cuda.empty_cache()
 
-    hdr = ("| M x K       |    N | kernel          |   time us | TFLOP/s | weight GB/s | % copy | x fp16 |\n"
-           "|-------------|-----:|-----------------|----------:|--------:|------------:|-------:|-------:|")
+    hdr = ("| M x K       |    N | kernel                 |   time us | TFLOP/s | weight GB/s | % copy | x fp16 |\n"
+           "|-------------|-----:|------------------------|----------:|--------:|------------:|-------:|-------:|")
     print("\n" + hdr)
     for shape, n, name, us, tf, gbs, pct, ratio in rows:
-        print(f"| {shape:<11} | {n:4d} | {name:<15} | {us:9.1f} | {tf:7.1f} | {gbs:11.0f} | {pct:5.1f}% "
+        print(f"| {shape:<11} | {n:4d} | {name:<22} | {us:9.1f} | {tf:7.1f} | {gbs:11.0f} | {pct:5.1f}% "
               f"| {ratio:5.2f}x |")
     if args.csv:
         with open(args.csv, "w") as f:

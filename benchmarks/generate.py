@@ -1,13 +1,14 @@
 """Decode speed of a Llama-shaped model on the GPU: fp16 against each quantized format.
 
     python benchmarks/generate.py [--size 7b|1b] [--batch 1,16] [--formats fp16,nf4,int4,q4_0,mixed2bit]
-                                  [--steps 64] [--layers L]
+                                  [--steps 64] [--layers L] [--variants mixed2bit:layout=tiled]
 
 The model is a plain-PyTorch Llama decoder (RMSNorm, rotary attention with grouped KV heads over
 a static KV cache, SwiGLU MLP, untied lm_head) with random fp16 weights: speed does not depend
 on the values. Each format replaces every nn.Linear except lm_head with
 qformats.quantize_model(format=...) (RTN; int4 g128 asymmetric, nf4 blocksize 64, q4_0,
-mixed2bit g16 with 10% 4-bit groups), so the forward runs through qformats.ops.linear: the
+mixed2bit g16 with 10% 4-bit groups; and --variants, by default mixed2bit's tiled layout), so
+the forward runs through qformats.ops.linear: the
 register-decoding GEMV kernels for up to 16 rows. One decode step (one new token per sequence)
 is captured in a CUDA graph, as inference servers do, so Python overhead is not measured; the
 graph is replayed `steps` times and tokens/s = batch * steps / time. Model size counts the
@@ -19,6 +20,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -26,12 +28,14 @@ import torch.nn.functional as F
 
 import qformats
 
+sys.path.insert(0, str(Path(__file__).parent))
+import variants  # noqa: E402
+
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "7b": (4096, 11008, 32, 32, 32, 32000),      # Llama-2-7B
     "8b": (4096, 14336, 32, 32, 8, 128256),      # Llama-3-8B
     "1b": (2048, 8192, 16, 32, 8, 128256),       # Llama-3.2-1B
 }
-FORMATS = {f: dict(getattr(qformats, f).SPEC.defaults) for f in qformats.FORMATS}  # each at its defaults
 
 
 class RMSNorm(nn.Module):
@@ -153,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="fp16,nf4,int4,q4_0,mixed2bit")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the model's)")
+    ap.add_argument("--variants", default=variants.DEFAULT, help=variants.HELP)
     args = ap.parse_args(argv)
     if not qformats.cuda_available():
         print("no CUDA device or a CPU-only build: nothing to measure")
@@ -166,7 +171,10 @@ def main(argv=None) -> int:
           f"{cfg[3]}/{cfg[4]} heads, vocab {cfg[5]}), random fp16 weights")
     rows = []
     base = {}
-    for fmt in [f for f in args.formats.split(",") if f]:
+    names = [f for f in args.formats.split(",") if f]
+    runs = ([("fp16", "fp16", {})] if "fp16" in names else []) + \
+        variants.rows([f for f in names if f != "fp16"], args.variants)
+    for fmt, base_fmt, params in runs:
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = Llama(*cfg).half()
@@ -174,7 +182,7 @@ def main(argv=None) -> int:
             p.requires_grad_(False)
             p.normal_(0, 0.02)
         if fmt != "fp16":
-            qformats.quantize_model(model, format=fmt, **FORMATS[fmt])
+            qformats.quantize_model(model, format=base_fmt, **params)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         size_gb = weight_bytes(model) / 1e9
@@ -184,13 +192,13 @@ def main(argv=None) -> int:
                 base[b] = tps
             peak = torch.cuda.max_memory_allocated() / 1e9
             rows.append((fmt, b, tps, ms, tps / base.get(b, math.nan), size_gb, peak))
-            print(f"  {fmt:<10} batch {b:3d}: {tps:9.1f} tok/s  {ms:7.2f} ms/step", flush=True)
+            print(f"  {fmt:<15} batch {b:3d}: {tps:9.1f} tok/s  {ms:7.2f} ms/step", flush=True)
         del model
         torch.cuda.empty_cache()
-    print("\n| format    | batch | tokens/s | ms/step | x fp16 | weights GB | peak GB |")
-    print("|-----------|------:|---------:|--------:|-------:|-----------:|--------:|")
+    print("\n| format          | batch | tokens/s | ms/step | x fp16 | weights GB | peak GB |")
+    print("|-----------------|------:|---------:|--------:|-------:|-----------:|--------:|")
     for fmt, b, tps, ms, ratio, size_gb, peak in rows:
-        print(f"| {fmt:<9} | {b:5d} | {tps:8.1f} | {ms:7.2f} | {ratio:5.2f}x | {size_gb:10.2f} | {peak:7.2f} |")
+        print(f"| {fmt:<15} | {b:5d} | {tps:8.1f} | {ms:7.2f} | {ratio:5.2f}x | {size_gb:10.2f} | {peak:7.2f} |")
     return 0
 
 

@@ -23,6 +23,9 @@ from qformats.cli import main  # noqa: E402
 from qformats.streaming import KILL_AFTER_ENV, STAGE_DIR, quantize_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+# Children import the qformats this process imports: the installed package in CI (the source
+# tree has no native modules there), python/ in an in-place build.
+PACKAGE_PARENT = str(Path(qformats.__file__).resolve().parents[1])
 _spec = importlib.util.spec_from_file_location("stream_quantize", REPO / "benchmarks" / "stream_quantize.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
@@ -104,7 +107,7 @@ def test_cli_stream_equals_cli_in_memory(ckpt, tmp_path, capsys):
 
 
 def _cli(args, env=None, timeout=120):
-    e = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1", **(env or {}))
+    e = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, HF_HUB_OFFLINE="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "qformats", "quantize", *map(str, args)],
                           env=e, capture_output=True, text=True, timeout=timeout)
 
@@ -142,7 +145,7 @@ def test_torchrun_two_processes_same_bytes(ckpt, tmp_path):
 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
-    e = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    e = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", "-m", "qformats", "quantize", str(ckpt), "--bits", "4",
                         "--stream", "--out", str(tmp_path / "two")],
@@ -173,7 +176,7 @@ def test_memory_stays_near_one_tensor(tmp_path):
         "base = hwm()\n"
         "quantize_checkpoint(sys.argv[2], sys.argv[4], bits=4)\n"
         "print(base, hwm())\n")
-    e = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1")
+    e = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code, tiny, big, tmp_path / "o1", tmp_path / "o2"],
                        env=e, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -168,6 +168,9 @@ qformats.save_quantized(B, new)
 l_old, l_new = logits(old), logits(new)
 assert not torch.equal(l_old, l_new)
 real_replace, real_save_file = os.replace, st.save_file
+# Ctrl-C raises KeyboardInterrupt here even where this process started with SIGINT ignored (a
+# shell's background job: Python then installs no handler of its own)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 for sig in (signal.SIGKILL, signal.SIGINT, signal.SIGTERM):
     for point in ("staged", 0, 1, 2, "done"):
         d = os.path.join(root, f"{sig.name}-{point}")

@@ -93,8 +93,8 @@ def native_gemm_into_nan(fmt, mod, q, qc, x, m):
                                         ("mixed2bit", {"layout": "tiled", "group_size": 64})])
 def test_weight_only_poison_and_long_k(fmt, params):
     """Outputs pre-filled with NaN are all overwritten; K spans many warp steps (K = 4096 + a
-    partial step), M not a multiple of the 16 rows of a CTA."""
-    m, k, n = 53, 4096 + 96, 5
+    partial step; + 192 for groups of 64), M not a multiple of the 16 rows of a CTA."""
+    m, k, n = 53, 4096 + (192 if params.get("group_size") == 64 else 96), 5
     mod, q, qc, w64 = weight(fmt, m, k, 7, **params)
     x = torch.randn(n, k, device="cuda", dtype=torch.float16)
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL["float16"])

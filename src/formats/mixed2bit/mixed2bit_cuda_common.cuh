@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_utils.cuh"
 #include "formats/mixed2bit/mixed2bit.h"
@@ -53,6 +54,47 @@ __device__ __forceinline__ unsigned lanes_below() {
   unsigned m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
   return m;
+}
+
+// The 8 2-bit fields of x's low 16 bits as 8 nibbles (field i in bits 4i..4i+1).
+__device__ __forceinline__ uint32_t nibbles_of_2bit(uint32_t x) {
+  x &= 0xFFFFu;
+  x = (x | (x << 8)) & 0x00FF00FFu;
+  x = (x | (x << 4)) & 0x0F0F0F0Fu;
+  return (x | (x << 2)) & 0x33333333u;
+}
+
+// decode_group of 16 values given as nibbles (both layouts' dequantizers) (value i in bits 4(i % 8) of lo (i < 8) or
+// hi), rounded to T. float(q) = (1.5 * 2^23's neighbour 2^23 + q) - 2^23, exact.
+template <class T>
+__device__ __forceinline__ void decode16(uint32_t lo, uint32_t hi, float s_eff, float m_eff, T (&o)[16]) {
+  float f[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t q = ((i < 8 ? lo : hi) >> (4 * (i & 7))) & 15u;
+    const float qf = __fsub_rn(f32_from_bits(0x4B000000u | q), 8388608.0f);
+    f[i] = dequantize_value_f(qf, s_eff, m_eff);
+  }
+  if constexpr (std::is_same<T, half_t>::value) {
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);  // = two __float2half_rn
+      memcpy(&w[i], &h, 4);
+    }
+    memcpy(o, w, sizeof(w));
+  } else if constexpr (std::is_same<T, bf16_t>::value) {
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // = two __float2bfloat16_rn
+      memcpy(&w[i], &h, 4);
+    }
+    memcpy(o, w, sizeof(w));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) from_f32(f[i], &o[i]);
+  }
 }
 
 // a / b for 0 <= a, 1 <= b, in 32 bits when both fit (a 64-bit division is a long subroutine).

@@ -62,6 +62,19 @@ def test_gpu_dequantize_equals_cpu(case):
         assert_bytes_equal(got, M.dequantize(q, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_quantize_of_misaligned_16bit_input(dtype):
+    """A 16-bit weight whose pointer is not 16-byte aligned takes the quantizer's unstaged path
+    (the staged one copies 16-byte chunks): the same bytes as the CPU."""
+    w = torch.from_numpy(np.random.default_rng(2).standard_normal((7, 16 * 300)).astype(np.float32)).to(dtype)
+    x = misaligned_copy(w)
+    assert x.data_ptr() % 16
+    want = M.quantize(w, layout="tiled", ratio_4bit=0.2)
+    got = M.quantize(x, layout="tiled", ratio_4bit=0.2)
+    for name in M.TILED_BUFFER_NAMES:
+        assert_bytes_equal(got.buffers[name], want.buffers[name])
+
+
 def test_gpu_dequantize_into_misaligned_output():
     """The Linear's dequantize into an output whose pointer is not 16-byte aligned (its
     element-wise store path) equals the aligned one."""
@@ -84,7 +97,8 @@ def test_gpu_bad_tile_decodes_to_nan_only_there():
     want = M.dequantize(q)
     bad = {k: np.copy(v) for k, v in q.buffers.items()}
     word = 256 // 32 + 1  # tile 1's second map word
-    bad["map"][2, word] |= ~bad["map"][2, word] & -~bad["map"][2, word]  # its lowest clear bit set
+    v = int(bad["map"][2, word])
+    bad["map"][2, word] = np.uint32(v | (~v & (v + 1)))  # its lowest clear bit set
     qc = QuantizedTensor("mixed2bit", q.shape, q.dtype, q.params, bad).to("cuda")
     got = M.dequantize(qc).cpu().numpy()
     tile = np.zeros(want.shape, bool)

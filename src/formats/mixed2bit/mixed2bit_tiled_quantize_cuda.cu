@@ -10,7 +10,12 @@
 //            (key == K*) in position order by ballots: is4, the map words, each 4-bit group's slot
 //   order 2  maxima of the 2-bit blocks (segmented butterflies of B lanes, then rows for B > 32)
 //            and of the tile's 4-bit groups (a full butterfly) -> so, so4
-//   pass 2   per group, the tile's values re-read (from L1/L2): sc, mc and the codes
+//   pass 2   per group, the tile's values read again: sc, mc and the codes
+// STAGE (16-bit inputs, gs = 16): the warp first copies its tile (8 KB) into its part of shared
+// memory, every 16-byte chunk requested at once (cp.async on sm_80+), and both passes read it
+// there. Read straight from global memory, the compiled loops keep one group's loads in flight
+// at a time, so a lane waits for each of its 8 groups in pass 1 and again in pass 2; staged, the
+// whole tile's loads are in flight together.
 // Every per-group value comes from the same mixed2bit.h function, with the same arguments, that
 // quantize_cpu calls, and every cross-group result is an exact count or a maximum of values
 // >= +0, so the bytes equal the CPU's whatever the launch shape.
@@ -18,7 +23,9 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "common/cp_async_cuda.cuh"
 #include "formats/mixed2bit/mixed2bit_cuda_common.cuh"
+#include "formats/mixed2bit/mixed2bit_select_cuda.cuh"
 #include "formats/mixed2bit/mixed2bit_tiled.h"
 
 namespace qf::mixed2bit::tiled {
@@ -28,6 +35,17 @@ constexpr int kTileWarps = 8;  // tiles (warps) per CTA
 constexpr int kTileThreads = 32 * kTileWarps;
 constexpr int kRowsPerTile = kTileGroups / 32;  // groups per lane
 static_assert(kMapBits == 32 && kTileGroups == 32 * kRowsPerTile, "a warp row of 32 groups is one map word");
+constexpr int kStageBytes = kTileGroups * 16 * 2;  // a staged tile: 256 groups of 16 16-bit values
+
+// The 16 values at x in shared memory (16-byte aligned).
+template <class T>
+__device__ __forceinline__ void load_shared16(const T* x, T (&v)[16]) {
+  static_assert(sizeof(T) == 2, "staged tiles hold 16-bit values");
+  uint4 w[2];
+  w[0] = reinterpret_cast<const uint4*>(x)[0];
+  w[1] = reinterpret_cast<const uint4*>(x)[1];
+  memcpy(v, w, sizeof(w));
+}
 
 // Per-launch constants, computed once on the host.
 struct Params {
@@ -35,21 +53,31 @@ struct Params {
   int gs, b_shift, n4_full, n4_last;  // b_shift = log2(scale_block)
 };
 
+// Fields at bits 4k, 4k + 1 (k = 0..7) to bits 2k, 2k + 1: a nibble word's low or (shifted down
+// by 2) high 2 bits of every code, in the layout of codes / lo.
+__device__ __forceinline__ uint32_t gather2(uint32_t x) {
+  x &= 0x33333333u;
+  x = (x | (x >> 2)) & 0x0F0F0F0Fu;
+  x = (x | (x >> 4)) & 0x00FF00FFu;
+  return (x | (x >> 8)) & 0x0000FFFFu;
+}
+
 // The CPU's encode_split for 16 values: 2-bit codes (q, or q >> 2 for a 4-bit group) into *hi,
-// a 4-bit group's q & 3 into *lo.
+// a 4-bit group's q & 3 into *lo. The codes come from code_words16 (mixed2bit_select_cuda.cuh:
+// a multiply by 1 / s_eff, the exact division where a quotient lies near k + 1/2), the global
+// layout's encoder, so both layouts round alike.
 template <class T>
 __device__ __forceinline__ void encode16(const T (&v)[16], float s_eff, float m_eff, bool four, uint32_t* hi,
                                          uint32_t* lo) {
-  const int qmax = four ? kQmax4 : kQmax2;
-  uint32_t h = 0, l = 0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const uint32_t q = static_cast<uint32_t>(quantize_value(to_f32(v[i]), s_eff, m_eff, qmax));
-    h |= (four ? q >> 2 : q) << (2 * i);
-    l |= (q & 3u) << (2 * i);
+  uint32_t w[2];
+  code_words16(v, s_eff, m_eff, four, w);
+  if (four) {
+    *hi = gather2(w[0] >> 2) | gather2(w[1] >> 2) << 16;
+    *lo = gather2(w[0]) | gather2(w[1]) << 16;
+  } else {
+    *hi = w[0];
+    *lo = 0u;
   }
-  *hi = h;
-  *lo = l;
 }
 
 // Maximum over the aligned segments of `width` lanes (a power of two <= 32): xor offsets below
@@ -61,12 +89,16 @@ __device__ __forceinline__ float segment_max(float v, int width) {
 }
 
 // GS: 16 (a group is one 16-value register run) or 0 (any gs, read through the helpers'
-// pointer loops in pass 1 and 16 values at a time in pass 2). SENS: sensitivity scores.
-template <int GS, class T, bool SENS>
+// pointer loops in pass 1 and 16 values at a time in pass 2). SENS: sensitivity scores. STAGE:
+// the tile read from shared memory (GS = 16, 16-bit T, w 16-byte aligned; kStageBytes of dynamic
+// shared memory per warp).
+template <int GS, class T, bool SENS, bool STAGE>
 __global__ void
 __launch_bounds__(kTileThreads)
 tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, Params P, Buffers out,
                       uint32_t* __restrict__ flags, bool vec, bool svec) {
+  static_assert(!STAGE || (GS == 16 && sizeof(T) == 2), "staging: 16-bit values, groups of 16");
+  extern __shared__ uint4 stage_mem[];
   const int64_t tile = int64_t(blockIdx.x) * kTileWarps + warp_id();
   if (tile >= P.tiles) return;  // the whole warp: every shuffle below has all 32 lanes
   const int lane = lane_id();
@@ -76,6 +108,21 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
   const int n4 = tg == kTileGroups ? P.n4_full : P.n4_last;  // dims.tile_n4(t)
   const int gs = GS > 0 ? GS : P.gs;
   const T* wrow = w + r * P.K;
+  // STAGE: the tile's values (group p at p * 16), copied in 16-byte chunks
+  const T* const staged = reinterpret_cast<const T*>(stage_mem + warp_id() * (kStageBytes / 16));
+  if constexpr (STAGE) {
+    uint4* const dst = stage_mem + warp_id() * (kStageBytes / 16);
+    const uint4* const src = reinterpret_cast<const uint4*>(wrow + c0 * GS);
+    const int chunks = tg * GS * static_cast<int>(sizeof(T)) / 16;
+#if __CUDA_ARCH__ >= 800
+    for (int k = lane; k < chunks; k += 32) cu::cp_async<16>(dst + k, src + k, true);
+    cu::cp_async_commit();
+    cu::cp_async_wait<0>();
+#else
+    for (int k = lane; k < chunks; k += 32) dst[k] = __ldcs(src + k);
+#endif
+    __syncwarp();
+  }
 
   // Pass 1 (steps 1 and 3): the CPU's loop body for group p = lane + 32 i. Positions past the
   // tile get key 0, which no candidate of the search below reaches (every candidate has a bit
@@ -95,7 +142,8 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
     if constexpr (GS > 0) {
       static_assert(GS == 16, "the registers path is for 16-value groups");
       T v[GS];
-      cu::load_run(x, v, vec);  // cached: pass 2 reads these bytes again
+      if constexpr (STAGE) load_shared16(staged + p * GS, v);
+      else cu::load_run(x, v, vec);  // cached: pass 2 reads these bytes again
       group_min_max(v, GS, static_cast<const int32_t*>(nullptr), 0, 0, &mn, &mx);
       if constexpr (SENS) {
         float sv[GS];
@@ -230,7 +278,7 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
   if (too_large) flags[0] = 1u;
 
   // Pass 2 (steps 4 and 5): sc, mc against the group's pair, then the codes, 16 values at a time.
-  const int wpg = gs / kCodes2PerWord;
+  const int wpg = (GS > 0 ? GS : gs) / kCodes2PerWord;  // a constant 1 for GS = 16: the loads of the unrolled loop can batch
   const int64_t slot0 = r * P.n4_row + t * P.n4_full;  // dims.tile_slot0(t) within row r
 #pragma unroll
   for (int i = 0; i < kRowsPerTile; ++i) {
@@ -249,7 +297,8 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
     uint32_t* lo = out.lo + slot * wpg;
     for (int k = 0; k < wpg; ++k) {
       T v[kCodes2PerWord];
-      cu::load_run<true>(x + k * kCodes2PerWord, v, vec);  // evict-first: the last read
+      if constexpr (STAGE) load_shared16(staged + p * GS + k * kCodes2PerWord, v);
+      else cu::load_run<true>(x + k * kCodes2PerWord, v, vec);  // evict-first: the last read
       uint32_t h, l;
       encode16(v, s_eff, m_eff, f, &h, &l);
       hi[k] = h;
@@ -262,6 +311,15 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
       out.scales[r * P.G + c] = static_cast<uint8_t>(sc | (mc << 4));
     }
   }
+}
+
+// The one synchronization: the error flags.
+void finish(uint32_t* fl, cudaStream_t s) {
+  uint32_t host_flags[kFlagsBytes / sizeof(uint32_t)] = {};
+  cu::check(cudaMemcpyAsync(host_flags, fl, sizeof(host_flags), cudaMemcpyDeviceToHost, s),
+            "mixed2bit tiled: copy flags");
+  cu::check(cudaStreamSynchronize(s), "mixed2bit tiled quantize");
+  if (host_flags[0]) throw std::invalid_argument(kTooLargeMessage);
 }
 
 }  // namespace
@@ -292,24 +350,29 @@ void quantize_cuda(const T* w, const float* sens, const Dims& d, const Buffers& 
   // w, and its sensitivities at a multiple of 64 bytes from sens: the base pointers decide.
   const bool vec = cu::aligned16(w), svec = cu::aligned16(sens);
   const unsigned grid = cu::grid_for(P.tiles, kTileWarps);
-  auto launch = [&](auto kernel) {
-    kernel<<<grid, kTileThreads, 0, s>>>(w, sens, P, out, fl, vec, svec);
+  auto launch = [&](auto kernel, int smem) {
+    if (smem > 0)
+      cu::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                "mixed2bit tiled quantize: shared memory");
+    kernel<<<grid, kTileThreads, smem, s>>>(w, sens, P, out, fl, vec, svec);
     cu::check_launch("mixed2bit tiled quantize kernel");
   };
   if (P.gs == 16) {
-    if (sens) launch(tiled_quantize_kernel<16, T, true>);
-    else launch(tiled_quantize_kernel<16, T, false>);
+    constexpr int kStaged = kTileWarps * kStageBytes;
+    if constexpr (sizeof(T) == 2) {
+      if (vec) {
+        if (sens) launch(tiled_quantize_kernel<16, T, true, true>, kStaged);
+        else launch(tiled_quantize_kernel<16, T, false, true>, kStaged);
+        return finish(fl, s);
+      }
+    }
+    if (sens) launch(tiled_quantize_kernel<16, T, true, false>, 0);
+    else launch(tiled_quantize_kernel<16, T, false, false>, 0);
   } else {
-    if (sens) launch(tiled_quantize_kernel<0, T, true>);
-    else launch(tiled_quantize_kernel<0, T, false>);
+    if (sens) launch(tiled_quantize_kernel<0, T, true, false>, 0);
+    else launch(tiled_quantize_kernel<0, T, false, false>, 0);
   }
-
-  // The one synchronization: the error flags.
-  uint32_t host_flags[kFlagsBytes / sizeof(uint32_t)] = {};
-  cu::check(cudaMemcpyAsync(host_flags, fl, sizeof(host_flags), cudaMemcpyDeviceToHost, s),
-            "mixed2bit tiled: copy flags");
-  cu::check(cudaStreamSynchronize(s), "mixed2bit tiled quantize");
-  if (host_flags[0]) throw std::invalid_argument(kTooLargeMessage);
+  finish(fl, s);
 }
 
 #define QF_INSTANTIATE(T) \

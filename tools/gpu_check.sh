@@ -9,6 +9,8 @@
 # gemm:     benchmarks/gemm.py (GEMV/GEMM table against cuBLAS fp16, _int_mm, bitsandbytes)
 # generate: benchmarks/generate.py (decode tokens/s of a Llama-shaped 7B, fp16 vs each format)
 # sanitize: compute-sanitizer memcheck and racecheck over the GPU tests (PATTERN below)
+# profile:  Nsight Compute (clocks left alone) on one format's quantize, dequantize and one-row GEMV:
+#           PROFILE_FMT (mixed2bit), PROFILE_PARAMS ("layout=tiled"), PROFILE_SHAPE ("4096 14336")
 # Logs go to $OUT (the device tool brings them back) or /tmp/qformats-gpu.
 set -uo pipefail
 OUT=${OUT:-/tmp/qformats-gpu}
@@ -41,6 +43,21 @@ for stage in $stages; do
       python3 benchmarks/gemm.py --csv "$OUT/gemm.csv" ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.txt" | tail -80 ;;
     generate)
       python3 benchmarks/generate.py ${GENERATE_ARGS:-} 2>&1 | tee "$OUT/generate.txt" | tail -30 ;;
+    profile)
+      fmt=${PROFILE_FMT:-mixed2bit} params=${PROFILE_PARAMS-layout=tiled} shape=${PROFILE_SHAPE:-"4096 14336"}
+      ncu_run() {  # ncu_run NAME KERNEL-REGEX SKIP COMMAND...: one launch, its sections to $OUT/ncu-NAME.txt
+        local name=$1 rx=$2 skip=$3; shift 3
+        ncu --clock-control none --kernel-name-base demangled -k "regex:$rx" --launch-skip "$skip" --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+          --section Occupancy --section SchedulerStats "$@" >"$OUT/ncu-$name.txt" 2>&1
+        echo "ncu $name: exit $?; $(grep -E ' Duration |Memory Throughput|Compute \(SM\) Throughput' "$OUT/ncu-$name.txt" | tr -s ' ' | tr '\n' ';')"
+      }
+      # shellcheck disable=SC2086
+      ncu_run quantize "[^e]quantize" 2 python3 tools/profile_codec.py "$fmt" $shape --params "$params"
+      # shellcheck disable=SC2086
+      ncu_run dequantize dequantize 2 python3 tools/profile_codec.py "$fmt" $shape --params "$params"
+      # shellcheck disable=SC2086
+      ncu_run gemv weight_only 5 python3 tools/profile_gemv.py "$fmt" $shape 1 --params "$params" ;;
     sanitize)
       pattern=${SANITIZE_K:-"cuda and (large or misaligned or stream or poison)"}
       for tool in memcheck racecheck; do

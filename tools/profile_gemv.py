@@ -4,7 +4,8 @@
         python tools/profile_gemv.py int4 14336 4096 1
 
 Arguments: format (one with a weight-only gemm: ``SPEC.gemm``; q4_0, int4, nf4, mixed2bit), M, K,
-N; --dtype float16 | bfloat16. The weight is quantized at the format's defaults (``SPEC.defaults``).
+N; --dtype float16 | bfloat16. The weight is quantized at the format's defaults (``SPEC.defaults``),
+with --params' string values over them (``--params layout=tiled`` for mixed2bit's tiled layout).
 Prints the median time of --iters single calls (CUDA events, each after a GPU sleep so that
 launch gaps do not count) and the mean time per call back to back; weights rotated past L2.
 """
@@ -30,11 +31,13 @@ def main() -> None:
     ap.add_argument("N", type=int)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--params", default="", help="KEY=VALUE[;KEY=VALUE] over the format's defaults (layout=tiled)")
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
     w = torch.randn(a.M, a.K, device="cuda", dtype=dt) * 0.02
     spec = format_spec(a.fmt)
-    ws = [spec.quantize(w * (1 + 0.001 * i), **spec.defaults) for i in range(8)]  # 8 x >= 30 MB: past the 60 MB L2
+    params = {**spec.defaults, **dict(kv.split("=", 1) for kv in a.params.split(";") if kv)}
+    ws = [spec.quantize(w * (1 + 0.001 * i), **params) for i in range(8)]  # 8 x >= 30 MB: past the 60 MB L2
     x = torch.randn(a.N, a.K, device="cuda", dtype=dt)
     gemm = spec.gemm
     times = []

@@ -181,6 +181,49 @@ def test_mixed_export_equals_trained_fake_quant(seed, ratio, gs, sb):
         m2_rounding.export_mixed2bit(w, v, a, b, gs, sb, is4, 0.0, "range")
 
 
+# The tiled layout: rows of several tiles (4800 = 256 + 44 groups of 16), a short last tile.
+@pytest.mark.parametrize("ratio,gs,sb,sens", [(0.1, 16, 16, True), (0.25, 16, 64, False), (0.0, 32, 4, False)])
+def test_tiled_initial_parameters_are_tiled_rtn_bit_for_bit(ratio, gs, sb, sens):
+    w = _weight(6, 4800)
+    w[3, :16] = -0.0
+    s = torch.rand(4800, generator=torch.Generator().manual_seed(7)) * 3 if sens else None
+    rtn = mixed2bit.quantize(w, group_size=gs, ratio_4bit=ratio, sensitivity=s, scale_block=sb, layout="tiled")
+    is4 = m2_rounding.select_4bit(w, gs, ratio, s, sb, "tiled") if ratio else None
+    v = torch.zeros_like(w)
+    one = torch.ones(w.shape[0], w.shape[1] // gs)
+    qt = m2_rounding.export_mixed2bit(w, v, one, one, gs, sb, is4, ratio, "sensitivity" if sens else "range",
+                                      layout="tiled")
+    assert qt.params == rtn.params
+    for name in rtn.buffers:
+        assert torch.equal(qt.buffers[name], rtn.buffers[name]), name
+    fq = m2_rounding.fake_quant_mixed2bit(w, v, one, one, gs, sb, is4, layout="tiled")
+    assert torch.equal(fq.view(torch.int32), rtn.dequantize("float32").view(torch.int32))
+
+
+@pytest.mark.parametrize("seed,ratio,gs,sb", [(0, 0.1, 16, 16), (1, 0.3, 32, 8), (2, 0.5, 16, 1)])
+def test_tiled_export_equals_trained_fake_quant(seed, ratio, gs, sb):
+    w = _weight(8, 4800, seed=seed)
+    v, a, b = _random_params(w, gs, seed)
+    is4 = m2_rounding.select_4bit(w, gs, ratio, None, sb, "tiled")
+    fq = m2_rounding.fake_quant_mixed2bit(w, v, a, b, gs, sb, is4, layout="tiled")
+    qt = m2_rounding.export_mixed2bit(w, v, a, b, gs, sb, is4, ratio, "range", dtype="float16", layout="tiled")
+    validate(qt)
+    assert qt.params["layout"] == "tiled" and qt.params["n4"] == int(is4.sum()) > 0
+    deq = mixed2bit.dequantize(qt, dtype="float32")
+    assert torch.equal(deq.view(torch.int32), fq.view(torch.int32))  # bitwise
+    assert int(qt.buffers["scales"][is4.reshape(w.shape[0], -1)].max()) > 15  # 8-bit sc after training
+    bias = torch.randn(w.shape[0])
+    lin = QuantizedLinear.from_quantized(qt, bias)
+    x = torch.randn(5, w.shape[1])
+    torch.testing.assert_close(lin(x), F.linear(x, fq, bias), rtol=1.3e-6, atol=1e-5)
+    # the global layout's selection has the right total but not the per-tile counts
+    with pytest.raises(ValueError, match="tile"):
+        m2_rounding.export_mixed2bit(w, v, a, b, gs, sb, m2_rounding.select_4bit(w, gs, ratio, None, sb), ratio,
+                                     "range", layout="tiled")
+    with pytest.raises(ValueError, match="layout"):
+        m2_rounding.fake_quant_mixed2bit(w, v, a, b, gs, sb, is4, layout="rows")
+
+
 def test_clipping_changes_the_exported_scales():
     w = _weight()
     gs = 32
@@ -223,18 +266,20 @@ def _bits(t):
 
 
 @pytest.mark.parametrize("fmt,gs,ratio,sb", [("int4", 32, 0.0, 16), ("mixed2bit", 16, 0.0, 16),
-                                             ("mixed2bit", 16, 0.25, 5), ("mixed2bit", 32, 1.0, 3)])
+                                             ("mixed2bit", 16, 0.25, 5), ("mixed2bit", 32, 1.0, 3),
+                                             ("mixed2bit-tiled", 16, 0.25, 8)])
 def test_layer_rounding_reuses_weight_part_and_equals_the_function_bit_for_bit(fmt, gs, ratio, sb):
     # The per-layer object computes what depends on the weight alone once (WeightMemo); its
     # values and gradients equal the standalone function's at every call, also after the
     # weight is changed in place (the memo is recomputed), ties in maxima included.
-    w = (_weight(24, 96) * 64).round() / 64
-    is4 = m2_rounding.select_4bit(w, gs, ratio, None, sb) if ratio else None
+    layout = "tiled" if fmt.endswith("tiled") else "global"
+    w = (_weight(24, 96 if layout == "global" else 4800) * 64).round() / 64
+    is4 = m2_rounding.select_4bit(w, gs, ratio, None, sb, layout) if ratio else None
     if fmt == "int4":
         r, f = int4_rounding.Int4Rounding(gs), lambda *t: int4_rounding.fake_quant_int4(*t, gs)
     else:
-        r = m2_rounding.Mixed2bitRounding(tuple(w.shape), gs, sb, is4, ratio)
-        f = lambda *t: m2_rounding.fake_quant_mixed2bit(*t, gs, sb, is4)  # noqa: E731
+        r = m2_rounding.Mixed2bitRounding(tuple(w.shape), gs, sb, is4, ratio, layout=layout)
+        f = lambda *t: m2_rounding.fake_quant_mixed2bit(*t, gs, sb, is4, layout)  # noqa: E731
     for step in range(3):
         if step == 2:
             w.mul_(0.5)  # in place: the memo must not serve the old bounds
@@ -434,6 +479,31 @@ def test_quantize_model_mixed_groups_selected_by_block_inputs():
     assert torch.equal(net2.layers[0].up.group_map, rng.buffers["group_map"])
     # iters=0 is calibrated RTN: the same buffers as mixed2bit.quantize with that sensitivity
     assert not torch.equal(rng.buffers["group_map"], up.group_map)
+
+
+def test_quantize_model_signround_tiled_layout():
+    # layout="tiled" trains and exports the tiled layout: 4-bit groups chosen per tile from the
+    # block inputs, the packed layers decode to what was trained (the block loss is reproduced)
+    net = _Net(d=256, h=512)
+    ref = copy.deepcopy(net)
+    ids = _ids(vocab=64)
+    rep = qformats.quantize_model(net, bits=2, ratio_4bit=0.25, layout="tiled", method="signround",
+                                  calibration=ids, iters=10, nsamples=4, seqlen=16, batch_size=4)
+    assert rep.formats == {"mixed2bit": 4}
+    up = net.layers[0].up
+    assert up.params["layout"] == "tiled" and up.params["selection"] == "sensitivity"
+    x = torch.cat([ref.embed(i) for i in ids]).reshape(-1, 256).double()
+    want = m2_rounding.select_4bit(ref.layers[0].up.weight, 16, 0.25, sr.sensitivity_from_moments(
+        x.square().mean(0)), 16, "tiled")
+    qt = up.quantized_weight
+    from qformats.mixed2bit.reference import tiled_is4
+    got = tiled_is4({"map": qt.buffers["map"].numpy()}, 512, 256, 16).reshape(-1)
+    assert torch.equal(torch.from_numpy(got.copy()), want)
+    inputs = sr.capture_block_inputs(net, net.layers[0], [i.reshape(1, -1) for i in ids])
+    with torch.no_grad():
+        loss = sum(F.mse_loss(net.layers[0](x, **kw), ref.layers[0](x, **kw)) for x, kw in inputs) / 4
+    b0 = rep.signround["blocks"][0]
+    assert float(loss) == pytest.approx(b0["loss"], rel=1e-4) and b0["loss"] < b0["rtn_loss"]
 
 
 def test_signround_mixed_on_pydoc_llama(llama, valid_text):

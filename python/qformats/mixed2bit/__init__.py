@@ -567,8 +567,7 @@ SPEC = FormatSpec(
     linear_rows=WEIGHT_ONLY_ROWS,
     tune_rows=TUNE_ROWS,
     make_linear=_make_linear,
-    trainable=lambda p: (float(p.get("outlier_ratio", 0.0)) == 0.0 and p.get("sensitivity") is None
-                         and p.get("layout", "global") == "global"),
+    trainable=lambda p: float(p.get("outlier_ratio", 0.0)) == 0.0 and p.get("sensitivity") is None,
     rounding=_rounding,
     calibrated=lambda p: float(p.get("ratio_4bit", DEFAULT_RATIO_4BIT)) > 0,
 )

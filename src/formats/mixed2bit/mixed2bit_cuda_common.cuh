@@ -64,8 +64,23 @@ __device__ __forceinline__ uint32_t nibbles_of_2bit(uint32_t x) {
   return (x | (x << 2)) & 0x33333333u;
 }
 
-// decode_group of 16 values given as nibbles (both layouts' dequantizers) (value i in bits 4(i % 8) of lo (i < 8) or
-// hi), rounded to T. float(q) = (1.5 * 2^23's neighbour 2^23 + q) - 2^23, exact.
+// Two float32 values rounded to a 16-bit T as one 32-bit pair (a in the low half): one
+// conversion instruction, the bits of two __float2half_rn / __float2bfloat16_rn.
+__device__ __forceinline__ uint32_t pack_pair(float a, float b, half_t*) {
+  const __half2 h = __floats2half2_rn(a, b);
+  uint32_t w;
+  memcpy(&w, &h, 4);
+  return w;
+}
+__device__ __forceinline__ uint32_t pack_pair(float a, float b, bf16_t*) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  uint32_t w;
+  memcpy(&w, &h, 4);
+  return w;
+}
+
+// decode_group of 16 values given as nibbles (value i in bits 4(i % 8) of lo (i < 8) or hi),
+// rounded to T; both layouts' dequantizers. float(q) = (2^23 + q) - 2^23, exact.
 template <class T>
 __device__ __forceinline__ void decode16(uint32_t lo, uint32_t hi, float s_eff, float m_eff, T (&o)[16]) {
   float f[16];
@@ -75,21 +90,10 @@ __device__ __forceinline__ void decode16(uint32_t lo, uint32_t hi, float s_eff, 
     const float qf = __fsub_rn(f32_from_bits(0x4B000000u | q), 8388608.0f);
     f[i] = dequantize_value_f(qf, s_eff, m_eff);
   }
-  if constexpr (std::is_same<T, half_t>::value) {
+  if constexpr (sizeof(T) == 2) {
     uint32_t w[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);  // = two __float2half_rn
-      memcpy(&w[i], &h, 4);
-    }
-    memcpy(o, w, sizeof(w));
-  } else if constexpr (std::is_same<T, bf16_t>::value) {
-    uint32_t w[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // = two __float2bfloat16_rn
-      memcpy(&w[i], &h, 4);
-    }
+    for (int i = 0; i < 8; ++i) w[i] = pack_pair(f[2 * i], f[2 * i + 1], static_cast<T*>(nullptr));
     memcpy(o, w, sizeof(w));
   } else {
 #pragma unroll

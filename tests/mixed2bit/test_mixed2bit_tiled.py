@@ -116,6 +116,26 @@ def test_gemm_and_linear_match_float64(M_, N, K, ratio):
     assert (np.abs(y - want) <= K * 2.0 ** -24 * scale * 1.01 + 1e-6 * np.abs(want) + 1e-6).all()
 
 
+@pytest.mark.parametrize("sb", [1, 4, 16, 256])
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 1.0])
+def test_fused_few_rows_gemm_matches_float64(ratio, sb):
+    """N = 1..4 with groups of 16 takes the fused row kernel where the CPU has one (AVX2: groups
+    across the lanes, s * sum q x - m * sum x per group): within float32 rounding of the decoded
+    product at every scale_block (below 8 its pairs are gathered), with 4-bit groups in the steps
+    and a short last tile; N = 5 (the decoding path) agrees as well."""
+    rng = np.random.default_rng(int(ratio * 8) + sb)
+    M_, K = 13, 16 * 300
+    w = rng.standard_normal((M_, K)).astype(np.float32)
+    qt = M.quantize(w, ratio_4bit=ratio, scale_block=sb, layout="tiled")
+    wd = M.dequantize(qt).astype(np.float64)
+    for N in (1, 2, 3, 4, 5):
+        x = rng.standard_normal((N, K)).astype(np.float32)
+        ref = x.astype(np.float64) @ wd.T
+        scale = np.abs(x).astype(np.float64) @ np.abs(wd).T
+        got = M.gemm(x, qt)
+        assert (np.abs(got - ref) <= K * 2.0 ** -24 * scale * 1.01 + 1e-37).all(), N
+
+
 @pytest.mark.parametrize("kwargs, exc, match", [
     ({"layout": "blocked"}, ValueError, "layout"),
     ({"layout": "tiled", "outlier_ratio": 0.01}, ValueError, "no outliers"),

@@ -151,6 +151,23 @@ Mixed2bitCpuIndex mixed2bit_cpu_index(const mixed2bit::ConstBuffers& q, const mi
   return index;
 }
 
+M2Act m2_act_gs16(const float* X, int64_t N, int64_t K, std::vector<float>& xt, std::vector<float>& sx) {
+  const int64_t G = K / 16, steps = (G + 7) / 8;
+  xt.assign(static_cast<size_t>(N * steps * 128), 0.0f);
+  sx.assign(static_cast<size_t>(N * steps * 8), 0.0f);
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < 16; ++i) {
+        const float v = X[j * K + g * 16 + i];
+        xt[j * steps * 128 + (g / 8) * 128 + i * 8 + g % 8] = v;
+        sum += v;
+      }
+      sx[j * steps * 8 + g] = sum;
+    }
+  return {X, K, xt.data(), sx.data(), steps * 128, steps * 8};
+}
+
 void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers& q, const mixed2bit::Dims& dims,
                         float* Y) {
   mixed2bit_gemm_cpu(X, N, q, dims, mixed2bit_cpu_index(q, dims), Y);
@@ -170,24 +187,9 @@ void mixed2bit_gemm_cpu(const float* X, int64_t N, const mixed2bit::ConstBuffers
   if (vector_window && m2k.gemm_row && N >= 1 && N <= 4 && dims.rows > 0 && K > 0) {
     // Few activation rows: each weight row decoded in registers and multiplied right away; a
     // row with outliers is decoded whole, patched, then multiplied.
-    M2Act act{X, K, nullptr, nullptr, 0, 0};
     std::vector<float> xt, sx;
-    if (gs == 16) {  // x arranged for the lanes-across-groups kernel (mixed2bit_gemm_cpu.h M2Act)
-      const int64_t steps = (G + 7) / 8;
-      xt.assign(static_cast<size_t>(N * steps * 128), 0.0f);
-      sx.assign(static_cast<size_t>(N * steps * 8), 0.0f);
-      for (int64_t j = 0; j < N; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          float sum = 0.0f;
-          for (int64_t i = 0; i < 16; ++i) {
-            const float v = X[j * K + g * 16 + i];
-            xt[j * steps * 128 + (g / 8) * 128 + i * 8 + g % 8] = v;
-            sum += v;
-          }
-          sx[j * steps * 8 + g] = sum;
-        }
-      act = {X, K, xt.data(), sx.data(), steps * 128, steps * 8};
-    }
+    // gs = 16: x arranged for the lanes-across-groups kernel
+    const M2Act act = gs == 16 ? m2_act_gs16(X, N, K, xt, sx) : M2Act{X, K, nullptr, nullptr, 0, 0};
     fused_panels(
         dims.rows, K, N,
         [&](int64_t m0, int64_t mr) {
@@ -278,7 +280,7 @@ void decode_m2(const M2Group* groups, int64_t n, int64_t gs, float* out) {
 }  // namespace
 
 const Mixed2bitCpuKernels& mixed2bit_kernels() {
-  static const Mixed2bitCpuKernels k{decode_m2, nullptr, nullptr};
+  static const Mixed2bitCpuKernels k{decode_m2, nullptr, nullptr, nullptr};
   return k;
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "formats/mixed2bit/mixed2bit.h"
+#include "formats/mixed2bit/mixed2bit_tiled.h"
 #include "gemm/cpu_isa.h"
 
 namespace qf::gemm {
@@ -63,6 +64,10 @@ struct M2Act {
   int64_t ldt, lds;
 };
 
+// X [N, K] (K a multiple of 16) arranged as M2Act's xt and sx for group_size 16, in the two
+// vectors (resized here); the returned M2Act points into them.
+M2Act m2_act_gs16(const float* X, int64_t N, int64_t K, std::vector<float>& xt, std::vector<float>& sx);
+
 // mixed2bit's leaf kernels, one table per instruction set (plain C++ in mixed2bit_gemm_cpu.cpp,
 // the others in mixed2bit_gemm_cpu_avx2.cpp and mixed2bit_gemm_cpu_avx512.cpp).
 struct Mixed2bitCpuKernels {
@@ -79,6 +84,14 @@ struct Mixed2bitCpuKernels {
   // (group_size 16), 2-bit groups are summed as s * sum q x - m * sum x (within float32 rounding
   // of that). nullptr in tables without it (the tile path runs).
   void (*gemm_row)(const M2Window& w, const M2Act& a, int64_t N, float* y, int64_t ldy);
+
+  // The tiled layout's fused product of weight row `row` (group_size 16, a map checked against
+  // its counts) with N <= 4 activation rows given as a.xt / a.sx: y[j * ldy] = sum over the
+  // row's groups of s * sum_i q_i x_i - m * sum_i x_i (a 4-bit group's sum_i q_i x_i as 4 times
+  // its high bits' sum plus its low bits' sum; within float32 rounding of the decoded product).
+  // nullptr in tables without it (the decoding path runs).
+  void (*tiled_gemm_row)(const mixed2bit::tiled::ConstBuffers& q, const mixed2bit::tiled::Dims& d, int64_t row,
+                         const M2Act& a, int64_t N, float* y, int64_t ldy);
 };
 const Mixed2bitCpuKernels& mixed2bit_cpu_kernels();  // the table of active_isa()
 namespace k_scalar {

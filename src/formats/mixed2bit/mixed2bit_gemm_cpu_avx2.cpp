@@ -293,10 +293,121 @@ QF_AVX2 void m2_gemm_row(const M2Window& w, const M2Act& a, int64_t N, float* y,
   }
 }
 
+// The tiled layout (mixed2bit_tiled.h), group_size 16, groups across the lanes as in m2_row_dot:
+// lane t of a step holds group t0 + t of the row. Its codes words are 8 consecutive words of
+// `codes` and its scales 8 consecutive bytes (one load each: the layout puts them at their
+// column), its second-order pair its block's (B >= 8: the step's 8 groups share one block; else
+// a gather); only the step's 4-bit groups (a byte of the map) fetch lo and mc4, at slots counted
+// from their tile's first (t * n4_full). Each lane sums h = sum_i hi_i x_i from the codes words
+// (a 4-bit group's high bits), a 4-bit lane also l = sum_i lo_i x_i, and adds
+// s * (h, or 4 h + l) - m * (sum_i x_i).
+template <int NR>
+QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bit::tiled::Dims& d, int64_t row,
+                         const M2Act& a, float* y, int64_t ldy) {
+  namespace mt = mixed2bit::tiled;
+  const int64_t G = d.groups_per_row(), B = d.scale_block;
+  int bshift = 0;
+  while ((int64_t(1) << bshift) < B) ++bshift;  // a power of two (check_dims)
+  const uint32_t* codes = q.codes + row * G;    // gs = 16: one codes word per group
+  const uint8_t* scales = q.scales + row * G;
+  const int* so = reinterpret_cast<const int*>(q.so) + row * d.blocks_per_row();
+  const int* so4 = reinterpret_cast<const int*>(q.so4) + row * d.tiles_per_row();
+  const uint32_t* map = q.map + row * d.map_words();
+  const int64_t slot_row = row * d.n4_row();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i three = _mm256_set1_epi32(3), lo16 = _mm256_set1_epi32(0xFFFF);
+  __m256 acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t run = 0;  // 4-bit groups of the current tile before the step
+  for (int64_t t0 = 0; t0 < G; t0 += 8) {
+    if (t0 % mt::kTileGroups == 0) run = 0;
+    const int cnt = static_cast<int>(std::min<int64_t>(8, G - t0));
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), lane);
+    const __m256i hi = load_words8(codes + t0, cnt, G - t0);
+    const __m256i sb = _mm256_cvtepu8_epi32(load_upto16(scales + t0, cnt, G - t0));
+    const uint32_t bits = (map[t0 / mt::kMapBits] >> (t0 % mt::kMapBits)) & ((1u << cnt) - 1u);
+    __m256i pair =
+        B >= 8
+            ? _mm256_set1_epi32(so[t0 >> bshift])
+            : _mm256_mask_i32gather_epi32(
+                  _mm256_setzero_si256(), so,
+                  _mm256_srli_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), lane), bshift), live, 4);
+    __m256i sc = _mm256_and_si256(sb, _mm256_set1_epi32(15)), mc = _mm256_srli_epi32(sb, 4);
+    __m256i lo = _mm256_setzero_si256(), is4 = _mm256_setzero_si256();
+    if (bits) {
+      alignas(32) int32_t lo_a[8] = {}, mc_a[8] = {};
+      int64_t slot = slot_row + (t0 / mt::kTileGroups) * d.n4_full + run;
+      for (uint32_t b = bits; b; b &= b - 1, ++slot) {
+        const int t = __builtin_ctz(b);
+        lo_a[t] = static_cast<int32_t>(q.lo[slot]);  // one lo word per group at gs = 16
+        mc_a[t] = q.mc4[slot];
+      }
+      run += __builtin_popcount(bits);
+      is4 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit), lane_bit);
+      lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_a));
+      sc = _mm256_blendv_epi8(sc, sb, is4);  // a 4-bit group's scales byte is its 8-bit sc
+      mc = _mm256_blendv_epi8(mc, _mm256_load_si256(reinterpret_cast<const __m256i*>(mc_a)), is4);
+      pair = _mm256_blendv_epi8(pair, _mm256_set1_epi32(so4[t0 / mt::kTileGroups]), is4);
+    }
+    // effective scale and offset: the float32 products of mixed2bit's effective()
+    const __m256i h =
+        _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(pair, lo16), _mm256_srli_epi32(pair, 16)), 0xD8);
+    const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtepi32_ps(sc));
+    const __m256 m = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), _mm256_cvtepi32_ps(mc));
+    __m256 dh[NR][2], dl[NR][2];
+    for (int j = 0; j < NR; ++j) dh[j][0] = dh[j][1] = dl[j][0] = dl[j][1] = _mm256_setzero_ps();
+    const float* xt = a.xt + t0 * 16;
+    __m256i wh = hi, wl = lo;
+    for (int i = 0; i < 16; ++i) {
+      const __m256 qh = _mm256_cvtepi32_ps(_mm256_and_si256(wh, three));
+      wh = _mm256_srli_epi32(wh, 2);
+      for (int j = 0; j < NR; ++j)
+        dh[j][i & 1] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(xt + j * a.ldt + 8 * i), dh[j][i & 1]);
+    }
+    if (bits) {
+      for (int i = 0; i < 16; ++i) {
+        const __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(wl, three));
+        wl = _mm256_srli_epi32(wl, 2);
+        for (int j = 0; j < NR; ++j)
+          dl[j][i & 1] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(xt + j * a.ldt + 8 * i), dl[j][i & 1]);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const __m256 sh = _mm256_add_ps(dh[j][0], dh[j][1]);
+      const __m256 sum = _mm256_blendv_ps(
+          sh, _mm256_fmadd_ps(sh, _mm256_set1_ps(4.0f), _mm256_add_ps(dl[j][0], dl[j][1])), _mm256_castsi256_ps(is4));
+      const __m256 v = _mm256_fmsub_ps(s, sum, _mm256_mul_ps(m, _mm256_loadu_ps(a.sx + j * a.lds + t0)));
+      acc[j] = _mm256_add_ps(acc[j], _mm256_and_ps(v, _mm256_castsi256_ps(live)));  // lanes past the row: nothing
+    }
+  }
+  for (int j = 0; j < NR; ++j) y[j * ldy] = hsum(acc[j]);
+}
+
+QF_AVX2 void m2t_gemm_row(const mixed2bit::tiled::ConstBuffers& q, const mixed2bit::tiled::Dims& d, int64_t row,
+                          const M2Act& a, int64_t N, float* y, int64_t ldy) {
+  switch (N) {
+    case 1:
+      m2t_row_dot<1>(q, d, row, a, y, ldy);
+      break;
+    case 2:
+      m2t_row_dot<2>(q, d, row, a, y, ldy);
+      break;
+    case 3:
+      m2t_row_dot<3>(q, d, row, a, y, ldy);
+      break;
+    case 4:
+      m2t_row_dot<4>(q, d, row, a, y, ldy);
+      break;
+    default:
+      break;
+  }
+}
+
 }  // namespace
 
 const Mixed2bitCpuKernels& mixed2bit_kernels() {
-  static const Mixed2bitCpuKernels k{decode_m2, decode_m2_window, m2_gemm_row};
+  static const Mixed2bitCpuKernels k{decode_m2, decode_m2_window, m2_gemm_row, m2t_gemm_row};
   return k;
 }
 

@@ -119,7 +119,8 @@ QF_AVX512 void decode_m2_window(const M2Window& w, float* out) {
 }  // namespace
 
 const Mixed2bitCpuKernels& mixed2bit_kernels() {
-  static const Mixed2bitCpuKernels k{decode_m2, decode_m2_window, k_avx2::mixed2bit_kernels().gemm_row};
+  static const Mixed2bitCpuKernels k{decode_m2, decode_m2_window, k_avx2::mixed2bit_kernels().gemm_row,
+                                     k_avx2::mixed2bit_kernels().tiled_gemm_row};
   return k;
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/parallel.h"
+#include "formats/mixed2bit/mixed2bit_gemm_cpu.h"
 #include "formats/mixed2bit/mixed2bit_tiled.h"
 #include "gemm/weight_only_cpu.h"
 
@@ -199,6 +200,19 @@ void dequantize_cpu(const ConstBuffers& q, const Dims& d, T* y) {
 void gemm_cpu(const float* X, int64_t N, const ConstBuffers& q, const Dims& d, float* Y) {
   check_dims(d);
   check_map(q, d);
+  const gemm::Mixed2bitCpuKernels& k = gemm::mixed2bit_cpu_kernels();
+  if (k.tiled_gemm_row && d.group_size == 16 && N >= 1 && N <= 4 && d.rows > 0 && d.K > 0) {
+    // Few activation rows: each weight row multiplied as it is decoded in registers
+    std::vector<float> xt, sx;
+    const gemm::M2Act act = gemm::m2_act_gs16(X, N, d.K, xt, sx);
+    gemm::fused_panels(
+        d.rows, d.K, N,
+        [&](int64_t m0, int64_t mr) {
+          for (int64_t m = m0; m < m0 + mr; ++m) k.tiled_gemm_row(q, d, m, act, N, Y + m, d.rows);
+        },
+        /*slow=*/true);
+    return;
+  }
   gemm::weight_only_gemm_cpu(
       X, N, d.K, d.rows, [&](int64_t m0, int64_t m1, float* tile) { decode_rows(q, d, m0, m1, tile); }, Y);
 }

@@ -21,7 +21,9 @@ than torch). Kernels:
   q4_0.linear            llama.cpp's pair: x quantized to q8_1 in the call, integer q4_0 x q8_1
   q4_0 x q8_1 (gemm)     gemm_q4_0_q8_1 on already-quantized activations (W . A^T)
   <fmt>.gemm             weight-only, float32 activations: every format with one (SPEC.gemm),
-                         at its default parameters (SPEC.defaults), in qformats.FORMATS order
+                         at its default parameters (SPEC.defaults), in qformats.FORMATS order;
+                         then the rows of --variants (default: mixed2bit-tiled.gemm, mixed2bit's
+                         tiled layout; benchmarks/variants.py)
   int4.gemm sym          int4.gemm on symmetric groups of 128
   int8_matmul            int8 x int8 -> int32 on already-quantized activations
   int8_linear (fp16)     the fused form: int32 product, scales, bias, float16 out
@@ -36,6 +38,10 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import variants  # noqa: E402  (imports no qformats: the thread count is set first, in main)
 
 
 def cpu_model() -> str:
@@ -69,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hot", action="store_true", help="reuse one copy of each weight (cache-resident)")
     ap.add_argument("--only", default="", help="comma-separated kernel names to run (default: all)")
     ap.add_argument("--json", default="", help="write the rows to this file")
+    ap.add_argument("--variants", default=variants.DEFAULT, help=variants.HELP)
     args = ap.parse_args(argv)
 
     os.environ["QFORMATS_NUM_THREADS"] = str(args.threads)
@@ -96,9 +103,9 @@ def main(argv=None) -> int:
         # Weight operands, quantized once; copies are made per kernel below. Every format with a
         # weight-only gemm at its defaults; then the operands of the format-specific kernels.
         weights = {"torch fp32": wt, "torch bf16": wt.to(torch.bfloat16)}
-        for f in gemm_formats:
-            spec = format_spec(f)
-            weights[f] = spec.quantize(w, **spec.defaults)
+        wo_rows = variants.rows(gemm_formats, args.variants)
+        for name, f, params in wo_rows:
+            weights[name] = format_spec(f).quantize(w, **params)
         weights["int4 sym"] = int4.quantize(w, 128, symmetric=True)
         weights["int8 row"] = int8.quantize(w, "row")
         w_q4_0 = weights[q4_0.FORMAT] if q4_0.FORMAT in weights else q4_0.quantize(w)
@@ -141,8 +148,8 @@ def main(argv=None) -> int:
                 "q4_0 x q8_1 (gemm)": (w_q4_0.buffers["blocks"],
                                        lambda W: q4_0.gemm_q4_0_q8_1(W, aq, M, N, K)),
             }
-            for f in gemm_formats:
-                kernels[f"{f}.gemm"] = (weights[f], lambda W, gemm=format_spec(f).gemm: gemm(x, W))
+            for name, f, _ in wo_rows:
+                kernels[f"{name}.gemm"] = (weights[name], lambda W, gemm=format_spec(f).gemm: gemm(x, W))
             kernels.update({
                 "int4.gemm sym": (weights["int4 sym"], lambda W: int4.gemm(x, W)),
                 "int8_matmul": ((w8.buffers["q"], w8.buffers["scale"]),

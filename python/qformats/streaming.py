@@ -409,7 +409,7 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
         source: a Hugging Face model folder: ``config.json`` and ``model.safetensors`` or
             ``model.safetensors.index.json`` with its shards.
         out: the output folder: new, empty, or holding an interrupted run of this call.
-        format, bits, group_size, ignore, overrides, **params: as
+        format, bits, group_size, ignore, overrides, ``**params``: as
             :func:`qformats.quantize_model` (``method="rtn"``).
         dtype: ``"auto"`` (the checkpoint's dtype, as ``qformats quantize`` loads it),
             ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the weights are converted

@@ -37,7 +37,7 @@ import torch
 
 from .._core import QuantizedTensor, validate
 from .._rounding import WeightMemo, round_ste, ste
-from . import DEFAULT_SCALE_BLOCK, FORMAT, SPEC, expected_buffers, quantize
+from . import DEFAULT_SCALE_BLOCK, FORMAT, SPEC, _check_layout, expected_buffers, quantize
 from .reference import TILE_GROUPS, n4_count, tiled_counts, tiled_is4
 
 __all__ = ["fake_quant_2bit", "export_2bit", "fake_quant_mixed2bit", "export_mixed2bit", "select_4bit",
@@ -229,9 +229,7 @@ def fake_quant_mixed2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, 
 
 
 def _is_tiled(layout: str) -> bool:
-    if layout not in ("global", "tiled"):
-        raise ValueError(f"layout: expected 'global' or 'tiled', got {layout!r}")
-    return layout == "tiled"
+    return _check_layout(layout) == "tiled"  # ValueError for another name
 
 
 def _dequant(w: torch.Tensor, parts: tuple) -> torch.Tensor:

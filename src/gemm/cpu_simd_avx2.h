@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #define QF_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define QF_AVX2_INLINE QF_AVX2 __attribute__((always_inline)) inline
@@ -34,6 +35,28 @@ QF_AVX2_INLINE __m256i tail_mask8(int64_t n) {
 }
 
 QF_AVX2_INLINE float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+// f(std::integral_constant<int, N>{}) for N = 1..4, nothing otherwise: the fused few-row kernels'
+// activation row count as a template argument.
+template <class F>
+inline void with_rows4(int64_t N, F&& f) {
+  switch (N) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      break;
+  }
+}
 
 // ---- helpers of the 4-bit decoders (nf4, int4) -------------------------------------------------
 

@@ -18,6 +18,7 @@ from qformats.nn import QuantizedLinear  # noqa: E402
 from qformats import signround as sr  # noqa: E402
 from qformats.int4 import rounding as int4_rounding  # noqa: E402
 from qformats.mixed2bit import rounding as m2_rounding  # noqa: E402
+from qformats.mixed2bit.reference import tiled_is4  # noqa: E402
 from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -496,7 +497,6 @@ def test_quantize_model_signround_tiled_layout():
     want = m2_rounding.select_4bit(ref.layers[0].up.weight, 16, 0.25, sr.sensitivity_from_moments(
         x.square().mean(0)), 16, "tiled")
     qt = up.quantized_weight
-    from qformats.mixed2bit.reference import tiled_is4
     got = tiled_is4({"map": qt.buffers["map"].numpy()}, 512, 256, 16).reshape(-1)
     assert torch.equal(torch.from_numpy(got.copy()), want)
     inputs = sr.capture_block_inputs(net, net.layers[0], [i.reshape(1, -1) for i in ids])

@@ -91,7 +91,8 @@ class _Groups:
 def _row_fields(val: torch.Tensor, block: int, S: float, check: bool):
     """fp16 fields (float32 values) ``[rows, ceil(G / block)]`` of the blocks of ``block``
     consecutive positions of each row of ``val`` ``[rows, G]`` (>= +0; the last block may be
-    short), and the per-position field ``[rows, G]``: the tiled layout's blocks."""
+    short), and the per-position field ``[rows, G]``: the tiled layout's blocks, and a list's
+    (:func:`_block_fields`) as one row."""
     rows, G = val.shape
     nb = -(-G // block)
     pad = nb * block - G
@@ -105,20 +106,10 @@ def _row_fields(val: torch.Tensor, block: int, S: float, check: bool):
 
 def _block_fields(val: torch.Tensor, scale_block: int, S: float, check: bool):
     """fp16 fields (float32 values) of the blocks of ``scale_block`` consecutive entries of
-    ``val`` ``[k]`` (a list in id order), and the per-entry field ``[k]``."""
-    k = int(val.numel())
-    if k == 0:
-        return val.new_zeros(0), val.new_zeros(0)
-    nb = -(-k // scale_block)
-    vv = torch.clamp(val, min=0.0)
-    pad = nb * scale_block - k
-    if pad:
-        vv = torch.cat([vv, vv.new_zeros(pad)])
-    bmax = vv.reshape(nb, scale_block).max(dim=1).values / S
-    b16 = ste(bmax, bmax.to(torch.float16).to(torch.float32))
-    if check and not torch.isfinite(b16).all():
-        raise ValueError("values too large for mixed2bit's fp16 second-order scales")
-    return b16, b16.repeat_interleave(scale_block)[:k]
+    ``val`` ``[k]`` (a list in id order), and the per-entry field ``[k]``: :func:`_row_fields`
+    of the list as one row."""
+    f, per = _row_fields(torch.clamp(val, min=0.0).reshape(1, -1), scale_block, S, check)
+    return f[0], per[0]
 
 
 def _group_fields(grp: _Groups, val: torch.Tensor, scale_block: int, check: bool):
@@ -223,7 +214,8 @@ def fake_quant_mixed2bit(w: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, 
         for bit to ``mixed2bit.dequantize`` of :func:`export_mixed2bit`'s tensor; differentiable
         in v, alpha, beta through straight-through estimators.
     Raises:
-        ValueError: fp16 second-order fields that overflow, or ``is4`` of the wrong size.
+        ValueError: fp16 second-order fields that overflow, ``is4`` of the wrong size, or an
+            unknown ``layout``.
     """
     return _dequant(w, _m2_parts(w, v, alpha, beta, group_size, scale_block, is4, tiled=_is_tiled(layout)))
 

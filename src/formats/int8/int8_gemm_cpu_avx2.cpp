@@ -65,22 +65,7 @@ QF_AVX2 void i8w_rows(const Int8Weights& w, int64_t m0, int64_t MR, const float*
 }
 
 QF_AVX2 void int8_gemm(const Int8Weights& w, int64_t m0, int64_t MR, const float* X, int64_t N, float* Y, int64_t ldy) {
-  switch (N) {
-    case 1:
-      i8w_rows<1>(w, m0, MR, X, Y, ldy);
-      break;
-    case 2:
-      i8w_rows<2>(w, m0, MR, X, Y, ldy);
-      break;
-    case 3:
-      i8w_rows<3>(w, m0, MR, X, Y, ldy);
-      break;
-    case 4:
-      i8w_rows<4>(w, m0, MR, X, Y, ldy);
-      break;
-    default:
-      break;
-  }
+  with_rows4(N, [&](auto nr) { i8w_rows<decltype(nr)::value>(w, m0, MR, X, Y, ldy); });
 }
 
 }  // namespace

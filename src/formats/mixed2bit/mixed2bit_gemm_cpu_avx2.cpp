@@ -275,22 +275,7 @@ QF_AVX2 void m2_row_dot(const M2Window& w, const M2Act& a, float* y, int64_t ldy
 }
 
 QF_AVX2 void m2_gemm_row(const M2Window& w, const M2Act& a, int64_t N, float* y, int64_t ldy) {
-  switch (N) {
-    case 1:
-      m2_row_dot<1>(w, a, y, ldy);
-      break;
-    case 2:
-      m2_row_dot<2>(w, a, y, ldy);
-      break;
-    case 3:
-      m2_row_dot<3>(w, a, y, ldy);
-      break;
-    case 4:
-      m2_row_dot<4>(w, a, y, ldy);
-      break;
-    default:
-      break;
-  }
+  with_rows4(N, [&](auto nr) { m2_row_dot<decltype(nr)::value>(w, a, y, ldy); });
 }
 
 // The tiled layout (mixed2bit_tiled.h), group_size 16, groups across the lanes as in m2_row_dot:
@@ -323,7 +308,7 @@ QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bi
   for (int64_t t0 = 0; t0 < G; t0 += 8) {
     if (t0 % mt::kTileGroups == 0) run = 0;
     const int cnt = static_cast<int>(std::min<int64_t>(8, G - t0));
-    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), lane);
+    const __m256i live = tail_mask8(cnt);
     const __m256i hi = load_words8(codes + t0, cnt, G - t0);
     const __m256i sb = _mm256_cvtepu8_epi32(load_upto16(scales + t0, cnt, G - t0));
     const uint32_t bits = (map[t0 / mt::kMapBits] >> (t0 % mt::kMapBits)) & ((1u << cnt) - 1u);
@@ -386,22 +371,7 @@ QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bi
 
 QF_AVX2 void m2t_gemm_row(const mixed2bit::tiled::ConstBuffers& q, const mixed2bit::tiled::Dims& d, int64_t row,
                           const M2Act& a, int64_t N, float* y, int64_t ldy) {
-  switch (N) {
-    case 1:
-      m2t_row_dot<1>(q, d, row, a, y, ldy);
-      break;
-    case 2:
-      m2t_row_dot<2>(q, d, row, a, y, ldy);
-      break;
-    case 3:
-      m2t_row_dot<3>(q, d, row, a, y, ldy);
-      break;
-    case 4:
-      m2t_row_dot<4>(q, d, row, a, y, ldy);
-      break;
-    default:
-      break;
-  }
+  with_rows4(N, [&](auto nr) { m2t_row_dot<decltype(nr)::value>(q, d, row, a, y, ldy); });
 }
 
 }  // namespace

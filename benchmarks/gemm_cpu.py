@@ -40,9 +40,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import variants  # noqa: E402  (imports no qformats: the thread count is set first, in main)
-
 
 def cpu_model() -> str:
     try:
@@ -75,7 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hot", action="store_true", help="reuse one copy of each weight (cache-resident)")
     ap.add_argument("--only", default="", help="comma-separated kernel names to run (default: all)")
     ap.add_argument("--json", default="", help="write the rows to this file")
-    ap.add_argument("--variants", default=variants.DEFAULT, help=variants.HELP)
+    ap.add_argument("--variants", default=None,
+                    help="extra rows at other quantize parameters, as benchmarks/gemm.py's --variants "
+                         "(default: mixed2bit's tiled layout)")
     args = ap.parse_args(argv)
 
     os.environ["QFORMATS_NUM_THREADS"] = str(args.threads)
@@ -86,6 +85,11 @@ def main(argv=None) -> int:
     import qformats
     from qformats import int4, int8, q4_0, q8_1
     from qformats._core import format_spec
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import variants  # (imports qformats: after the thread count is set)
+    if args.variants is None:
+        args.variants = variants.DEFAULT
 
     gemm_formats = [f for f in qformats.FORMATS if format_spec(f).gemm is not None]
 

@@ -11,7 +11,8 @@ layers: hidden 2048, MLP 5632, 32 heads / 4 KV heads, vocab 32000) or a checkpoi
 (e.g. ../shared/models/pydoc-llama-17m). The float baseline is fp16 on CUDA and fp32 on the
 CPU. Variants: ``fp16`` / ``fp32`` (the float model), a qformats format name (every
 ``nn.Linear`` but lm_head quantized by ``qformats.quantize_model(format=..., **SPEC.defaults)``,
-int4 groups of 128), ``bnb-nf4`` (bitsandbytes ``Linear4bit`` nf4 blocksize 64, fp16 compute)
+int4 groups of 128) or ``FMT:KEY=VALUE;...`` (over those defaults, e.g.
+``mixed2bit:layout=tiled``), ``bnb-nf4`` (bitsandbytes ``Linear4bit`` nf4 blocksize 64, fp16 compute)
 ``tinygemm-int4`` (torch's ``aten._weight_int4pack_mm``, the kernel of torchao's int4
 weight-only layout; bf16 model) and ``empty-linear``: every such Linear replaced by a module that
 only returns an uninitialized output of the right shape, so that its tokens/s is the ceiling
@@ -47,6 +48,7 @@ import qformats
 from qformats._core import format_spec
 
 sys.path.insert(0, str(Path(__file__).parent))
+import variants  # noqa: E402
 from linear_call import TinyGemmInt4, bnb_linear4bit  # noqa: E402  (the peers, as linear_call builds them)
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
@@ -108,7 +110,9 @@ def variant(base, name: str, device: str):
         model = model.to(torch.bfloat16)
         replace_linears(model, TinyGemmInt4)
         return model
-    qformats.quantize_model(model, format=name, **format_spec(name).defaults)
+    # a format at its defaults, or FMT:KEY=VALUE;... over them (benchmarks/variants.py)
+    _, fmt, params = variants.rows([], name)[0] if ":" in name else (name, name, format_spec(name).defaults)
+    qformats.quantize_model(model, format=fmt, **params)
     return model
 
 

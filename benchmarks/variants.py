@@ -2,6 +2,8 @@
 at other quantize parameters than its defaults (e.g. mixed2bit's tiled layout)."""
 from __future__ import annotations
 
+from qformats._core import format_spec
+
 DEFAULT = "mixed2bit:layout=tiled"
 HELP = ("extra rows at other quantize parameters: FMT:KEY=VALUE[;KEY=VALUE], comma-separated, over the "
         "format's defaults (row name FMT-VALUE...; '' for none)")
@@ -19,8 +21,6 @@ def _value(text: str):
 def rows(formats: list[str], variants: str) -> list[tuple[str, str, dict]]:
     """(row name, format, quantize parameters): every format of `formats` at its defaults, then
     each variant of `variants`."""
-    from qformats._core import format_spec  # here: gemm_cpu.py sets the thread count before qformats loads
-
     out = [(f, f, dict(format_spec(f).defaults)) for f in formats]
     for v in filter(None, variants.split(",")):
         fmt, _, kvs = v.partition(":")

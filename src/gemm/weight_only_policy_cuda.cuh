@@ -1,5 +1,6 @@
 // What a format's CUDA weight-only GEMM (src/formats/<fmt>/<fmt>_gemm_cuda.cu) builds on: the two
-// drivers (gemm/weight_only_cuda.cuh, float32 FMA; gemm/weight_only_mma_cuda.cuh, tensor cores),
+// drivers (gemm/weight_only_cuda.cuh, float32 FMA; gemm/weight_only_mma_cuda.cuh, tensor cores;
+// for 9..64 rows on sm_90 gemm/weight_only_wgmma_cuda.cuh and gemm/weight_only_wide_cuda.cuh),
 // the decode helpers that several formats' policies share, and launch_weight_only_any, which
 // picks the driver. A format supplies only its policy struct (how a unit of one weight row is
 // loaded and decoded: the interfaces are written above weight_only_kernel and
@@ -16,6 +17,7 @@
 #include "common/cuda_utils.cuh"
 #include "gemm/weight_only_cuda.cuh"
 #include "gemm/weight_only_mma_cuda.cuh"
+#include "gemm/weight_only_wgmma_cuda.cuh"
 #include "gemm/weight_only_wide_cuda.cuh"
 
 namespace qf::gemm::cuda_wo {
@@ -57,8 +59,9 @@ __device__ __forceinline__ uint32_t xpair_lo_first(const uint32_t (&x)[16], int 
 }
 
 // 16-bit activations on sm_80+: the tensor-core kernel (one decode serves up to 16 rows), from
-// N = Fmt::kMmaMinRows; for 9..64 rows on sm_90, where its launcher takes the shape, the wide
-// kernel of weight_only_wide_cuda.cuh (units of 32 values: not mixed2bit's 16). Otherwise
+// N = Fmt::kMmaMinRows; for 9..64 rows (units of 32 values: not mixed2bit's 16) on compute
+// capability 9.0 the wgmma kernel of weight_only_wgmma_cuda.cuh when the build has sm_90a code,
+// else, where its launcher takes the shape, the wide kernel of weight_only_wide_cuda.cuh. Otherwise
 // (float32 activations, an older GPU, nf4 at N = 1) the float32 kernel; for nf4 at one row it
 // measured faster on the H200 (the tensor-core kernel builds its pair table in every CTA;
 // benchmarks/README.md, "Design measurements behind kernel choices").
@@ -68,6 +71,7 @@ void launch_weight_only_any(const Fmt& f, const T* X, int64_t N, int64_t K, int6
   if constexpr (!std::is_same_v<T, float>) {
     if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma()) {
       if constexpr (Fmt::kUnit == 32) {  // (the wide kernel's unit)
+        if (launch_weight_only_wgmma(f, X, N, K, M, Y, bias, stream)) return;
         if (launch_weight_only_wide(f, X, N, K, M, Y, bias, stream)) return;
       }
       return launch_weight_only_mma(f, X, N, K, M, Y, bias, stream);

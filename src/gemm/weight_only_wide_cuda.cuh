@@ -62,6 +62,100 @@ struct PlainPairOps : PairOps<H> {
   }
 };
 
+// A warp's weight rows in a wide CTA (this kernel and the wgmma kernel): row group r (r < WR) is
+// rows m0 + 16 r + g and + 8 (clamped to M - 1: rows past M are computed and not stored), over
+// the CTA's K slice (grid.z) of slice_steps steps of kWideStepUnits units; lane t loads units 2t,
+// 2t + 1 of each step (a Stage: the raw loaded registers; units past K load the row's first unit,
+// multiplied by zero activations).
+template <class Fmt, int WR, bool PAIR>
+struct WideRows {
+  using Loaded = typename LoadedUnit<Fmt, PAIR>::type;
+  static constexpr int kLoads = PAIR ? 1 : 2;
+  struct Stage {
+    Loaded a[WR][kLoads], b[WR][kLoads];
+  };
+  int64_t rowA[WR], rowB[WR];
+  typename Fmt::RowState rsA[WR], rsB[WR];
+  int64_t units, u0;
+  int steps;  // steps of this slice that hold units (the last slices may hold fewer, or none)
+  int t;
+  __device__ __forceinline__ WideRows(const Fmt& f, int64_t m0, int64_t M, int64_t K, int slice_steps) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < WR; ++r) {
+      const int64_t a = m0 + 16 * r + g, b = a + 8;
+      rowA[r] = a < M ? a : M - 1;
+      rowB[r] = b < M ? b : M - 1;
+    }
+    units = K / 32;
+    u0 = int64_t(blockIdx.z) * slice_steps * kWideStepUnits;
+    const int64_t left = units - u0, need = (left + kWideStepUnits - 1) / kWideStepUnits;
+    steps = left <= 0 ? 0 : static_cast<int>(need < slice_steps ? need : slice_steps);
+#pragma unroll
+    for (int r = 0; r < WR; ++r) {
+      rsA[r] = f.row(rowA[r], u0);
+      rsB[r] = f.row(rowB[r], u0);
+    }
+  }
+  __device__ __forceinline__ void load(const Fmt& f, int k, Stage& st) {
+#pragma unroll
+    for (int r = 0; r < WR; ++r)
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int64_t u = u0 + k * kWideStepUnits + 2 * t + i, uc = u < units ? u : 0;
+        st.a[r][i] = load_unit<PAIR>(f, rsA[r], rowA[r], uc);
+        st.b[r][i] = load_unit<PAIR>(f, rsB[r], rowB[r], uc);
+      }
+  }
+};
+
+// The end of a wide CTA (this kernel and the wgmma kernel of weight_only_wgmma_cuda.cuh): its
+// warps' accumulators c (the C fragment: c[r][nt][0..1] = weight row m0 + 16 r + g, activation
+// rows n0 + 8 nt + 2t, + 1; [2..3] = weight row + 8) go to Y, or with K split over a cluster
+// (gridDim.z > 1) into partial sums [NR][R] in `red` (the CTA's shared memory, free once every
+// warp is done with it: the barrier below), and each CTA of the cluster sums its 1/S of the tile
+// over the S slices in rank order (deterministic) and stores it. R: the CTA's weight rows from mb.
+template <int NT, int WR, class H>
+__device__ __forceinline__ void wide_epilogue(const float (&c)[WR][NT][4], float* red, int64_t mb, int64_t m0,
+                                              int64_t n0, int64_t N, int64_t M, H* __restrict__ Y,
+                                              const H* __restrict__ bias) {
+  namespace cg = cooperative_groups;
+  constexpr int NR = NT * 8, R = kMmaRows * WR * kWideWarps;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  if (gridDim.z == 1) {
+#pragma unroll
+    for (int r = 0; r < WR; ++r)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t n = n0 + nt * 8 + 2 * t + (e & 1), m = m0 + 16 * r + g + (e >> 1) * 8;
+          if (n < N && m < M) store_out(c[r][nt][e], bias, m, &Y[n * M + m]);
+        }
+    return;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < WR; ++r)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        red[(nt * 8 + 2 * t + (e & 1)) * R + 16 * (WR * warp + r) + g + (e >> 1) * 8] = c[r][nt][e];
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every CTA's partial sums are written and visible to the cluster
+  const int S = static_cast<int>(cluster.num_blocks()), z = static_cast<int>(cluster.block_rank());
+  constexpr int E = NR * R;
+  for (int e = z * E / S + threadIdx.x; e < (z + 1) * E / S; e += blockDim.x) {  // (any S)
+    float v = 0.0f;
+    for (int s = 0; s < S; ++s) v += cluster.map_shared_rank(red, s)[e];
+    const int64_t n = n0 + e / R, m = mb + e % R;
+    if (n < N && m < M) store_out(v, bias, m, &Y[n * M + m]);
+  }
+  cluster.sync();  // no CTA leaves while the others read its shared memory
+}
+
 template <class Fmt, class H, int NT, bool PAIR>
 __global__ void
 __launch_bounds__(kWideWarps * 32, 1)
@@ -73,7 +167,6 @@ __launch_bounds__(kWideWarps * 32, 1)
   constexpr int NR = NT * 8, R = kMmaRows * WR * kWideWarps;  // activation rows, weight rows per CTA
   static_assert(Fmt::kUnit == 32, "units of 32 values");
   constexpr bool kX16 = Fmt::template odd_x16<Ops>();
-  namespace cg = cooperative_groups;
   extern __shared__ uint4 xs[];  // the activation table, then the partial sums (see the end)
   __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
   if constexpr (Fmt::kLut) fill_pair_lut<Fmt, Ops>(f, lut);  // (ends with __syncthreads)
@@ -81,44 +174,13 @@ __launch_bounds__(kWideWarps * 32, 1)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t mb = int64_t(blockIdx.x) * R, m0 = mb + 16 * WR * warp;
-  int64_t rowA[WR], rowB[WR];  // row group r of the warp: rows m0 + 16 r + g and + 8 (clamped)
-#pragma unroll
-  for (int r = 0; r < WR; ++r) {
-    const int64_t a = m0 + 16 * r + g, b = a + 8;
-    rowA[r] = a < M ? a : M - 1;
-    rowB[r] = b < M ? b : M - 1;
-  }
   const int64_t n0 = int64_t(blockIdx.y) * NR;
-  const int64_t units = K / 32;
-  const int64_t u0 = int64_t(blockIdx.z) * slice_steps * kWideStepUnits;  // the slice's first unit
-  // steps of this slice that hold units (the last slices may hold fewer, or none)
-  const int64_t left = units - u0;
-  const int steps = left <= 0 ? 0 : static_cast<int>((left + kWideStepUnits - 1) / kWideStepUnits < slice_steps
-                                                         ? (left + kWideStepUnits - 1) / kWideStepUnits
-                                                         : slice_steps);
-
-  using Loaded = typename LoadedUnit<Fmt, PAIR>::type;
-  constexpr int kLoads = PAIR ? 1 : 2;
-  struct Stage {
-    Loaded a[WR][kLoads], b[WR][kLoads];
-  };
-  typename Fmt::RowState rsA[WR], rsB[WR];
-#pragma unroll
-  for (int r = 0; r < WR; ++r) {
-    rsA[r] = f.row(rowA[r], u0);
-    rsB[r] = f.row(rowB[r], u0);
-  }
-  // Units past K (a partial last step) load the row's first unit, multiplied by zeros.
-  auto load = [&](int k, Stage& st) {
-#pragma unroll
-    for (int r = 0; r < WR; ++r)
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        const int64_t u = u0 + k * kWideStepUnits + 2 * t + i, uc = u < units ? u : 0;
-        st.a[r][i] = load_unit<PAIR>(f, rsA[r], rowA[r], uc);
-        st.b[r][i] = load_unit<PAIR>(f, rsB[r], rowB[r], uc);
-      }
-  };
+  using Rows = WideRows<Fmt, WR, PAIR>;
+  using Stage = typename Rows::Stage;
+  Rows rows(f, m0, M, K, slice_steps);
+  const int64_t units = rows.units, u0 = rows.u0;
+  const int steps = rows.steps;
+  auto load = [&](int k, Stage& st) { rows.load(f, k, st); };
   float c[WR][NT][4], c16[kX16 ? WR : 1][NT][4];
 #pragma unroll
   for (int r = 0; r < WR; ++r)
@@ -192,42 +254,7 @@ __launch_bounds__(kWideWarps * 32, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) c[r][nt][i] = fmaf(c16[r][nt][i], 0.0625f, c[r][nt][i]);  // exact scaling
 
-  // C fragment: c0, c1 = weight row g, activation rows 2t, 2t + 1; c2, c3 = weight row g + 8.
-  if (gridDim.z == 1) {
-#pragma unroll
-    for (int r = 0; r < WR; ++r)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t n = n0 + nt * 8 + 2 * t + (e & 1), m = m0 + 16 * r + g + (e >> 1) * 8;
-          if (n < N && m < M) store_out(c[r][nt][e], bias, m, &Y[n * M + m]);
-        }
-    return;
-  }
-  // Partial sums [NR][R] in this CTA's shared memory (over the table, once every warp is
-  // done with it), then each CTA of the cluster sums its 1/S of the tile over the S slices.
-  __syncthreads();
-  float* red = reinterpret_cast<float*>(xs);
-#pragma unroll
-  for (int r = 0; r < WR; ++r)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        red[(nt * 8 + 2 * t + (e & 1)) * R + 16 * (WR * warp + r) + g + (e >> 1) * 8] = c[r][nt][e];
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every CTA's partial sums are written and visible to the cluster
-  const int S = static_cast<int>(cluster.num_blocks()), z = static_cast<int>(cluster.block_rank());
-  constexpr int E = NR * R;
-  const int per = E / S;  // S divides E (powers of two up to kWideMaxSlices)
-  for (int e = z * per + threadIdx.x; e < (z + 1) * per; e += blockDim.x) {
-    float v = 0.0f;
-    for (int s = 0; s < S; ++s) v += cluster.map_shared_rank(red, s)[e];
-    const int64_t n = n0 + e / R, m = mb + e % R;
-    if (n < N && m < M) store_out(v, bias, m, &Y[n * M + m]);
-  }
-  cluster.sync();  // no CTA leaves while the others read its shared memory
+  wide_epilogue<NT, WR>(c, reinterpret_cast<float*>(xs), mb, m0, n0, N, M, Y, bias);
 #endif
 }
 

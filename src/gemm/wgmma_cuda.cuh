@@ -1,0 +1,140 @@
+// Hopper's warpgroup MMA (wgmma.mma_async, sm_90a) with A in registers and B in shared memory,
+// for the wide weight-only kernel (weight_only_wide_cuda.cuh): the decoded weights are A (each
+// warp of the warpgroup holds 16 of the 64 rows, in the register layout of mma.sync.m16n8k16's A
+// fragment), the activations are B, read by the tensor cores straight from a K-major table with
+// the 128-byte swizzle, and the fp32 accumulators of m64nNk16 have, per warp, the C-fragment
+// layout of N / 8 mma.sync n8 tiles (c[nt][0..1]: row g, columns 8 nt + 2t, + 1; c[nt][2..3]:
+// row g + 8). The instruction is asynchronous: the warp decodes the next weights while the tensor
+// cores multiply, which mma.sync's register-to-register dependencies did not allow (the wide
+// kernel's `wait` stalls, benchmarks/README.md "Where the wide kernel's time goes").
+// PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions"; the
+// descriptor and swizzle are CUTLASS's GmmaDescriptor and Swizzle<3, 4, 3>.
+//
+// The rules the caller keeps (PTX ISA, wgmma.fence / commit_group / wait_group):
+// - fence() after writing A or the accumulators with other instructions and before the wgmma
+//   that reads them;
+// - A's registers stay unchanged until the wgmma that reads them has completed (wait<n>);
+// - the accumulators are read only after wait<0>;
+// - shared memory written by ordinary stores is made visible to the tensor cores' (async proxy)
+//   reads with proxy_fence() before the barrier that publishes it.
+// Everything compiles empty unless the target is sm_90a (__CUDA_ARCH_FEAT_SM90_ALL): the host
+// launches these kernels only when the build has sm_90a code (QFORMATS_SM90A).
+#pragma once
+#include <cstdint>
+
+namespace qf::gemm::cuda_wo::wg {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QF_WG_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define QF_WG_ASM(...) ((void)0)
+#endif
+
+__device__ __forceinline__ void fence() { QF_WG_ASM("wgmma.fence.sync.aligned;\n" :: : "memory"); }
+__device__ __forceinline__ void commit() { QF_WG_ASM("wgmma.commit_group.sync.aligned;\n" :: : "memory"); }
+// Waits until at most N committed groups of this warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wait() {
+  QF_WG_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy shared-memory stores of this thread become visible to later async-proxy reads.
+__device__ __forceinline__ void proxy_fence() { QF_WG_ASM("fence.proxy.async.shared::cta;\n" :: : "memory"); }
+// Keeps the compiler from moving reads or writes of an accumulator across a wgmma fence or wait.
+__device__ __forceinline__ void pin(float& r) { QF_WG_ASM("" : "+f"(r)::"memory"); }
+#undef QF_WG_ASM
+
+// Bytes of one 64-element row of a K-major 128-byte-swizzle tile (fp16 / bf16), and of the
+// 8-row swizzle atom (the descriptor's stride between 8-row groups).
+constexpr int kRowBytes = 128;
+constexpr int kAtomBytes = 8 * kRowBytes;
+
+// Byte offset of 16-bit element k (0..63) of row n in a tile of such rows whose base is
+// 1024-byte aligned: the 16-byte chunk k / 8 is XOR-ed with n mod 8 (Swizzle<3, 4, 3>), so that
+// eight rows' same chunk lie in eight distinct bank quads.
+__host__ __device__ constexpr int sw128_offset(int n, int k) {
+  return n * kRowBytes + ((((k >> 3) ^ (n & 7)) << 4) | ((k & 7) << 1));
+}
+
+// Matrix descriptor of a K-major tile with the 128-byte swizzle at shared address `addr`
+// (1024-byte aligned tile; + 32 bytes per further k16 slice of a 64-element row): start address
+// >> 4 in bits 0-13, leading byte offset 1 (unused for this layout) in 16-29, stride byte offset
+// (8 rows: 1024 B) >> 4 in 32-45, layout "128-byte swizzle" (1) in 62-63.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return (uint64_t(1) << 62) | (uint64_t(kAtomBytes >> 4) << 32) | (uint64_t(1) << 16) | ((addr & 0x3FFFF) >> 4);
+}
+
+// D [64, 8 NT] += A [64, 16] (registers) . B [16, 8 NT] (descriptor), fp32 accumulators; BF16
+// picks bf16 inputs, else fp16.
+template <int NT>
+struct WgmmaRS;
+
+template <>
+struct WgmmaRS<2> {
+  template <bool BF16>
+  static __device__ __forceinline__ void run(float (&c)[2][4], const uint32_t (&a)[4], uint64_t desc) {
+#define QF_WGMMA(T)                                                                                              \
+  asm volatile(                                                                                                  \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                               \
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32." T "." T                                                      \
+      " "                                                                                                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                              \
+      : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), \
+        "+f"(c[1][3])                                                                                            \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (BF16) QF_WGMMA("bf16");
+    else QF_WGMMA("f16");
+#endif
+#undef QF_WGMMA
+  }
+};
+
+template <>
+struct WgmmaRS<4> {
+  template <bool BF16>
+  static __device__ __forceinline__ void run(float (&c)[4][4], const uint32_t (&a)[4], uint64_t desc) {
+#define QF_WGMMA(T)                                                                                                  \
+  asm volatile(                                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                                   \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T                                                          \
+      " "                                                                                                            \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, " \
+      "0;\n}\n"                                                                                                      \
+      : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]),     \
+        "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]),     \
+        "+f"(c[3][2]), "+f"(c[3][3])                                                                                 \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (BF16) QF_WGMMA("bf16");
+    else QF_WGMMA("f16");
+#endif
+#undef QF_WGMMA
+  }
+};
+
+template <>
+struct WgmmaRS<8> {
+  template <bool BF16>
+  static __device__ __forceinline__ void run(float (&c)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+#define QF_WGMMA(T)                                                                                                \
+  asm volatile(                                                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                 \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T                                                        \
+      " "                                                                                                          \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                  \
+      : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]),   \
+        "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]),   \
+        "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]),   \
+        "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]),   \
+        "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])                                                 \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (BF16) QF_WGMMA("bf16");
+    else QF_WGMMA("f16");
+#endif
+#undef QF_WGMMA
+  }
+};
+
+}  // namespace qf::gemm::cuda_wo::wg

@@ -249,16 +249,8 @@ bool launch_weight_only_wgmma(const Fmt& f, const H* X, int64_t N, int64_t K, in
   const int64_t steps = (K / 32 + kWideStepUnits - 1) / kWideStepUnits;
   bool pair = false;
   if constexpr (Fmt::kPairLoad) pair = f.pair_load_ok();
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kWideWarps * 32);
-  cfg.dynamicSmemBytes = size_t(wgmma_smem_bytes(nt));
-  cfg.stream = cuda::stream(stream);
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;  // the S slices of a column of CTAs
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchConfig_t cfg = wide_launch_config(attr, wgmma_smem_bytes(nt), stream);
   // Calls fn with the kernel for (wr, NT, PAIR).
   auto with_kernel = [&](int wr, auto&& fn) {
     auto by_nt = [&](auto wr_c, auto p_c) {
@@ -278,8 +270,7 @@ bool launch_weight_only_wgmma(const Fmt& f, const H* X, int64_t N, int64_t K, in
     else by_pair(std::integral_constant<int, 2>{});
   };
   auto shape = [&](int wr, int s) {
-    cfg.gridDim = dim3(cuda::grid_for(M, kMmaRows * wr * kWideWarps), cuda::grid_for(N, nt * 8), s);
-    attr[0].val.clusterDim.z = s;
+    set_wide_grid(cfg, dim3(cuda::grid_for(M, kMmaRows * wr * kWideWarps), cuda::grid_for(N, nt * 8), s));
   };
   const int sms = cuda::sm_count();
   double best = 0.0;

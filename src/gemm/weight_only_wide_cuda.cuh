@@ -258,6 +258,27 @@ __launch_bounds__(kWideWarps * 32, 1)
 #endif
 }
 
+// The launch of a wide CTA (this kernel's and the wgmma kernel's): kWideWarps warps, `smem` bytes
+// of dynamic shared memory, the K slices of a column of CTAs (grid.z) as one cluster (attr: the
+// config's one attribute, which set_wide_grid sizes with the grid).
+inline cudaLaunchConfig_t wide_launch_config(cudaLaunchAttribute (&attr)[1], int64_t smem, void* stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(kWideWarps * 32);
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = cuda::stream(stream);
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+inline void set_wide_grid(cudaLaunchConfig_t& cfg, dim3 grid) {
+  cfg.gridDim = grid;
+  cfg.attrs[0].val.clusterDim.z = grid.z;
+}
+
 // Launches the wide kernel on `stream` when it applies: 9..64 rows on sm_90, the activation table
 // of a K slice fits the CTA's shared memory with at most kWideMaxSlices slices, and the grid
 // needs at most 4 slices to cover the SMs or the CTA takes 64 activation rows. Below that (few
@@ -282,18 +303,9 @@ bool launch_weight_only_wide(const Fmt& f, const H* X, int64_t N, int64_t K, int
   while (S < kWideMaxSlices && (bytes(S) > budget || ctas * S < sms)) S *= 2;
   if (bytes(S) > budget || (S > 4 && nt < 8)) return false;
   const int slice_steps = static_cast<int>((steps + S - 1) / S);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(cuda::grid_for(M, rows), cuda::grid_for(N, nt * 8), S);
-  cfg.blockDim = dim3(kWideWarps * 32);
-  cfg.dynamicSmemBytes = size_t(bytes(S));
-  cfg.stream = cuda::stream(stream);
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;  // the S slices of a column of CTAs
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = S;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchConfig_t cfg = wide_launch_config(attr, bytes(S), stream);
+  set_wide_grid(cfg, dim3(cuda::grid_for(M, rows), cuda::grid_for(N, nt * 8), S));
   auto go = [&](auto kernel) {
     cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
     cuda::check(cudaLaunchKernelEx(&cfg, kernel, f, X, N, K, M, Y, bias, slice_steps), "weight-only GEMM (wide)");

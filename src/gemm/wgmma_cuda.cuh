@@ -68,24 +68,30 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
 template <int NT>
 struct WgmmaRS;
 
+// The instruction for one NT: N = 8 NT, ACC the accumulators' operand numbers, then A's four
+// registers, the descriptor and the scale-d predicate's operand; the constraints follow.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QF_WGMMA_RS(T, N, ACC, A, DESC, PRED, ...)                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED                                              \
+               ", 0;\n"                                                                              \
+               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." T "." T " {" ACC "}, {" A "}, " DESC \
+               ", p, 1, 1, 0;\n}\n"                                                                  \
+               : __VA_ARGS__                                                                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+#define QF_WGMMA_RS_TYPED(...)                          \
+  if constexpr (BF16) QF_WGMMA_RS("bf16", __VA_ARGS__); \
+  else QF_WGMMA_RS("f16", __VA_ARGS__)
+#else
+#define QF_WGMMA_RS_TYPED(...) ((void)0)
+#endif
+
 template <>
 struct WgmmaRS<2> {
   template <bool BF16>
   static __device__ __forceinline__ void run(float (&c)[2][4], const uint32_t (&a)[4], uint64_t desc) {
-#define QF_WGMMA(T)                                                                                              \
-  asm volatile(                                                                                                  \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                               \
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32." T "." T                                                      \
-      " "                                                                                                        \
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                              \
-      : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), \
-        "+f"(c[1][3])                                                                                            \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (BF16) QF_WGMMA("bf16");
-    else QF_WGMMA("f16");
-#endif
-#undef QF_WGMMA
+    QF_WGMMA_RS_TYPED("16", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9, %10, %11", "%12", "%13", "+f"(c[0][0]),
+                      "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]),
+                      "+f"(c[1][3]));
   }
 };
 
@@ -93,22 +99,10 @@ template <>
 struct WgmmaRS<4> {
   template <bool BF16>
   static __device__ __forceinline__ void run(float (&c)[4][4], const uint32_t (&a)[4], uint64_t desc) {
-#define QF_WGMMA(T)                                                                                                  \
-  asm volatile(                                                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                                   \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T                                                          \
-      " "                                                                                                            \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, " \
-      "0;\n}\n"                                                                                                      \
-      : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]),     \
-        "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]),     \
-        "+f"(c[3][2]), "+f"(c[3][3])                                                                                 \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (BF16) QF_WGMMA("bf16");
-    else QF_WGMMA("f16");
-#endif
-#undef QF_WGMMA
+    QF_WGMMA_RS_TYPED("32", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+                      "%16, %17, %18, %19", "%20", "%21", "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]),
+                      "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]),
+                      "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]));
   }
 };
 
@@ -116,25 +110,19 @@ template <>
 struct WgmmaRS<8> {
   template <bool BF16>
   static __device__ __forceinline__ void run(float (&c)[8][4], const uint32_t (&a)[4], uint64_t desc) {
-#define QF_WGMMA(T)                                                                                                \
-  asm volatile(                                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                 \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T                                                        \
-      " "                                                                                                          \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                  \
-      : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]),   \
-        "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]),   \
-        "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]),   \
-        "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]),   \
-        "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])                                                 \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (BF16) QF_WGMMA("bf16");
-    else QF_WGMMA("f16");
-#endif
-#undef QF_WGMMA
+    QF_WGMMA_RS_TYPED("64",
+                      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+                      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+                      "%32, %33, %34, %35", "%36", "%37", "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]),
+                      "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]),
+                      "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]),
+                      "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]),
+                      "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]),
+                      "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3]));
   }
 };
+
+#undef QF_WGMMA_RS_TYPED
+#undef QF_WGMMA_RS
 
 }  // namespace qf::gemm::cuda_wo::wg

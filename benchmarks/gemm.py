@@ -69,7 +69,7 @@ import variants  # noqa: E402
 from linear_call import TinyGemmInt4  # noqa: E402  (the tinygemm peer, as linear_call builds it)
 
 L2_BYTES = 60 * 2**20
-DIRECT_MAX_N = 64  # the register-decoding weight-only kernels are timed up to this N
+DIRECT_MAX_N = 64  # the register-decoding weight-only kernels are timed up to this N (any N when --kernels names them)
 
 
 def nbytes_of(obj) -> int:
@@ -257,7 +257,8 @@ def main(argv=None) -> int:
                     gemm = format_spec(fmt).gemm
                     qs = ours[name]
                     sets = [(q, xs[i % 4]) for i, q in enumerate(qs)]
-                    if n <= DIRECT_MAX_N and want(name):
+                    named = args.kernels is not None and name in args.kernels.split(",")
+                    if (n <= DIRECT_MAX_N or named) and want(name):
                         res[name] = (timer(lambda q, x: gemm(x, q), sets, args.iters), qs[0].nbytes)
                     if n >= 16 and want(f"{name}+cuBLAS"):
                         res[f"{name}+cuBLAS"] = (timer(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,

@@ -19,10 +19,11 @@ __all__ = ["FormatSpec", "LinearKernel", "WEIGHT_ONLY_ROWS", "TUNE_ROWS", "fixed
 #: README.md has the measurements.
 WEIGHT_ONLY_ROWS = MappingProxyType({"cuda": 16, "cpu": 32})
 
-#: The ``tune_rows`` of the formats with CUDA weight-only kernels: from 17 up to 64 rows on CUDA,
+#: The ``tune_rows`` of the formats with CUDA weight-only kernels: from 17 up to 128 rows on CUDA,
 #: QuantizedLinear measures whether the kernel or dequantize + cuBLAS is faster (qformats.crossover);
-#: at 64 rows the kernels measured slower for every format and shape (benchmarks/README.md).
-TUNE_ROWS = MappingProxyType({"cuda": 64})
+#: on the H200 the sm_90a kernels of int4, nf4 and q4_0 won up to 128 rows on Llama-7B-sized
+#: weights, and every kernel measured slower from 256 rows (benchmarks/README.md).
+TUNE_ROWS = MappingProxyType({"cuda": 128})
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
-// Weight-only GEMM for 9..64 activation rows on sm_90a: the wide kernel's split of the work
-// (weight_only_wide_cuda.cuh: a CTA of 8 warps owns 128 WR weight rows, all its activation rows
-// and one K slice; the slices of a column of CTAs form a cluster and sum through distributed
-// shared memory) with Hopper's asynchronous warpgroup MMA (wgmma_cuda.cuh) instead of mma.sync:
-// each warp decodes its rows into A fragments exactly as the wide kernel does (Fmt::pairs), and
-// the two warpgroups' wgmma read the activations (B) from a shared-memory table written in the
-// A fragments' k order (see the table below), so a warpgroup issues one instruction per 64 x NR x 16
-// block and decodes the next unit quarter while the tensor cores work.
+// Weight-only GEMM from 9 activation rows on sm_90a: the wide kernel's split of the work
+// (weight_only_wide_cuda.cuh: a CTA of 8 warps owns 128 WR weight rows, up to 64 activation rows,
+// or 128 with one row group per warp (grid.y covers more), and one K slice; the slices of a column of CTAs form a
+// cluster and sum through distributed shared memory) with Hopper's asynchronous warpgroup MMA (wgmma_cuda.cuh) instead
+// of mma.sync: each warp decodes its rows into A fragments exactly as the wide kernel does (Fmt::pairs), and the two
+// warpgroups' wgmma read the activations (B) from a shared-memory table written in the A fragments' k order (see the
+// table below), so a warpgroup issues one instruction per 64 x NR x 16 block and decodes the next unit quarter while
+// the tensor cores work.
 //
 // The table holds one step (8 units, 256 values of K) of the CTA's activation rows and is double
 // buffered: while the warps multiply step k from one buffer, the CTA's copy of step k + 1's rows
@@ -38,10 +38,13 @@ namespace qf::gemm::cuda_wo {
 // Bytes of one step's table (and of its staging copy) for NR activation rows: 256 16-bit values per row.
 __host__ __device__ constexpr int wg_step_bytes(int nr) { return nr * kWideStepUnits * 32 * 2; }
 
+// CTAs per SM the kernel's registers are capped for: two (16 warps) with one row group and up to 64
+// activation rows, whose registers fit in 128 per thread; else one.
+constexpr int wgmma_min_ctas(int nt, int wr) { return wr == 1 && nt <= 8 ? 2 : 1; }
+
 template <class Fmt, class H, int NT, int WR, bool PAIR>
 __global__ void
-__launch_bounds__(kWideWarps * 32, WR == 1 ? 2 : 1
-)  // (one row group: two CTAs per SM, 16 warps)
+__launch_bounds__(kWideWarps * 32, wgmma_min_ctas(NT, WR))
     weight_only_wgmma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M,
                              H* __restrict__ Y, const H* __restrict__ bias, int slice_steps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -94,9 +97,11 @@ __launch_bounds__(kWideWarps * 32, WR == 1 ? 2 : 1
 #pragma unroll
   for (int c8 = 0; c8 < 8; ++c8) xo[c8] = (c8 ^ (pn & 7)) << 4;
   auto permute = [&](unsigned char* tab) {
-    if (pn < NR) {  // CTA-uniform per warp
-      const uint4* src = reinterpret_cast<const uint4*>(stg + pn * 512 + 128 * pt);
-      unsigned char* dst = tab + pn * wg::kRowBytes + 4 * pt;
+#pragma unroll
+    for (int n = pn; n < (NR > 64 ? NR : 64); n += 64) {  // (64 rows per pass)
+      if (n >= NR) break;                                  // (CTA-uniform per warp)
+      const uint4* src = reinterpret_cast<const uint4*>(stg + n * 512 + 128 * pt);
+      unsigned char* dst = tab + n * wg::kRowBytes + 4 * pt;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         uint32_t w[16];
@@ -235,17 +240,18 @@ inline int max_active_clusters(const void* kernel, const cudaLaunchConfig_t& cfg
   return n;
 }
 
-// Launches the wgmma kernel on `stream` for 9..64 activation rows on compute capability 9.0 with
-// sm_90a code in the build; returns false (nothing launched) otherwise. The grid: 128 WR weight
-// rows x NR activation rows per CTA, K split into S slices (a cluster of S CTAs, S <= 8); of the
-// (WR, S) pairs, the one whose per-CTA work (WR x steps / S) times its waves (grid / clusters
-// that fit at once, from the occupancy calculator) or CTAs per SM is least. X and Y 16-byte aligned, K a multiple of 32.
+// Launches the wgmma kernel on `stream` for 9 or more activation rows on compute capability 9.0
+// with sm_90a code in the build; returns false (nothing launched) otherwise. The grid: 128 WR
+// weight rows x NR activation rows per CTA (NR = 16, 32, 64, or 128 with WR = 1 above 64 rows),
+// K split into S slices (a cluster of S CTAs, S <= 8); of the (WR, S) pairs, the one whose per-CTA
+// work (WR x steps / S) times its waves (grid / clusters that fit at once, from the occupancy
+// calculator) or CTAs per SM is least. X and Y 16-byte aligned, K a multiple of 32.
 template <class Fmt, class H>
 bool launch_weight_only_wgmma(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, const H* bias,
                               void* stream) {
-  if (!wgmma_built() || N <= 8 || N > 64 || M <= 0 || cuda::cc_major() != 9) return false;
+  if (!wgmma_built() || N <= 8 || M <= 0 || cuda::cc_major() != 9) return false;
   static_assert(Fmt::kUnit == 32, "units of 32 values");
-  const int nt = N > 32 ? 8 : N > 16 ? 4 : 2;
+  const int nt = N > 64 ? 16 : N > 32 ? 8 : N > 16 ? 4 : 2;  // (above 64 rows: 128 per CTA, grid.y)
   const int64_t steps = (K / 32 + kWideStepUnits - 1) / kWideStepUnits;
   bool pair = false;
   if constexpr (Fmt::kPairLoad) pair = f.pair_load_ok();
@@ -258,7 +264,8 @@ bool launch_weight_only_wgmma(const Fmt& f, const H* X, int64_t N, int64_t K, in
       constexpr bool P = decltype(p_c)::value;
       if (nt == 2) fn(weight_only_wgmma_kernel<Fmt, H, 2, WR, P>);
       else if (nt == 4) fn(weight_only_wgmma_kernel<Fmt, H, 4, WR, P>);
-      else fn(weight_only_wgmma_kernel<Fmt, H, 8, WR, P>);
+      else if (nt == 8) fn(weight_only_wgmma_kernel<Fmt, H, 8, WR, P>);
+      else if constexpr (WR == 1) fn(weight_only_wgmma_kernel<Fmt, H, 16, 1, P>);  // (the launcher's WR for 16)
     };
     auto by_pair = [&](auto wr_c) {
       if constexpr (Fmt::kPairLoad) {
@@ -275,7 +282,8 @@ bool launch_weight_only_wgmma(const Fmt& f, const H* X, int64_t N, int64_t K, in
   const int sms = cuda::sm_count();
   double best = 0.0;
   int best_wr = 0, best_s = 0;
-  for (int wr = 2; wr >= 1; --wr)  // (ties: more rows per CTA, then fewer slices)
+  for (int wr = nt == 16 ? 1 : 2; wr >= 1; --wr)  // (ties: more rows per CTA, then fewer slices; 128
+                                                  // activation rows: one row group, for the registers)
     for (int s = 1; s <= kWideMaxSlices && s <= steps; ++s) {
       shape(wr, s);
       int fit = 0;

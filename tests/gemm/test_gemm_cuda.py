@@ -155,6 +155,21 @@ def test_weight_only_wide(fmt, params, m, k, n, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
+@pytest.mark.parametrize("fmt,params,n,m,k", [(f, p, n, m, k) for f, p in WIDE_FORMATS if f != "mixed2bit"
+                                                for n, m, k in ((65, 53, 4096 + 96), (128, 300, 32 * 131),
+                                                                (300, 130, 1024), (512, 257, 14336))
+                                                if k % p.get("group_size", 32) == 0], ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
+    """More than 64 activation rows through the format's native gemm: on an sm_90a build the wgmma
+    kernel with 128 activation rows per CTA (grid.y covers more; 65 and 300 leave a partial last
+    column of CTAs), elsewhere the two-tile kernel; against float64, NaN-filled outputs all
+    overwritten."""
+    mod, q, qc, w64 = weight(fmt, m, k, k + n + m, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(DTYPES[dtype]).cuda()
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
+
+
 @pytest.mark.parametrize("fmt,params", WIDE_FORMATS, ids=str)
 @pytest.mark.parametrize("n,m,k", [(24, 300, 14336), (64, 17000, 512)])
 def test_weight_only_wide_bias(fmt, params, n, m, k):

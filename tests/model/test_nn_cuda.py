@@ -155,7 +155,8 @@ def test_cuda_bound_dense_path(fmt, params, monkeypatch):
         with pytest.raises(ValueError, match="no CUDA weight-only kernel"):
             run(x, torch.empty(2, 512, device="cuda", dtype=torch.float16), None,
                 torch.cuda.current_stream().cuda_stream)
-    for rows, dtype in ((65, torch.float16), (300, torch.bfloat16), (2048, torch.float16)):
+    for rows, dtype in ((format_spec(fmt).tune_rows.get("cuda", 64) + 1, torch.float16), (300, torch.bfloat16),
+                        (2048, torch.float16)):
         x = torch.randn(rows, 1024, device="cuda", dtype=dtype)
         with torch.no_grad():
             ref = q._operator(x)

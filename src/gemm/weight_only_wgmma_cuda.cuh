@@ -141,14 +141,7 @@ __launch_bounds__(kWideWarps * 32, wgmma_min_ctas(NT, WR))
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t(&a)[WR][2][4] = wa[(4 * i + j) & 1];
-#pragma unroll
-        for (int r = 0; r < WR; ++r) {
-          uint32_t pa[4], pb[4];
-          unit_pairs<Ops, PAIR>(f, lut, lane, st.a[r], i, j, pa);
-          unit_pairs<Ops, PAIR>(f, lut, lane, st.b[r], i, j, pb);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) a[r][h][0] = pa[h], a[r][h][1] = pb[h], a[r][h][2] = pa[h + 2], a[r][h][3] = pb[h + 2];
-        }
+        quarter_fragments<Ops, PAIR>(f, lut, lane, st, i, j, a);
         wg::fence();
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

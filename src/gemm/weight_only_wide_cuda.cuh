@@ -110,6 +110,22 @@ struct WideRows {
   }
 };
 
+// A warp's A fragments of unit quarter (i, j) of a step (both kernels): for row group r, a[r][0]
+// holds pairs 4j, 4j + 2 and a[r][1] pairs 4j + 1, 4j + 3 of rows g (st.a) and g + 8 (st.b), in
+// mma.m16n8k16's A layout (registers: row g, row g + 8, row g at k + 8, row g + 8 at k + 8).
+template <class Ops, bool PAIR, class Fmt, class Stage, int WR>
+__device__ __forceinline__ void quarter_fragments(const Fmt& f, const uint32_t (*lut)[32], int lane, const Stage& st,
+                                                  int i, int j, uint32_t (&a)[WR][2][4]) {
+#pragma unroll
+  for (int r = 0; r < WR; ++r) {
+    uint32_t pa[4], pb[4];
+    unit_pairs<Ops, PAIR>(f, lut, lane, st.a[r], i, j, pa);
+    unit_pairs<Ops, PAIR>(f, lut, lane, st.b[r], i, j, pb);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) a[r][h][0] = pa[h], a[r][h][1] = pb[h], a[r][h][2] = pa[h + 2], a[r][h][3] = pb[h + 2];
+  }
+}
+
 // The end of a wide CTA (this kernel and the wgmma kernel of weight_only_wgmma_cuda.cuh): its
 // warps' accumulators c (the C fragment: c[r][nt][0..1] = weight row m0 + 16 r + g, activation
 // rows n0 + 8 nt + 2t, + 1; [2..3] = weight row + 8) go to Y, or with K split over a cluster
@@ -194,22 +210,15 @@ __launch_bounds__(kWideWarps * 32, 1)
       const int ul = k * kWideStepUnits + 2 * t + i;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        uint32_t a0[WR][4], a1[WR][4];  // A fragments of pairs 4j, 4j + 2 and 4j + 1, 4j + 3
-#pragma unroll
-        for (int r = 0; r < WR; ++r) {
-          uint32_t pa[4], pb[4];
-          unit_pairs<Ops, PAIR>(f, lut, lane, st.a[r], i, j, pa);
-          unit_pairs<Ops, PAIR>(f, lut, lane, st.b[r], i, j, pb);
-          a0[r][0] = pa[0], a0[r][1] = pb[0], a0[r][2] = pa[2], a0[r][3] = pb[2];
-          a1[r][0] = pa[1], a1[r][1] = pb[1], a1[r][2] = pa[3], a1[r][3] = pb[3];
-        }
+        uint32_t a[WR][2][4];
+        quarter_fragments<Ops, PAIR>(f, lut, lane, st, i, j, a);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const uint4 xq = xs[wide_slot<NR>(ul, j, nt * 8 + g)];
 #pragma unroll
           for (int r = 0; r < WR; ++r) {
-            Ops::mma(c[r][nt], a0[r], xq.x, xq.y);
-            Ops::mma(kX16 ? c16[kX16 ? r : 0][nt] : c[r][nt], a1[r], xq.z, xq.w);
+            Ops::mma(c[r][nt], a[r][0], xq.x, xq.y);
+            Ops::mma(kX16 ? c16[kX16 ? r : 0][nt] : c[r][nt], a[r][1], xq.z, xq.w);
           }
         }
       }

@@ -225,8 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder; an interrupted run goes on when the same command is run again; "
                         "under torchrun the processes share the work "
                         "(qformats.streaming.quantize_checkpoint)")
+    q.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the model is quantized (without --stream): cpu (default) or cuda "
+                        "(the current GPU; under torchrun each process's GPU, LOCAL_RANK). "
+                        "torchrun with --method signround splits the training over the "
+                        "processes (NCCL on cuda, gloo on cpu) and writes the folder one process "
+                        "writes")
     q.add_argument("--threads", type=_threads, metavar="N",
-                   help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores)")
+                   help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores; "
+                        "under torchrun, the cores shared out among the processes on the machine)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
     q.set_defaults(func=_cmd_quantize)
 
@@ -303,6 +310,8 @@ examples:
   qformats quantize MODEL --bits 2 --group-size 32 --ignore lm_head '*.o_proj' --out DIR
   qformats quantize MODEL --bits 4 --stream --max-shard-size 2GB --out DIR
   torchrun --nproc-per-node 4 -m qformats quantize MODEL --bits 4 --stream --out DIR
+  torchrun --nproc-per-node 2 -m qformats quantize MODEL --method signround --bits 4 \\
+      --calibration C.txt --device cuda --out DIR
   qformats eval llama-int4 --text ../shared/data/pydoc/valid.txt --max-tokens 4096
 """
 
@@ -397,8 +406,11 @@ def _cmd_quantize(args) -> int:
         if args.stream and (args.method != "rtn" or args.calibration):
             raise ValueError("--stream quantizes with --method rtn without --calibration only "
                              "(the calibrated methods need the model in memory)")
-        if not args.stream and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("several processes (torchrun) share the work with --stream only")
+        if args.stream and args.device != "cpu":
+            raise ValueError("--stream quantizes on the CPU (--device applies without --stream)")
+        if not args.stream and args.method != "signround" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("several processes (torchrun) share the work with --stream or "
+                             "--method signround only")
         # Check the choice, the method's options and the output folder before torch is imported
         # and the model loaded (each takes seconds). --stream checks whether a folder that is not
         # empty holds its own interrupted run, which it goes on with.
@@ -428,37 +440,72 @@ def _cmd_quantize(args) -> int:
         from .model import quantize_model  # needs torch: see the note at the top
         from .saving import save_quantized
 
-        with _Threads(args.threads):
-            bar = progress_bar(total=3, enabled=not args.no_progress, desc="quantize", unit="step")
-            try:
-                bar.set_postfix_str("loading model")
-                lm = load_model(args.model, dtype=args.dtype)
-                bar.update(1)
-                bar.set_postfix_str("quantizing")
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # listed in the report below
-                    if method_options:
-                        method_options["tokenizer"] = lm.tokenizer
-                    report = quantize_model(lm.model, format=fmt, bits=args.bits,
-                                            group_size=args.group_size, method=args.method,
-                                            ignore=args.ignore, overrides=overrides,
-                                            progress=not args.no_progress, **params,
-                                            **method_options)
-                bar.update(1)
-                bar.set_postfix_str("saving")
-                out = save_quantized(lm.model, args.out, tokenizer=lm.tokenizer, source=lm.path,
-                                     max_shard_size=args.max_shard_size)
-                bar.update(1)
-            except BaseException:
-                bar.leave = False  # erase the bar: the error message gets a line of its own
-                raise
-            finally:
-                bar.close()
+        device, ranks = _device_and_ranks(args.device)
+        show = not args.no_progress and ranks.rank == 0
+        try:
+            with _Threads(_threads_per_process(args.threads)):
+                bar = progress_bar(total=3, enabled=show, desc="quantize", unit="step")
+                try:
+                    bar.set_postfix_str("loading model")
+                    lm = load_model(args.model, dtype=args.dtype)
+                    lm.model.to(device)
+                    bar.update(1)
+                    bar.set_postfix_str("quantizing")
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # listed in the report below
+                        if method_options:
+                            method_options["tokenizer"] = lm.tokenizer
+                        report = quantize_model(lm.model, format=fmt, bits=args.bits,
+                                                group_size=args.group_size, method=args.method,
+                                                ignore=args.ignore, overrides=overrides,
+                                                progress=show, **params, **method_options)
+                    bar.update(1)
+                    if ranks.rank != 0:  # every rank holds the same model; rank 0 writes it
+                        return 0
+                    bar.set_postfix_str("saving")
+                    out = save_quantized(lm.model, args.out, tokenizer=lm.tokenizer, source=lm.path,
+                                         max_shard_size=args.max_shard_size)
+                    bar.update(1)
+                except BaseException:
+                    bar.leave = False  # erase the bar: the error message gets a line of its own
+                    raise
+                finally:
+                    bar.close()
+        finally:
+            ranks.close()
     except (EvalError, ValueError, NotImplementedError, OSError) as e:
         return _error("quantize", e)
     print(report.summary())
     print(f"saved to {out}")
     return 0
+
+
+def _threads_per_process(threads):
+    """``--threads``, or when not given under torchrun, the cores shared out among the
+    processes on this machine (None: qformats' default)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if threads is None and local > 1:
+        threads = max(1, _runtime.num_threads() // local)
+    return threads
+
+
+def _device_and_ranks(device: str):
+    """``(torch.device, qformats._dist.Ranks)`` for ``--device``: under torchrun
+    (``WORLD_SIZE`` > 1) a process group made from its environment (NCCL on each process's
+    GPU, LOCAL_RANK; gloo on the CPU), else one process."""
+    import torch  # needs torch: see the note at the top
+
+    from ._dist import Ranks
+
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if device == "cpu":
+        return torch.device("cpu"), Ranks(init_from_env=several, backend="gloo")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA GPU")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if several
+                       else torch.cuda.current_device())
+    torch.cuda.set_device(dev)
+    return dev, Ranks(init_from_env=several, backend="nccl", device=dev)
 
 
 def _quantize_stream(args, fmt, params, overrides) -> int:
@@ -467,11 +514,7 @@ def _quantize_stream(args, fmt, params, overrides) -> int:
     rank 0 prints; by default each process takes its share of the cores."""
     from .streaming import quantize_checkpoint  # needs torch (see the top)
 
-    threads = args.threads
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if threads is None and local > 1:
-        threads = max(1, _runtime.num_threads() // local)
-    with _Threads(threads), warnings.catch_warnings():
+    with _Threads(_threads_per_process(args.threads)), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # listed in the report
         report = quantize_checkpoint(args.model, args.out, format=fmt, bits=args.bits,
                                      group_size=args.group_size, ignore=args.ignore,

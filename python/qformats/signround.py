@@ -30,6 +30,14 @@ The parameters with the lowest loss seen (evaluated before every step and once a
 are kept; the forward over all samples that measures the kept parameters' loss also gives the
 next block its inputs.
 
+A step runs each sample of its batch through a forward and backward of its own and adds the
+samples' weight gradients in a fixed pairwise-tree order (:func:`_batch_loss`), so the sum does
+not depend on how many processes compute it: under ``torch.distributed`` (NCCL on GPUs, gloo on
+the CPU; every rank calls :func:`quantize_plan` with the same model and options) the ranks split
+each step's samples and the forwards over all samples, and every rank ends with one process's
+bytes. On CUDA the steps use the math backend of scaled-dot-product attention, whose backward
+is deterministic.
+
 What this costs is the blocks' matrix products (``benchmarks/README.md``, "Trainable rounding
 and the budget on the CPU", has the cost model). The fake quantization is one autograd node per
 layer: the weight-only part of the format's rule is computed once per layer (group bounds,
@@ -49,6 +57,7 @@ Used through :func:`qformats.quantize_model` with ``method="signround"`` (option
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -59,6 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._core import QuantizedTensor, format_spec
+from ._dist import Ranks
 from .calibration import (calibration_samples, capture_block_inputs, capture_second_moments,
                           sensitivity_from_moments)
 from .config import SignRoundConfig
@@ -153,10 +163,11 @@ class SignRoundLinear(nn.Module):
         self.register_buffer("weight", w)
         b = linear.bias
         self.register_buffer("bias", None if b is None else b.detach().to(torch.float32).clone())
-        self.v = nn.Parameter(torch.zeros(out_f, in_f))
-        self.alpha = nn.Parameter(torch.ones(out_f, in_f // group_size))
-        self.beta = nn.Parameter(torch.ones(out_f, in_f // group_size))
+        self.v = nn.Parameter(torch.zeros(out_f, in_f, device=w.device))
+        self.alpha = nn.Parameter(torch.ones(out_f, in_f // group_size, device=w.device))
+        self.beta = nn.Parameter(torch.ones(out_f, in_f // group_size, device=w.device))
         self._cached: tuple = (None, None)  # (key, weight) of forwards without gradients
+        self._step: Optional[torch.Tensor] = None  # the weight leaf during a training step
 
     @classmethod
     def for_layer(cls, linear: nn.Linear, fmt: str, params: Mapping[str, Any],
@@ -176,7 +187,10 @@ class SignRoundLinear(nn.Module):
     def qweight(self) -> torch.Tensor:
         """The fake-quantized float32 weight ``[out, in]`` (differentiable in v, alpha, beta).
         Without gradients it is computed once per parameter values (evaluations over several
-        batches reuse it)."""
+        batches reuse it). Inside a training step (:func:`train_block`) it is the step's weight,
+        a leaf tensor, so that each sample's weight gradient lands there."""
+        if self._step is not None:
+            return self._step
         ps = (self.v, self.alpha, self.beta)
         if torch.is_grad_enabled() and any(p.requires_grad for p in ps):
             return _FakeQuant.apply(self, *ps)
@@ -242,29 +256,177 @@ def _groups(inputs: list, idx: Sequence[int], limit: int = 0) -> list:
 
 
 def _forward_all(block: nn.Module, inputs: list, batch_size: int,
-                 targets: Optional[list] = None) -> tuple:
+                 targets: Optional[list] = None, ranks: Optional[Ranks] = None) -> tuple:
     """``(outputs, loss)``: the block's outputs ``[1, L, H]`` per input, computed in batches,
     without gradients; with ``targets`` the MSE over all inputs (each batch's mean weighted by
-    its share of the inputs), else None."""
+    its share of the inputs), else None. With several ``ranks`` the batches are split over
+    them (batch ``j`` on rank ``j % world``) and broadcast: every rank gets every output, the
+    same bytes as one process computing them all (the same batches, so the same products)."""
     n = len(inputs)
-    outs: list = [None] * n
-    total = 0.0
+    groups = _groups(inputs, range(n), batch_size)
+    world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
+    ys: dict = {}
     with torch.no_grad():
-        for grp in _groups(inputs, range(n), batch_size):
-            y = _block_out(block, torch.cat([inputs[i][0] for i in grp]), inputs[grp[0]][1])
+        for j, grp in enumerate(groups):
+            if j % world == rank:
+                ys[j] = _block_out(block, torch.cat([inputs[i][0] for i in grp]), inputs[grp[0]][1])
+        if world > 1:
+            shapes = ranks.gather_objects({j: (tuple(y.shape), y.dtype) for j, y in ys.items()})
+            for j, grp in enumerate(groups):
+                src = j % world
+                if src != rank:
+                    shape, dt = shapes[src][j]
+                    ys[j] = torch.empty(shape, dtype=dt, device=inputs[grp[0]][0].device)
+                ys[j] = ranks.broadcast(ys[j], src)
+        outs: list = [None] * n
+        total = 0.0
+        for j, grp in enumerate(groups):
+            y = ys.pop(j)
             if targets is not None:
                 total += float(F.mse_loss(y, torch.cat([targets[i] for i in grp])) * (len(grp) / n))
-            for j, i in enumerate(grp):
-                outs[i] = y[j:j + 1].detach()
+            for k, i in enumerate(grp):
+                outs[i] = y[k:k + 1].detach()
     return outs, (total if targets is not None else None)
+
+
+# -- sums whose order does not depend on the number of ranks ------------------------------------
+#
+# A step's weight gradient is a sum over its samples. Floating-point addition is not
+# associative, so the order of that sum is fixed once: the pairwise tree below, over the
+# samples in batch order. One process evaluates the whole tree; several ranks each evaluate
+# some of its subtrees (_nodes) and then every rank adds the gathered subtree sums up the same
+# tree, which repeats one process's additions exactly.
+
+def _half(lo: int, hi: int) -> int:
+    """Where the tree over terms ``[lo, hi)`` splits: the left part has the rounded-up half."""
+    return lo + (hi - lo + 1) // 2
+
+
+def _nodes(n: int, world: int) -> list:
+    """The subtrees ``(lo, hi)`` of the tree over ``n`` terms that ``world`` ranks share
+    (subtree ``k`` on rank ``k % world``): the tree expanded level by level until there are at
+    least ``world`` subtrees, or only single terms."""
+    nodes = [(0, n)]
+    while len(nodes) < world and any(hi - lo > 1 for lo, hi in nodes):
+        nodes = [part for lo, hi in nodes
+                 for part in (((lo, _half(lo, hi)), (_half(lo, hi), hi)) if hi - lo > 1 else ((lo, hi),))]
+    return nodes
+
+
+def _tree_sum(lo: int, hi: int, term, known: Optional[dict] = None) -> list:
+    """The tree sum of the terms ``[lo, hi)``, each a list of tensors (summed elementwise):
+    ``term(i)`` gives term ``i`` (new tensors, added into in place), ``known[(lo, hi)]`` a
+    subtree's sum computed elsewhere."""
+    if known is not None and (lo, hi) in known:
+        return known[(lo, hi)]
+    if hi - lo == 1:
+        return term(lo)
+    left = _tree_sum(lo, _half(lo, hi), term, known)
+    torch._foreach_add_(left, _tree_sum(_half(lo, hi), hi, term, known))
+    return left
+
+
+def _attention_for_training(device: torch.device):
+    """On CUDA, scaled_dot_product_attention's math backend while gradients are computed: the
+    memory-efficient backend's backward adds with atomics (bits that change from run to run),
+    the math backend's does not. Elsewhere nothing changes."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _batch_loss(block: nn.Module, linears: dict, inputs: list, targets: list, idx: Sequence[int],
+                grad: bool, ranks: Optional[Ranks]) -> float:
+    """The loss of samples ``idx`` (the mean of the samples' MSEs, summed in ``idx`` order) and,
+    with ``grad``, the gradients of the layers' V / alpha / beta in their ``.grad``.
+
+    Each sample is a forward (and backward) of its own. The step's fake-quantized weights are
+    computed once, as leaves that take each sample's weight gradients (the layers'
+    :meth:`SignRoundLinear.qweight`); the samples' gradients are added in the fixed tree order
+    (:func:`_tree_sum`), then go back through the fake quantization once.
+    With several ``ranks`` the subtrees (:func:`_nodes`) are split over them and gathered: every
+    rank ends with the bytes one process computes."""
+    n = len(idx)
+    world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
+    nodes = _nodes(n, world)
+    mine = [k for k in range(len(nodes)) if k % world == rank]
+    ms = list(linears.values())
+    losses = [0.0] * n
+    ws: list = []
+    leaves: list = []
+    if grad:
+        ws = [_FakeQuant.apply(m, m.v, m.alpha, m.beta) for m in ms]
+        leaves = [w.detach().requires_grad_(True) for w in ws]
+        for m, leaf in zip(ms, leaves):
+            m._step = leaf
+
+    def term(j: int) -> Optional[list]:
+        i = idx[j]
+        x, kw = inputs[i]
+        with torch.set_grad_enabled(grad):
+            loss = F.mse_loss(_block_out(block, x, kw), targets[i]) / n
+        if grad:
+            loss.backward()
+        losses[j] = float(loss.detach())
+        if not grad:
+            return None
+        gs = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        return gs
+
+    try:
+        sums = []
+        with _attention_for_training(inputs[idx[0]][0].device):
+            for k in mine:
+                lo, hi = nodes[k]
+                if grad:
+                    sums.append(_tree_sum(lo, hi, term))
+                else:
+                    for j in range(lo, hi):
+                        term(j)
+    finally:
+        for m in ms:
+            m._step = None
+    if world > 1:  # every rank's losses, taken from the rank that computed each
+        got = ranks.gather(torch.tensor(losses, dtype=torch.float64))
+        for k, (lo, hi) in enumerate(nodes):
+            for j in range(lo, hi):
+                losses[j] = float(got[k % world][j])
+    if grad:
+        if world > 1:  # each rank's subtree sums, flat, in one buffer: [subtrees per rank, P]
+            sizes = [w.numel() for w in ws]
+            buf = ws[0].new_zeros(-(-len(nodes) // world), sum(sizes))
+            for row, gs in zip(buf, sums):
+                torch.cat([g.reshape(-1) for g in gs], out=row)
+            del sums
+            got = ranks.gather(buf)
+            known = {nodes[k]: [g.view(w.shape) for g, w in
+                                zip(got[k % world][k // world].split(sizes), ws)]
+                     for k in range(len(nodes))}
+        else:
+            known = {nodes[0]: sums[0]}
+        total = _tree_sum(0, n, None, known)
+        del known
+        torch.autograd.backward(ws, total)
+    return sum(losses, 0.0)
 
 
 def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, iters: int,
                 lr: Optional[float], batch_size: int, seed: int = 0,
-                keep_outputs: bool = False) -> dict:
+                keep_outputs: bool = False, ranks: Optional[Ranks] = None) -> dict:
     """Train the SignRoundLinears of ``block`` (a float32 module already holding them:
     ``linears`` ``{name: SignRoundLinear}``) to map ``inputs`` ``[(x, kwargs)]`` to
     ``targets`` (MSE, mean over the batch's samples), SignSGD with linearly decaying lr.
+
+    A step's batch is ``batch_size`` samples drawn with ``seed``; each sample's forward and
+    backward runs on its own and the gradients are added in a fixed order
+    (:func:`_batch_loss`). With several ``ranks`` (:class:`qformats._dist.Ranks`; every rank
+    calls this with the same block, data and options) the samples of each step and the
+    forwards over all samples are split over the ranks, and every rank ends with the
+    parameters one process reaches, bit for bit.
 
     Leaves the best parameters seen in the modules. Returns stats: ``rtn_loss`` and ``loss``
     (the loss over all samples before / after training), ``best_loss`` / ``best_iter`` (the
@@ -282,19 +444,7 @@ def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, it
     lr = (1.0 / iters if iters else 0.0) if lr is None else float(lr)
     gen = torch.Generator().manual_seed(int(seed))
 
-    def batch_loss(idx, grad: bool) -> float:
-        total = 0.0
-        for grp in _groups(inputs, idx, 0 if grad else bs):
-            x = torch.cat([inputs[i][0] for i in grp])
-            y = torch.cat([targets[i] for i in grp])
-            with torch.set_grad_enabled(grad):
-                loss = F.mse_loss(_block_out(block, x, inputs[grp[0]][1]), y) * (len(grp) / len(idx))
-            if grad:
-                loss.backward()
-            total += float(loss.detach())
-        return total
-
-    rtn_loss = _forward_all(block, inputs, bs, targets)[1]
+    rtn_loss = _forward_all(block, inputs, bs, targets, ranks)[1]
     weight_ops = _cpu_threads(WEIGHT_OP_THREADS, params[0].device if params else torch.device("cpu"))
     best = [p.detach().clone() for p in params]
     best_loss, best_iter, losses = math.inf, 0, []
@@ -306,7 +456,7 @@ def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, it
         last = t == iters
         for p in params:
             p.grad = None
-        loss = batch_loss(idx, not last)
+        loss = _batch_loss(block, linears, inputs, targets, idx, not last, ranks)
         losses.append(loss)
         if loss < best_loss:
             best_loss, best_iter = loss, t
@@ -328,7 +478,7 @@ def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, it
     for p in params:
         p.requires_grad_(False)
         p.grad = None
-    outs, loss = _forward_all(block, inputs, bs, targets)
+    outs, loss = _forward_all(block, inputs, bs, targets, ranks)
     st = {"rtn_loss": rtn_loss, "loss": loss, "best_loss": best_loss, "best_iter": best_iter,
           "losses": losses}
     if keep_outputs:
@@ -353,10 +503,18 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
     calibrated sensitivity (``selection == "sensitivity"``, the default: mean squared inputs of
     the layer in its block's forward, ``** sensitivity_power``) or by range (``"range"``).
 
+    Several processes: when ``torch.distributed`` is initialized with more than one rank,
+    every rank calls this with the same model (on its own device: the rank's GPU under NCCL,
+    the CPU under gloo), plan and options. The blocks' forwards over all samples and each
+    step's samples are split over the ranks (:func:`train_block`), and every rank returns the
+    layers one process returns, bit for bit (given the same kind of device and, on the CPU,
+    the same number of threads, since those choose the products' summation order).
+
     Raises:
         NotImplementedError: a planned layer that is neither int4 asymmetric nor mixed2bit
             without outliers.
-        ValueError: bad options (iters < 0, selection, sensitivity_power, calibration data).
+        ValueError: bad options (iters < 0, selection, sensitivity_power, calibration data);
+            an NCCL process group with the model on the CPU.
     """
     config = options if isinstance(options, SignRoundConfig) else SignRoundConfig(**options)
     for name, m, fmt, qp in plan:
@@ -371,13 +529,14 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
         raise ValueError(f"iters must be >= 0, got {iters}")
     samples = calibration_samples(config.calibration, config.tokenizer, config.nsamples, config.seqlen)
     blocks_name, blocks = find_blocks(model)
+    ranks = _ranks_for(model)
     by_id = {id(m): (name, fmt, qp) for name, m, fmt, qp in plan}
     results: dict = {}
     stats: dict = {"blocks": [], "options": config.options(data=False)}
     has_plan = any(id(x) in by_id for b in blocks for x in b.modules())
     inputs = capture_block_inputs(model, blocks[0], samples) if has_plan else []
-    bar = progress_bar(list(enumerate(blocks)), enabled=progress, desc="signround", unit="block",
-                       leave=False)
+    bar = progress_bar(list(enumerate(blocks)), enabled=progress and ranks.rank == 0,
+                       desc="signround", unit="block", leave=False)
     last = max((i for i, b in enumerate(blocks) if any(id(x) in by_id for x in b.modules())), default=-1)
     for bi, block in bar:
         if bi > last:
@@ -393,13 +552,13 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
                  if format_spec(fmt).calibrated(qp)}
         moments: dict = {}
         if mixed and config.selection == "sensitivity":
-            def run():
+            def run():  # every rank over every sample: the moments' sums in one order
                 nonlocal targets
                 targets = _forward_all(fblock, inputs, config.batch_size)[0]
             targets = None
             moments = capture_second_moments(mixed, run)
         else:
-            targets = _forward_all(fblock, inputs, config.batch_size)[0]
+            targets = _forward_all(fblock, inputs, config.batch_size, ranks=ranks)[0]
         linears = {}
         for rel, (name, fmt, qp) in names:
             sens = None
@@ -411,7 +570,7 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
         outs = None
         if linears:
             st = train_block(fblock, linears, inputs, targets, iters, config.lr,
-                             config.batch_size, config.seed + bi, keep_outputs=True)
+                             config.batch_size, config.seed + bi, keep_outputs=True, ranks=ranks)
             outs = st.pop("outputs")
             secs = time.perf_counter() - t0
             for rel, (name, fmt, qp) in names:
@@ -423,7 +582,7 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
             st["layers"] = [n for _, (n, _, _) in names]
             stats["blocks"].append(st)
         if outs is None:
-            outs = _forward_all(fblock, inputs, config.batch_size)[0]
+            outs = _forward_all(fblock, inputs, config.batch_size, ranks=ranks)[0]
         inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
     bar.close()
     new = []
@@ -436,6 +595,21 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
             secs = time.perf_counter() - t1
         new.append((name, q, secs))
     return new, stats
+
+
+def _ranks_for(model: nn.Module) -> Ranks:
+    """The ranks sharing the work (one process when torch.distributed is not initialized),
+    with their collectives on the model's device under NCCL."""
+    dev = next(iter(model.parameters()), torch.empty(0)).device
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+            and dist.get_backend() == "nccl":
+        if dev.type != "cuda":
+            raise ValueError("signround over an NCCL process group needs the model on the rank's "
+                             f"GPU; it is on {dev} (move it, or use a gloo group on the CPU)")
+        return Ranks(device=dev)
+    return Ranks(device=torch.device("cpu"))
 
 
 def _replace(root: nn.Module, rel: str, new: nn.Module) -> None:

@@ -56,6 +56,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ._dist import Ranks
 from ._files import check_output_dir, read_json, read_safetensors_header
 from .choice import resolve_spec
 from .config import RTNConfig
@@ -351,39 +352,6 @@ def _quantized_skeleton(model: nn.Module, layers: dict) -> None:
         set_submodule(model, name, q)
 
 
-# -- several processes --------------------------------------------------------------------------
-
-class _Group:
-    """The torch.distributed group the ranks share: the caller's, one made from torchrun's
-    environment (gloo), or a single process (no group)."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.dist, self.owned = dist, False
-        if not (dist.is_available() and dist.is_initialized()) \
-                and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            dist.init_process_group("gloo")  # env://: MASTER_ADDR, RANK... set by torchrun
-            self.owned = True
-        self.active = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.active else 0
-        self.world = dist.get_world_size() if self.active else 1
-
-    def barrier(self, wait=None) -> None:
-        """All ranks here; ``wait()`` is called every half second meanwhile (progress)."""
-        if not self.active:
-            return
-        work = self.dist.barrier(async_op=True)
-        while wait is not None and not work.is_completed():
-            wait()
-            time.sleep(0.5)
-        work.wait()
-
-    def close(self) -> None:
-        if self.owned:
-            self.dist.destroy_process_group()
-
-
 # -- the entry point ---------------------------------------------------------------------------
 
 def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
@@ -463,7 +431,7 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
         "overrides": overrides or {}, "max_shard_size": max_shard_size,
         "units": [[u.name, u.layer] for u in units]}, default=str))
 
-    group = _Group()
+    group = Ranks(init_from_env=True)  # the ranks only synchronize: gloo
     try:
         stage = outp / STAGE_DIR
         restart = _check_stage(outp, stage, manifest, overwrite)  # every rank raises alike
@@ -513,7 +481,7 @@ def _check_stage(out: Path, stage: Path, manifest: dict, overwrite: bool) -> boo
     return True
 
 
-def _work(units: list, ck: _Checkpoint, model: nn.Module, units_dir: Path, group: _Group,
+def _work(units: list, ck: _Checkpoint, model: nn.Module, units_dir: Path, group: Ranks,
           progress: bool) -> None:
     """This rank's share of the units (largest first, round robin over the ranks), skipping
     those already written; then wait for the other ranks, rank 0 showing everyone's progress."""

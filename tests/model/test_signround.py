@@ -539,6 +539,24 @@ def test_quantize_model_tiny_llama(make_tiny_llama):
     assert torch.isfinite(out).all() and out.shape == ref.shape
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantize_model_tiny_llama_on_cuda_twice_same_bytes(make_tiny_llama):
+    """On the GPU: trained layers on the model's device, no worse than RTN, and a second run
+    gives the same bytes (the per-sample gradients, attention's included, are deterministic)."""
+    ids = [torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(5))]
+    states = []
+    for _ in range(2):
+        model = make_tiny_llama().cuda()
+        rep = qformats.quantize_model(model, bits=4, group_size=32, method="signround",
+                                      calibration=ids, iters=15, nsamples=4, seqlen=32, batch_size=4)
+        assert rep.formats == {"int4": 14}
+        assert all(b["loss"] <= b["rtn_loss"] for b in rep.signround["blocks"])
+        assert rep.signround["blocks"][0]["loss"] < rep.signround["blocks"][0]["rtn_loss"]
+        assert all(t.device.type == "cuda" for t in model.state_dict().values())
+        states.append({k: v.cpu() for k, v in model.state_dict().items()})
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
 def test_signround_errors(make_tiny_llama):
     model = make_tiny_llama()
     with pytest.raises(NotImplementedError, match="int4 asymmetric"):
@@ -567,3 +585,107 @@ def test_calibration_from_text():
     rows = sr.calibration_samples("x" * 100, Tok(), nsamples=3, seqlen=20)
     assert len(rows) == 3 and all(r.shape == (1, 20) for r in rows)
     assert [int(r[0, 0]) for r in rows] == [0, 40, 80 % 50]  # windows 0, 2, 4 of 5
+
+
+# -- several ranks: the same bytes as one process ---------------------------------------------------
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_tree_sum_over_any_number_of_ranks_is_one_process_sum(n):
+    """The subtrees that `world` ranks compute, added up the tree, give one process's sum bit
+    for bit; summing the same terms in another order does not (so the order is what is fixed)."""
+    g = torch.Generator().manual_seed(n)
+    scale = 10.0 ** torch.randint(-6, 7, (n, 1), generator=g)
+    terms = (torch.randn(n, 4096, generator=g) * scale).float()
+    one = sr._tree_sum(0, n, lambda i: [terms[i].clone()])[0]
+    for world in range(1, 6):
+        nodes = sr._nodes(n, world)
+        assert nodes[0][0] == 0 and nodes[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(nodes, nodes[1:]))
+        assert len(nodes) >= min(world, n)
+        known = {(lo, hi): sr._tree_sum(lo, hi, lambda i: [terms[i].clone()]) for lo, hi in nodes}
+        assert torch.equal(sr._tree_sum(0, n, None, known)[0].view(torch.int32), one.view(torch.int32))
+    if n >= 4:  # from 4 terms the tree's order is not the running sum's
+        plain = torch.randn(n, 4096, generator=g)
+        seq = plain[0].clone()
+        for i in range(1, n):
+            seq += plain[i]
+        assert not torch.equal(seq, sr._tree_sum(0, n, lambda i: [plain[i].clone()])[0])
+
+
+class _ThreadRanks:
+    """Ranks for threads of one process (what qformats._dist.Ranks does over torch.distributed:
+    gather, gather_objects, broadcast), to run train_block as `world` ranks in one test."""
+
+    def __init__(self, rank, world, board):
+        self.rank, self.world, self.board = rank, world, board
+        self.several = world > 1
+
+    def _exchange(self, x):
+        slots, barrier = self.board
+        slots[self.rank] = x
+        barrier.wait()
+        out = list(slots)
+        barrier.wait()
+        return out
+
+    def gather(self, t):
+        return [x.clone() for x in self._exchange(t.clone())]
+
+    def gather_objects(self, obj):
+        return self._exchange(obj)
+
+    def broadcast(self, t, src):
+        return self.gather(t)[src]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_train_block_on_several_ranks_gives_one_process_parameters(world):
+    """train_block run as `world` ranks (threads exchanging tensors) ends with V / alpha / beta,
+    losses and outputs equal bit for bit to one process's, each rank having run part of the
+    forwards."""
+    import threading
+
+    net = _Net()
+    ids = _ids(n=7)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread everywhere: the products' order is the same in each
+    try:
+        fb, linears, inputs, targets = _setup_block(net, ids)
+        calls = [0]
+        fb.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+        one = sr.train_block(fb, linears, inputs, targets, iters=6, lr=None, batch_size=5,
+                             keep_outputs=True)
+        runs = [_setup_block(net, ids) for _ in range(world)]
+        counts = [0] * world
+        for r, (b, *_) in enumerate(runs):
+            b.register_forward_hook(lambda *a, r=r: counts.__setitem__(r, counts[r] + 1))
+        board = ([None] * world, threading.Barrier(world, timeout=60))
+        stats, errors = [None] * world, []
+
+        def rank(r):
+            try:
+                b, lin, inp, tgt = runs[r]
+                stats[r] = sr.train_block(b, lin, inp, tgt, iters=6, lr=None, batch_size=5,
+                                          keep_outputs=True, ranks=_ThreadRanks(r, world, board))
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+                board[1].abort()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(old)
+    assert not errors, errors
+    for r in range(world):
+        st = dict(stats[r])
+        assert st.pop("outputs") is not None
+        assert st == {k: v for k, v in one.items() if k != "outputs"}
+        assert all(torch.equal(a, b) for a, b in zip(stats[r]["outputs"], one["outputs"]))
+        for name, m in runs[r][1].items():
+            for p in ("v", "alpha", "beta"):
+                assert torch.equal(getattr(m, p), getattr(linears[name], p)), (r, name, p)
+        assert 0 < counts[r] < calls[0]  # the forwards were shared out
+    assert sum(counts) >= calls[0]

@@ -1,8 +1,9 @@
 """qformats.streaming: quantize_checkpoint and ``qformats quantize --stream`` write the folder
 that quantize_model + save_quantized write (compared file by file, safetensors by header and
-tensor bytes), resume after being killed, share the work under torchrun, keep memory at about
-one tensor, and refuse bad input with clear ValueErrors. Random checkpoints written by
-benchmarks/stream_quantize.py's write_checkpoint (a few MB, 3+ shards); no ../shared needed."""
+tensor bytes), resume after being killed, share the work under torchrun (and so does
+``--method signround``), keep memory at about one tensor, and refuse bad input with clear
+ValueErrors. Random checkpoints written by benchmarks/stream_quantize.py's write_checkpoint (a
+few MB, 3+ shards); no ../shared needed."""
 from __future__ import annotations
 
 import importlib.util
@@ -156,6 +157,35 @@ def test_torchrun_two_processes_same_bytes(ckpt, tmp_path):
     assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--out", str(tmp_path / "one"),
                  "--no-progress"]) == 0
     assert bench.compare_folders(tmp_path / "two", tmp_path / "one") == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torchrun_signround_two_processes_same_bytes(ckpt, tmp_path, device):
+    """--method signround under torchrun (gloo on the CPU, NCCL on two GPUs): the two processes
+    share the training and write the folder one process writes, bit for bit (on the CPU one
+    thread per process in both runs: the thread count chooses the products' summation order)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    if device == "cuda" and (torch.cuda.device_count() < 2 or not dist.is_nccl_available()):
+        pytest.skip("needs two CUDA GPUs and NCCL")
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i % 97} and {i}" for i in range(400)), encoding="utf-8")
+    args = [str(ckpt), "--bits", "4", "--method", "signround", "--calibration", str(text),
+            "--iters", "10", "--nsamples", "5", "--seqlen", "24", "--device", device, "--threads", "1"]
+    e = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", "-m", "qformats", "quantize", *args,
+                        "--out", str(tmp_path / "two")],
+                       env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("quantized 14 of 15 Linear layers (signround)") == 1  # rank 0 only
+    assert main(["quantize", *args, "--out", str(tmp_path / "one"), "--no-progress"]) == 0
+    assert bench.compare_folders(tmp_path / "two", tmp_path / "one") == []
+    rtn = tmp_path / "rtn"
+    assert main(["quantize", str(ckpt), "--bits", "4", "--out", str(rtn), "--no-progress"]) == 0
+    assert bench.compare_folders(tmp_path / "one", rtn) != []  # the training changed the codes
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")

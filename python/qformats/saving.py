@@ -118,14 +118,17 @@ def _dedup_state(model: nn.Module, *, meta: bool = False) -> tuple[dict, dict]:
 
 
 def _non_persistent_dtypes(model: nn.Module) -> dict:
-    """``{name: dtype}`` of the buffers the state dict leaves out (e.g. rotary frequencies):
-    the model recomputes them when it is built, and the loader casts them back to the dtype
-    they had (after a ``model.half()``, say), so the logits stay identical."""
+    """``{name: dtype}`` of the floating-point buffers the state dict leaves out (e.g. rotary
+    frequencies): the model recomputes them when it is built, and the loader casts them back
+    to the dtype they had (after a ``model.half()``, say), so the logits stay identical.
+    Integer ones (position ids, a layer's kernel index such as mixed2bit's CUDA
+    ``chunk_index``) are left out: a dtype cast never touches them, and the layer rebuilds
+    its own on loading."""
     out = {}
     for mname, m in model.named_modules():
         for b in sorted(m._non_persistent_buffers_set):
             t = m._buffers.get(b)
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
                 out[f"{mname}.{b}" if mname else b] = str(t.dtype).removeprefix("torch.")
     return out
 
@@ -619,7 +622,6 @@ def _restore_computed(model: nn.Module, computed: dict, state: dict) -> None:
     ``.to(dtype)`` would have given it). ValueError otherwise: a tampered or foreign entry
     would silently change every output."""
     mine = _non_persistent_dtypes(model)
-    mine = {k: v for k, v in mine.items() if getattr(torch, v).is_floating_point}
     if set(computed) != set(mine):
         extra, missing = sorted(set(computed) - set(mine)), sorted(set(mine) - set(computed))
         raise ValueError(f"{CONFIG_NAME}: 'computed_buffers' does not match the model's computed "

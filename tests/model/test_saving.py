@@ -70,6 +70,42 @@ def test_fp16_storage_and_dtype_argument(make_tiny_llama, tmp_path):
     assert torch.equal(_logits(f32, ids), _logits(ref, ids))
 
 
+def test_integer_non_persistent_buffers_are_not_recorded(make_small_net, tmp_path):
+    """An integer buffer the state dict leaves out (position ids, a layer's kernel index such as
+    mixed2bit's CUDA chunk_index) is the model's own business: the folder records only the
+    floating ones, whose dtype the loader restores, and loads."""
+    net = make_small_net()
+    qformats.quantize_model(net, bits=4, group_size=64)
+    net[1].register_buffer("ids", torch.arange(4), persistent=False)
+    net[1].register_buffer("freqs", torch.ones(4), persistent=False)
+    qformats.save_quantized(net, tmp_path)
+    assert read_quantization_config(tmp_path)["computed_buffers"] == {"1.freqs": "float32"}
+
+    def make():
+        m = make_small_net(seed=1)
+        m[1].register_buffer("ids", torch.arange(4), persistent=False)
+        m[1].register_buffer("freqs", torch.ones(4), persistent=False)
+        return m
+    back = qformats.load_quantized(tmp_path, model=make)
+    assert torch.equal(back[1].ids, torch.arange(4))
+    x = torch.randn(3, 256)
+    assert torch.equal(back(x), net(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mixed2bit_quantized_on_cuda_saves_and_loads(make_tiny_llama, tmp_path):
+    """mixed2bit layers on CUDA hold an integer chunk index (derived, not stored): a model
+    quantized on the GPU saves a folder that loads, on the GPU and on the CPU."""
+    m = make_tiny_llama().cuda()
+    qformats.quantize_model(m, bits=2, group_size=16)
+    qformats.save_quantized(m, tmp_path)
+    ids = torch.randint(0, 256, (1, 12))
+    back = qformats.load_quantized(tmp_path, device="cuda")
+    assert torch.equal(_logits(back, ids.cuda()), _logits(m, ids.cuda()))
+    cpu = qformats.load_quantized(tmp_path)
+    assert torch.isfinite(_logits(cpu, ids)).all()
+
+
 def test_tied_embeddings(make_tiny_llama, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

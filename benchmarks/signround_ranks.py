@@ -79,13 +79,14 @@ def run(args) -> None:
     t0 = time.perf_counter()
     rep = qformats.quantize_model(model, bits=4, group_size=128, method="signround",
                                   calibration=calib, iters=args.iters, nsamples=args.nsamples,
-                                  seqlen=args.seqlen, batch_size=args.batch_size)
+                                  seqlen=args.seqlen, batch_size=args.batch_size, amp=args.amp)
     sync()
     secs = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     if rank == 0:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        res = {"world": world, "device": name, "shapes": args.shapes, "layers": args.layers, "iters": args.iters,
+        res = {"world": world, "device": name, "shapes": args.shapes, "layers": args.layers,
+               "amp": args.amp, "iters": args.iters,
                "nsamples": args.nsamples, "seqlen": args.seqlen, "batch_size": args.batch_size,
                "seconds": secs, "peak_gb": peak,
                "losses": [[b["rtn_loss"], b["loss"]] for b in rep.signround["blocks"]],
@@ -102,12 +103,15 @@ def compare(files: list) -> None:
     print(f"{base['device']}; {base['layers']} blocks of shapes {base['shapes']}, int4 g128, iters "
           f"{base['iters']}, nsamples {base['nsamples']}, seqlen {base['seqlen']}, batch "
           f"{base['batch_size']}\n")
-    print("| processes | seconds | x one | peak GB (rank 0) | layers' bytes = first file's |")
-    print("|---:|---:|---:|---:|---|")
+    print("| processes | amp | seconds | x first | peak GB (rank 0) | losses (rtn -> trained) "
+          "| layers' bytes = first file's |")
+    print("|---:|---|---:|---:|---:|---|---|")
     for r in rs:
         same = r["digest"] == base["digest"]
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
-        print(f"| {r['world']} | {r['seconds']:.1f} | {base['seconds'] / r['seconds']:.2f} | {peak} | "
+        losses = ", ".join(f"{a:.4g} -> {b:.4g}" for a, b in r["losses"])
+        print(f"| {r['world']} | {'bf16' if r.get('amp') else 'no'} | {r['seconds']:.1f} | "
+              f"{base['seconds'] / r['seconds']:.2f} | {peak} | {losses} | "
               f"{'yes' if same else 'NO'} ({len(r['digest'])} layers) |")
 
 
@@ -120,6 +124,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--amp", action="store_true", help="signround's bfloat16 autocast")
     ap.add_argument("--out", default="signround_ranks.json")
     ap.add_argument("--compare", nargs="+", metavar="JSON")
     args = ap.parse_args()

@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seqlen", type=_positive, metavar="N",
                    help=f"signround / budget: tokens per calibration window (default "
                         f"{sr.seqlen} for signround, {bu.seqlen} for budget)")
+    q.add_argument("--amp", action="store_true",
+                   help="signround on --device cuda: the blocks' matrix products in bfloat16 "
+                        "(torch.autocast), the rounding parameters and losses in float32")
     q.add_argument("--ignore", nargs="*", metavar="PAT",
                    help="module-name patterns (fnmatch, whole name or dotted suffix) to keep in "
                         "float; replaces the default (lm_head, embeddings); --ignore with no "
@@ -406,6 +409,8 @@ def _cmd_quantize(args) -> int:
         if args.stream and (args.method != "rtn" or args.calibration):
             raise ValueError("--stream quantizes with --method rtn without --calibration only "
                              "(the calibrated methods need the model in memory)")
+        if args.amp and args.method != "signround":
+            raise ValueError("--amp applies to --method signround only")
         if args.stream and args.device != "cpu":
             raise ValueError("--stream quantizes on the CPU (--device applies without --stream)")
         if not args.stream and args.method != "signround" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -429,6 +434,7 @@ def _cmd_quantize(args) -> int:
                     method_options[k] = getattr(args, k)
             if args.method == "signround":
                 method_options["iters"] = args.iters
+                method_options["amp"] = args.amp
             else:
                 if args.max_perplexity_increase is None and args.max_kl is None:
                     raise ValueError("--method budget needs --max-perplexity-increase PCT and/or --max-kl NATS")

@@ -139,6 +139,9 @@ class SignRoundConfig(_Options):
         selection: how mixed2bit's 4-bit groups are chosen before training:
             ``"sensitivity"`` (calibrated) or ``"range"``.
         sensitivity_power: the exponent of the normalized second moment.
+        amp: on a CUDA device, run the blocks' matrix products (targets, steps, outputs) under
+            ``torch.autocast`` in bfloat16, as AutoRound's ``amp`` does; the fake
+            quantization, the losses and the parameters stay float32. No effect on the CPU.
     Raises:
         ValueError: ``selection`` not in :data:`SELECTIONS`, or ``sensitivity_power`` not a
             finite number > 0.
@@ -154,6 +157,7 @@ class SignRoundConfig(_Options):
     seed: int = 0
     selection: str = "sensitivity"
     sensitivity_power: float = 1.0
+    amp: bool = False
 
     def __post_init__(self):
         check_selection(self.selection, self.sensitivity_power)

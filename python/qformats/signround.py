@@ -542,47 +542,48 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
         if bi > last:
             break
         t0 = time.perf_counter()
-        fblock = copy.deepcopy(block).to(torch.float32)
-        fblock.train(False)
-        names = [(rel, by_id[id(sub)]) for rel, sub in block.named_modules() if id(sub) in by_id]
-        # layers whose format makes a calibrated choice (mixed2bit's 4-bit groups): their
-        # inputs' second moments, from the same forward that computes the targets (the inputs
-        # the training sees)
-        mixed = {rel: fblock.get_submodule(rel) for rel, (_, fmt, qp) in names
-                 if format_spec(fmt).calibrated(qp)}
-        moments: dict = {}
-        if mixed and config.selection == "sensitivity":
-            def run():  # every rank over every sample: the moments' sums in one order
-                nonlocal targets
-                targets = _forward_all(fblock, inputs, config.batch_size)[0]
-            targets = None
-            moments = capture_second_moments(mixed, run)
-        else:
-            targets = _forward_all(fblock, inputs, config.batch_size, ranks=ranks)[0]
-        linears = {}
-        for rel, (name, fmt, qp) in names:
-            sens = None
-            if rel in moments:
-                sens = sensitivity_from_moments(moments[rel], config.sensitivity_power)
-            srl = SignRoundLinear.for_layer(fblock.get_submodule(rel), fmt, qp, sens)
-            _replace(fblock, rel, srl)
-            linears[rel] = srl
-        outs = None
-        if linears:
-            st = train_block(fblock, linears, inputs, targets, iters, config.lr,
-                             config.batch_size, config.seed + bi, keep_outputs=True, ranks=ranks)
-            outs = st.pop("outputs")
-            secs = time.perf_counter() - t0
+        with _autocast(block, config.amp):  # (a no-op unless amp on CUDA)
+            fblock = copy.deepcopy(block).to(torch.float32)
+            fblock.train(False)
+            names = [(rel, by_id[id(sub)]) for rel, sub in block.named_modules() if id(sub) in by_id]
+            # layers whose format makes a calibrated choice (mixed2bit's 4-bit groups): their
+            # inputs' second moments, from the same forward that computes the targets (the inputs
+            # the training sees)
+            mixed = {rel: fblock.get_submodule(rel) for rel, (_, fmt, qp) in names
+                     if format_spec(fmt).calibrated(qp)}
+            moments: dict = {}
+            if mixed and config.selection == "sensitivity":
+                def run():  # every rank over every sample: the moments' sums in one order
+                    nonlocal targets
+                    targets = _forward_all(fblock, inputs, config.batch_size)[0]
+                targets = None
+                moments = capture_second_moments(mixed, run)
+            else:
+                targets = _forward_all(fblock, inputs, config.batch_size, ranks=ranks)[0]
+            linears = {}
             for rel, (name, fmt, qp) in names:
-                orig = block.get_submodule(rel)
-                qt = linears[rel].export(str(orig.weight.dtype).removeprefix("torch."))
-                q = QuantizedLinear.from_quantized(qt, orig.bias)
-                results[name] = (q, secs / len(names))
-            st["seconds"] = secs
-            st["layers"] = [n for _, (n, _, _) in names]
-            stats["blocks"].append(st)
-        if outs is None:
-            outs = _forward_all(fblock, inputs, config.batch_size, ranks=ranks)[0]
+                sens = None
+                if rel in moments:
+                    sens = sensitivity_from_moments(moments[rel], config.sensitivity_power)
+                srl = SignRoundLinear.for_layer(fblock.get_submodule(rel), fmt, qp, sens)
+                _replace(fblock, rel, srl)
+                linears[rel] = srl
+            outs = None
+            if linears:
+                st = train_block(fblock, linears, inputs, targets, iters, config.lr,
+                                 config.batch_size, config.seed + bi, keep_outputs=True, ranks=ranks)
+                outs = st.pop("outputs")
+                secs = time.perf_counter() - t0
+                for rel, (name, fmt, qp) in names:
+                    orig = block.get_submodule(rel)
+                    qt = linears[rel].export(str(orig.weight.dtype).removeprefix("torch."))
+                    q = QuantizedLinear.from_quantized(qt, orig.bias)
+                    results[name] = (q, secs / len(names))
+                st["seconds"] = secs
+                st["layers"] = [n for _, (n, _, _) in names]
+                stats["blocks"].append(st)
+            if outs is None:
+                outs = _forward_all(fblock, inputs, config.batch_size, ranks=ranks)[0]
         inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
     bar.close()
     new = []
@@ -595,6 +596,17 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
             secs = time.perf_counter() - t1
         new.append((name, q, secs))
     return new, stats
+
+
+def _autocast(block: nn.Module, amp: bool):
+    """bfloat16 autocast for the block's work when ``amp`` and the block is on CUDA, else
+    nothing (:class:`qformats.config.SignRoundConfig`'s ``amp``)."""
+    dev = next(iter(block.parameters()), torch.empty(0)).device
+    if not amp or dev.type != "cuda":
+        return contextlib.nullcontext()
+    # No cast cache: it would keep every step's weight leaves (new tensors each step) and
+    # their bfloat16 copies until the block ends; a cast per forward is a few ms per step.
+    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
 
 
 def _ranks_for(model: nn.Module) -> Ranks:

@@ -539,15 +539,29 @@ def test_quantize_model_tiny_llama(make_tiny_llama):
     assert torch.isfinite(out).all() and out.shape == ref.shape
 
 
+def test_amp_changes_nothing_on_the_cpu(make_tiny_llama):
+    ids = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))]
+    states = []
+    for amp in (False, True):
+        model = make_tiny_llama()
+        rep = qformats.quantize_model(model, bits=4, group_size=32, method="signround", calibration=ids,
+                                      iters=4, nsamples=2, seqlen=16, batch_size=2, amp=amp)
+        assert rep.signround["options"]["amp"] is amp
+        states.append(model.state_dict())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_quantize_model_tiny_llama_on_cuda_twice_same_bytes(make_tiny_llama):
-    """On the GPU: trained layers on the model's device, no worse than RTN, and a second run
-    gives the same bytes (the per-sample gradients, attention's included, are deterministic)."""
+@pytest.mark.parametrize("amp", [False, True])
+def test_quantize_model_tiny_llama_on_cuda_twice_same_bytes(make_tiny_llama, amp):
+    """On the GPU (float32, or bfloat16 autocast): trained layers on the model's device, no
+    worse than RTN, and a second run gives the same bytes (the per-sample gradients,
+    attention's included, are deterministic)."""
     ids = [torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(5))]
     states = []
     for _ in range(2):
         model = make_tiny_llama().cuda()
-        rep = qformats.quantize_model(model, bits=4, group_size=32, method="signround",
+        rep = qformats.quantize_model(model, bits=4, group_size=32, method="signround", amp=amp,
                                       calibration=ids, iters=15, nsamples=4, seqlen=32, batch_size=4)
         assert rep.formats == {"int4": 14}
         assert all(b["loss"] <= b["rtn_loss"] for b in rep.signround["blocks"])

@@ -529,7 +529,8 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
         raise ValueError(f"iters must be >= 0, got {iters}")
     samples = calibration_samples(config.calibration, config.tokenizer, config.nsamples, config.seqlen)
     blocks_name, blocks = find_blocks(model)
-    ranks = _ranks_for(model)
+    device = next(iter(model.parameters()), torch.empty(0)).device  # where the blocks train
+    ranks = _ranks_for(device)
     by_id = {id(m): (name, fmt, qp) for name, m, fmt, qp in plan}
     results: dict = {}
     stats: dict = {"blocks": [], "options": config.options(data=False)}
@@ -542,7 +543,7 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
         if bi > last:
             break
         t0 = time.perf_counter()
-        with _autocast(block, config.amp):  # (a no-op unless amp on CUDA)
+        with _autocast(device, config.amp):  # (a no-op unless amp on CUDA)
             fblock = copy.deepcopy(block).to(torch.float32)
             fblock.train(False)
             names = [(rel, by_id[id(sub)]) for rel, sub in block.named_modules() if id(sub) in by_id]
@@ -598,21 +599,19 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
     return new, stats
 
 
-def _autocast(block: nn.Module, amp: bool):
-    """bfloat16 autocast for the block's work when ``amp`` and the block is on CUDA, else
-    nothing (:class:`qformats.config.SignRoundConfig`'s ``amp``)."""
-    dev = next(iter(block.parameters()), torch.empty(0)).device
-    if not amp or dev.type != "cuda":
+def _autocast(device: torch.device, amp: bool):
+    """bfloat16 autocast for a block's work when ``amp`` and ``device`` is CUDA, else nothing
+    (:class:`qformats.config.SignRoundConfig`'s ``amp``)."""
+    if not amp or device.type != "cuda":
         return contextlib.nullcontext()
     # No cast cache: it would keep every step's weight leaves (new tensors each step) and
     # their bfloat16 copies until the block ends; a cast per forward is a few ms per step.
     return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
 
 
-def _ranks_for(model: nn.Module) -> Ranks:
+def _ranks_for(dev: torch.device) -> Ranks:
     """The ranks sharing the work (one process when torch.distributed is not initialized),
-    with their collectives on the model's device under NCCL."""
-    dev = next(iter(model.parameters()), torch.empty(0)).device
+    with their collectives on the model's device ``dev`` under NCCL."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \

@@ -97,6 +97,14 @@ __device__ __forceinline__ V warp_inclusive_sum(V v) {
 
 __host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// (a & mask) | c in one LOP3. Written as C, (x & imm) | imm2 compiles to two instructions (a LOP3
+// takes one immediate), and the compiler splits it again when a comes from an XOR.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(c));
+  return r;
+}
+
 // The CTA copies nbytes from src to dst, 16 bytes per thread per step when both ends are
 // 16-byte aligned (whole sectors per warp instruction), bytewise otherwise. One side is
 // shared memory (always 16-byte aligned here), the other a CTA's contiguous slice of a global

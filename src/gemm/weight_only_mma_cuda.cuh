@@ -59,12 +59,7 @@ constexpr int kMmaMaxWarps = 8;  // warps per CTA splitting K
 template <class H>
 struct PairOps;
 
-// (a & mask) | c in one LOP3 (the compiler splits it in two when a comes from an XOR).
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t c) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(c));
-  return r;
-}
+using cuda::and_or;  // (a & mask) | c in one LOP3
 
 // The per-unit constants of nibble_pairs: magic + zero (and magic + 16 zero), the scale pair.
 struct NibbleConsts {

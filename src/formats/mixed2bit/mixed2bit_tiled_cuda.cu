@@ -12,6 +12,7 @@
 #include "common/cuda_utils.cuh"
 #include "formats/mixed2bit/mixed2bit_cuda_common.cuh"
 #include "formats/mixed2bit/mixed2bit_tiled.h"
+#include "gemm/weight_only_cuda.h"
 
 namespace qf::mixed2bit::tiled {
 namespace {
@@ -31,6 +32,7 @@ __global__ void check_map_kernel(const uint32_t* __restrict__ map, const Dims d,
 struct DeqDims {
   uint32_t K16, G, wpg, nb, mw, nt, n4_row, n4_full, n4_last, rest;  // rest = G % 32
   int b_shift;                                                       // log2(scale_block)
+  int wpg_shift;  // log2(wpg) when a power of two (a shift instead of a 32-bit division), else -1
   int64_t rows;
 };
 
@@ -54,8 +56,9 @@ __launch_bounds__(kThreads) dequantize_kernel(const ConstBuffers q, const DeqDim
   const uint32_t w0 = w & ~31u;                            // the warp's first word
   if (w0 >= d.K16) return;                                 // the whole warp
   const bool valid = w < d.K16;
-  const uint32_t c = (valid ? w : w0) / d.wpg, sub = (valid ? w : w0) - c * d.wpg;  // group, word in it
-  const uint32_t t = (w0 / d.wpg) / kTileGroups;                                     // the warp's tile
+  const uint32_t wv = valid ? w : w0;
+  const uint32_t c = d.wpg_shift >= 0 ? wv >> d.wpg_shift : wv / d.wpg, sub = wv - c * d.wpg;  // group, word in it
+  const uint32_t t = (d.wpg_shift >= 0 ? w0 >> d.wpg_shift : w0 / d.wpg) / kTileGroups;      // the warp's tile
   const uint32_t tile_n4 = (t + 1) * kTileGroups <= d.G ? d.n4_full : d.n4_last;
   T nan_t;
   from_f32(__uint_as_float(0x7FC00000u), &nan_t);
@@ -105,11 +108,8 @@ __launch_bounds__(kThreads) dequantize_kernel(const ConstBuffers q, const DeqDim
       s_eff = effective(static_cast<uint16_t>(so), static_cast<int>(s & 15u));
       m_eff = effective(static_cast<uint16_t>(so >> 16), static_cast<int>(s >> 4));
     }
-    // One code path for both kinds (a warp nearly always holds both): the codes as nibbles, a
-    // 4-bit group's q = hi << 2 | lo, a 2-bit group's q = hi (its fields as the low bits).
-    const uint32_t a = is4 ? hi : 0u, b = is4 ? lo : hi;
-    decode16(nibbles_of_2bit(b) | nibbles_of_2bit(a) << 2, nibbles_of_2bit(b >> 16) | nibbles_of_2bit(a >> 16) << 2,
-             s_eff, m_eff, out);
+    // One code path for both kinds (a warp nearly always holds both)
+    decode16_planes(hi, lo, is4, s_eff, m_eff, out);
     store16(out, dst, vec);
   }
 }
@@ -146,6 +146,7 @@ void dequantize_cuda(const ConstBuffers& q, const Dims& d, T* y, void* stream) {
                    static_cast<uint32_t>(d.n4_last),
                    static_cast<uint32_t>(d.groups_per_row() % kMapBits),
                    b_shift,
+                   gemm::log2_exact(d.words_per_group()),
                    d.rows};
   const bool vec = (reinterpret_cast<uintptr_t>(y) & 15u) == 0;
   const dim3 grid(cuda::grid_for(K16, kThreads), static_cast<unsigned>(d.rows < 65535 ? d.rows : 65535));

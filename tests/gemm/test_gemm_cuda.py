@@ -122,14 +122,15 @@ def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
                                     {"layout": "tiled", "ratio_4bit": 1.0, "scale_block": 256},
                                     {"layout": "tiled", "ratio_4bit": 0.0}], ids=str)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_mixed2bit_tiled_gemv_many_tiles(params, dtype):
-    """One activation row on the tiled layout's own GEMV kernel (groups of 16, K a multiple of 64):
+@pytest.mark.parametrize("n", [1, 2])
+def test_mixed2bit_tiled_gemv_many_tiles(params, dtype, n):
+    """One and two activation rows on the tiled layout's own GEMV kernel (groups of 16, K a multiple of 64):
     rows of two full 256-group tiles and a partial third (K = 16 * 612: a partial last step too),
     eight warps per CTA whose runs start mid-tile and mid-map-word, no / some / only 4-bit groups,
     scale blocks of 4 to 256 groups, M = 53; NaN-filled outputs all overwritten."""
     m, k = 53, 16 * 612
     mod, q, qc, w64 = weight("mixed2bit", m, k, 11, **params)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DTYPES[dtype]).cuda()
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(5)).to(DTYPES[dtype]).cuda()
     assert_close(native_gemm_into_nan("mixed2bit", mod, q, qc, x, m), x, w64, TOL[dtype])
 
 

@@ -488,8 +488,8 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
             that does not mark n4 groups.
     The tiled layout runs the same way (on the CPU a panel of rows decoded at a time; on CUDA
     ``src/formats/mixed2bit/mixed2bit_tiled_gemm_cuda.cu``), its map checked once per weight,
-    except one float16 / bfloat16 row (N = 1) at groups of 16, K a multiple of 64 and K <= 20480
-    on sm_80+: its own GEMV (``mixed2bit_tiled_gemv_cuda.cuh``) multiplies the exact codes on
+    except one or two float16 / bfloat16 rows (N <= 2) at groups of 16, K a multiple of 64 and
+    K <= 20480 on sm_80+: its own GEMV (``mixed2bit_tiled_gemv_cuda.cuh``) multiplies the exact codes on
     tensor cores and applies each group's ``s_eff``, ``m_eff`` to its float32 sums, as the float32
     path does (the weights are not rounded to x's dtype there).
     """

@@ -1,7 +1,7 @@
 // mixed2bit layout "tiled" (mixed2bit_tiled.h): the weight-only GEMM on the GPU, one policy for
 // both shared drivers (gemm/weight_only_policy_cuda.cuh): the float32 kernel for float32
-// activations, the tensor-core kernel for 16-bit ones on sm_80+; one 16-bit activation row at
-// groups of 16 takes the layout's own GEMV instead (mixed2bit_tiled_gemv_cuda.cuh, which says why).
+// activations, the tensor-core kernel for 16-bit ones on sm_80+; one or two 16-bit activation
+// rows at groups of 16 take the layout's own GEMV instead (mixed2bit_tiled_gemv_cuda.cuh, which says why).
 //
 // What the layout buys the kernel: a unit (16 values of one row) finds its codes word, scale
 // byte and second-order pair at addresses given by its column, whatever the kind of its group,
@@ -171,7 +171,7 @@ void gemm_cuda(const T* X, int64_t N, const ConstBuffers& q, const Dims& d, T* Y
                       gemm::log2_exact(d.scale_block)};
   if constexpr (!std::is_same_v<T, float>) {
     if (cuda::has_sm80_mma()) {
-      if (gemv::supports(q, d, N)) return gemv::launch(q, d, X, Y, bias, stream);
+      if (gemv::supports(q, d, N)) return gemv::launch(q, d, X, N, Y, bias, stream);
       return gemm::cuda_wo::launch_weight_only_mma(f, X, N, d.K, d.rows, Y, bias, stream);
     }
   }

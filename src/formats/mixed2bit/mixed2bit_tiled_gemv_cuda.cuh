@@ -1,5 +1,5 @@
-// mixed2bit layout "tiled" (mixed2bit_tiled.h): the one-row GEMV (a decode step, N = 1) for
-// groups of 16 values, 16-bit activations, sm_80+, written for the layout instead of through the
+// mixed2bit layout "tiled" (mixed2bit_tiled.h): the GEMV for one or two activation rows (decode
+// steps, N <= 2) for groups of 16 values, 16-bit activations, sm_80+, written for the layout instead of through the
 // shared tensor-core driver's per-unit policy (mixed2bit_tiled_gemm_cuda.cu, which still takes
 // every other case).
 //
@@ -19,14 +19,16 @@
 //   group precomputed once per CTA. For that every lane must get its own group's sum out of the
 //   mma: B is block-diagonal (columns 2t and 2t + 1 hold the activations of lane t's k slots and
 //   zeros elsewhere: lanes (g', t) with g' / 2 != t read a zero slot), so lane (g, t)'s
-//   accumulators c[0], c[2] hold exactly its own group's sums for rows g and g + 8. The decode
+//   accumulators hold exactly its own group's sums for rows g and g + 8: c[0], c[2] with one
+//   activation row (which both columns hold), c[0..1], c[2..3] with two (row n in column 2t + n,
+//   so a second row costs no mma and no decode, only its table and its epilogue). The decode
 //   is then two instructions per weight pair (field into the magic, subtract it) instead of
 //   five or six, and no 16-bit scale splats.
 //
 // Work split, as the driver's one-row kernel (weight_only_mma_cuda.cuh): a CTA owns 16 weight
 // rows and its warps split the row's steps (16 groups, 256 values) into contiguous runs; lane
-// (g, t) takes rows g and g + 8 and groups 4t .. 4t + 3 of each step. The CTA first writes X's row
-// into shared memory in mma order, the B registers of a group's four mma in two 16-byte slots.
+// (g, t) takes rows g and g + 8 and groups 4t .. 4t + 3 of each step. The CTA first writes X's
+// rows into shared memory in mma order, the B registers of a group's four mma in two 16-byte slots.
 // The weights of the next step are loaded while the current one is multiplied (two register
 // stages).
 //
@@ -179,16 +181,18 @@ __device__ __forceinline__ void group_codes(const RowStage& st, int i, int j, ui
 // permutation within each run of 8 slots.
 __device__ __forceinline__ uint32_t xs_slot(uint32_t u, int j) { return (2 * u + j) ^ (((u >> 2) & 3u) << 1); }
 
-template <class H>
+template <class H, int NR>
 __global__ void
 __launch_bounds__(kWarps * 32)
     weight_only_tiled_gemv(const Args a, const H* __restrict__ X, int64_t K, int64_t M, H* __restrict__ Y,
                            const H* __restrict__ bias) {
+  static_assert(NR == 1 || NR == 2, "the block-diagonal B has two columns per lane");
   using Ops = gemm::cuda_wo::PairOps<H>;
-  // dynamic shared memory (the launcher's xs_bytes): per group of X's row (zero-padded to whole
-  // steps) two 16-byte slots of B registers, then one zero slot, then the groups' float32 sums
+  // dynamic shared memory (the launcher's xs_bytes): per activation row and group (zero-padded
+  // to whole steps) two 16-byte slots of B registers, then one zero slot, then per row and group
+  // its float32 sum
   extern __shared__ uint4 xs[];
-  __shared__ float red[kWarps][gemm::cuda_wo::kMmaRows];
+  __shared__ float red[kWarps][NR][gemm::cuda_wo::kMmaRows];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t m0 = int64_t(blockIdx.x) * gemm::cuda_wo::kMmaRows;
@@ -198,7 +202,7 @@ __launch_bounds__(kWarps * 32)
   const uint32_t groups = a.G4 * kLaneGroups, steps = (groups + kStepGroups - 1) / kStepGroups;
   const uint32_t padded = steps * kStepGroups;
   const uint32_t first = steps * warp / nwarps, end = steps * (warp + 1) / nwarps;
-  float* const xsum = reinterpret_cast<float*>(xs + 2 * padded + 1);
+  float* const xsum = reinterpret_cast<float*>(xs + NR * 2 * padded + 1);  // [NR][padded]
 
   const uint32_t wi0 = first < end ? first * kStepGroups / kMapBits : 0u;
   Row rA = row_at(a, mA, wi0), rB = row_at(a, mB, wi0);
@@ -207,14 +211,17 @@ __launch_bounds__(kWarps * 32)
     load_row(a, first, t, rA, s0[0]);
     load_row(a, first, t, rB, s0[1]);
   }
-  // the table: one group per thread and pass; its 8 activation pairs in xpair_lo_first's order
-  // (.x .y: the B registers of the mma of pairs 4j, 4j + 2; .z .w: 4j + 1, 4j + 3), and its sum
-  for (uint32_t u = threadIdx.x; u < padded; u += blockDim.x) {
+  // the tables: one group of one row per thread and pass; its 8 activation pairs in
+  // xpair_lo_first's order (.x .y: the B registers of the mma of pairs 4j, 4j + 2; .z .w: 4j + 1,
+  // 4j + 3), and its sum
+  for (uint32_t e = threadIdx.x; e < NR * padded; e += blockDim.x) {
+    const uint32_t n = e / padded, u = e % padded;
     uint32_t w[16];
     float sum = 0.0f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint4 v = u < groups ? __ldg(reinterpret_cast<const uint4*>(X + int64_t(u) * 16) + h) : make_uint4(0, 0, 0, 0);
+      const uint4 v = u < groups ? __ldg(reinterpret_cast<const uint4*>(X + n * K + int64_t(u) * 16) + h)
+                                 : make_uint4(0, 0, 0, 0);
       w[4 * h] = v.x, w[4 * h + 1] = v.y, w[4 * h + 2] = v.z, w[4 * h + 3] = v.w;
     }
 #pragma unroll
@@ -222,17 +229,21 @@ __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       using gemm::cuda_wo::xpair_lo_first;
-      xs[xs_slot(u, j)] = make_uint4(xpair_lo_first(w, 4 * j), xpair_lo_first(w, 4 * j + 2),
+      xs[n * 2 * padded + xs_slot(u, j)] = make_uint4(xpair_lo_first(w, 4 * j), xpair_lo_first(w, 4 * j + 2),
                                      xpair_lo_first(w, 4 * j + 1), xpair_lo_first(w, 4 * j + 3));
     }
-    xsum[u] = sum;
+    xsum[e] = sum;
   }
-  if (threadIdx.x == 0) xs[2 * padded] = make_uint4(0, 0, 0, 0);
+  if (threadIdx.x == 0) xs[NR * 2 * padded] = make_uint4(0, 0, 0, 0);
   __syncthreads();
 
-  // lane (g', t) supplies B column g': lane t's own k slots when g' / 2 == t, else the zero slot
+  // lane (g', t) supplies B column g': lane t's own k slots when g' / 2 == t (of activation row
+  // g' % 2 for two rows; both columns hold the one row otherwise), else the zero slot
+  const uint32_t xbase = (g >> 1) == t ? (NR == 2 ? (g & 1) * 2 * padded : 0u) : NR * 2 * padded;
   const bool mine = (g >> 1) == t;
-  float yA = 0.0f, yB = 0.0f;
+  float yA[NR], yB[NR];  // rows g, g + 8 x activation rows
+#pragma unroll
+  for (int n = 0; n < NR; ++n) yA[n] = yB[n] = 0.0f;
   auto multiply = [&](uint32_t s, const RowStage (&st)[2]) {
     const float dA2 = fp16_bits_to_fp32(static_cast<uint16_t>(st[0].so));
     const float mA2 = fp16_bits_to_fp32(static_cast<uint16_t>(st[0].so >> 16));
@@ -248,7 +259,7 @@ __launch_bounds__(kWarps * 32)
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const uint4 xq = xs[mine ? xs_slot(u, j) : 2 * padded];
+        const uint4 xq = xs[mine ? xbase + xs_slot(u, j) : xbase];
         uint32_t pa[4], pb[4];
         group_codes<Ops>(st[0], i, j, pa);
         group_codes<Ops>(st[1], i, j, pb);
@@ -256,18 +267,22 @@ __launch_bounds__(kWarps * 32)
         Ops::mma(c, a0, xq.x, xq.y);
         Ops::mma(c, a1, xq.z, xq.w);
       }
-      // c[0] = sum(q x) of row A's group, c[2] row B's; the group's scales in float32
-      const float xg = xsum[u];
-      auto apply = [&](const RowStage& r, float d2, float m2, float d4, float m4, float sum, float& y) {
+      // c[n] = sum(q x) of row A's group with activation row n, c[2 + n] row B's (c[1], c[3]
+      // repeat c[0], c[2] for one row); the group's scales in float32
+      float xg[NR];
+#pragma unroll
+      for (int n = 0; n < NR; ++n) xg[n] = xsum[n * padded + u];
+      auto apply = [&](const RowStage& r, float d2, float m2, float d4, float m4, const float* sum, float (&y)[NR]) {
         const bool is4 = (r.bits >> i) & 1u;
         const uint32_t sbyte = (r.sb >> (8 * i)) & 0xFFu;
         const float sc = static_cast<float>(is4 ? sbyte : sbyte & 15u);
         const float mc = static_cast<float>(is4 ? r.mc[i] : sbyte >> 4);
-        y = fmaf((is4 ? d4 : d2) * sc, sum, y);
-        y = fmaf(-((is4 ? m4 : m2) * mc), xg, y);
+        const float se = (is4 ? d4 : d2) * sc, nme = -((is4 ? m4 : m2) * mc);
+#pragma unroll
+        for (int n = 0; n < NR; ++n) y[n] = fmaf(nme, xg[n], fmaf(se, sum[n], y[n]));
       };
-      apply(st[0], dA2, mA2, dA4, mA4, c[0], yA);
-      apply(st[1], dB2, mB2, dB4, mB4, c[2], yB);
+      apply(st[0], dA2, mA2, dA4, mA4, c, yA);
+      apply(st[1], dB2, mB2, dB4, mB4, c + 2, yB);
     }
   };
   for (uint32_t s = first; s < end; s += 2) {  // warp-uniform
@@ -284,41 +299,45 @@ __launch_bounds__(kWarps * 32)
   }
 
   // the quad's lanes (t = 0..3: their groups of each step) in a fixed order, then the warps
-  yA += __shfl_xor_sync(0xFFFFFFFFu, yA, 1);
-  yB += __shfl_xor_sync(0xFFFFFFFFu, yB, 1);
-  yA += __shfl_xor_sync(0xFFFFFFFFu, yA, 2);
-  yB += __shfl_xor_sync(0xFFFFFFFFu, yB, 2);
-  if (t == 0) {
-    red[warp][g] = yA;
-    red[warp][g + 8] = yB;
+#pragma unroll
+  for (int n = 0; n < NR; ++n) {
+    yA[n] += __shfl_xor_sync(0xFFFFFFFFu, yA[n], 1);
+    yB[n] += __shfl_xor_sync(0xFFFFFFFFu, yB[n], 1);
+    yA[n] += __shfl_xor_sync(0xFFFFFFFFu, yA[n], 2);
+    yB[n] += __shfl_xor_sync(0xFFFFFFFFu, yB[n], 2);
+    if (t == 0) {
+      red[warp][n][g] = yA[n];
+      red[warp][n][g + 8] = yB[n];
+    }
   }
   __syncthreads();
-  if (threadIdx.x < gemm::cuda_wo::kMmaRows) {
-    const int r = threadIdx.x;
+  if (threadIdx.x < NR * gemm::cuda_wo::kMmaRows) {
+    const int n = threadIdx.x / gemm::cuda_wo::kMmaRows, r = threadIdx.x % gemm::cuda_wo::kMmaRows;
     float v = 0.0f;
-    for (int w = 0; w < nwarps; ++w) v += red[w][r];
-    if (m0 + r < M) gemm::cuda_wo::store_out(v, bias, m0 + r, &Y[m0 + r]);
+    for (int w = 0; w < nwarps; ++w) v += red[w][n][r];
+    if (m0 + r < M) gemm::cuda_wo::store_out(v, bias, m0 + r, &Y[n * M + m0 + r]);
   }
 }
 
-// Bytes of the kernel's shared tables for K values: whole steps of groups, two 16-byte slots
-// and a float32 sum per group, one zero slot.
-inline size_t xs_bytes(int64_t K) {
+// Bytes of the kernel's shared tables for K values and nr activation rows: whole steps of groups,
+// two 16-byte slots and a float32 sum per row and group, one zero slot.
+inline size_t xs_bytes(int64_t K, int64_t nr) {
   const int64_t groups = (K / 16 + kStepGroups - 1) / kStepGroups * kStepGroups;
-  return size_t(groups) * (2 * 16 + 4) + 16;
+  return size_t(nr * groups) * (2 * 16 + 4) + 16;
 }
 
-// Whether the kernel takes this call: one activation row, groups of 16 values, scale blocks of at
-// least four groups, K a multiple of 64 (whole four-group chunks, 16-byte aligned rows of codes),
-// the tables within 46 KB beside the kernel's static 512 bytes (K <= 20480), code words 16-byte and scale bytes 4-byte aligned.
+// Whether the kernel takes this call: one or two activation rows, groups of 16 values, scale
+// blocks of at least four groups, K a multiple of 64 (whole four-group chunks, 16-byte aligned
+// rows of codes) and at most 20480 (the tables: 46 KB per row), code words 16-byte and scale
+// bytes 4-byte aligned.
 inline bool supports(const ConstBuffers& q, const Dims& d, int64_t N) {
-  return N == 1 && d.group_size == 16 && d.scale_block >= 4 && d.K % 64 == 0 && xs_bytes(d.K) <= 46 * 1024 &&
+  return (N == 1 || N == 2) && d.group_size == 16 && d.scale_block >= 4 && d.K % 64 == 0 && d.K <= 20480 &&
          cuda::aligned16(q.codes) && (reinterpret_cast<uintptr_t>(q.scales) & 3u) == 0;
 }
 
 // Launches the kernel on `stream` (the caller checked supports() and the dims).
 template <class H>
-void launch(const ConstBuffers& q, const Dims& d, const H* X, H* Y, const H* bias, void* stream) {
+void launch(const ConstBuffers& q, const Dims& d, const H* X, int64_t N, H* Y, const H* bias, void* stream) {
   const int64_t M = d.rows;
   if (M <= 0 || d.K <= 0) return;
   const Args a{reinterpret_cast<const uint4*>(q.codes),
@@ -341,7 +360,13 @@ void launch(const ConstBuffers& q, const Dims& d, const H* X, H* Y, const H* bia
   const int64_t steps = (d.K / 16 + kStepGroups - 1) / kStepGroups;
   int warps = 1;
   while (warps < kWarps && int64_t(grid.x) * warps < 2048 && warps * 2 <= steps) warps *= 2;
-  weight_only_tiled_gemv<H><<<grid, warps * 32, xs_bytes(d.K), cuda::stream(stream)>>>(a, X, d.K, M, Y, bias);
+  auto go = [&](auto kernel) {
+    const size_t smem = xs_bytes(d.K, N);
+    if (smem > 46 * 1024) cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));  // (two rows)
+    kernel<<<grid, warps * 32, smem, cuda::stream(stream)>>>(a, X, d.K, M, Y, bias);
+  };
+  if (N == 2) go(weight_only_tiled_gemv<H, 2>);
+  else go(weight_only_tiled_gemv<H, 1>);
   cuda::check_launch("mixed2bit tiled GEMV");
 }
 

@@ -272,30 +272,48 @@ bool launch_weight_only_wgmma(const Fmt& f, const H* X, int64_t N, int64_t K, in
   auto shape = [&](int wr, int s) {
     set_wide_grid(cfg, dim3(cuda::grid_for(M, kMmaRows * wr * kWideWarps), cuda::grid_for(N, nt * 8), s));
   };
-  const int sms = cuda::sm_count();
-  double best = 0.0;
+  // The choice depends only on the call's shape, the kernel family and the device, so it is made
+  // once per (NT, PAIR, M, column CTAs, steps, device) and remembered: an eager layer call then
+  // pays one lookup instead of 16 occupancy queries (benchmarks/README.md, "wgmma launcher").
+  int dev = 0;
+  cuda::check(cudaGetDevice(&dev), "CUDA device");
+  const auto key = std::make_tuple(nt, pair, M, int64_t(cuda::grid_for(N, nt * 8)), steps, dev);
+  static std::mutex choice_mu;
+  static std::map<std::tuple<int, bool, int64_t, int64_t, int64_t, int>, std::pair<int, int>> choices;
   int best_wr = 0, best_s = 0;
-  for (int wr = nt == 16 ? 1 : 2; wr >= 1; --wr)  // (ties: more rows per CTA, then fewer slices; 128
-                                                  // activation rows: one row group, for the registers)
-    for (int s = 1; s <= kWideMaxSlices && s <= steps; ++s) {
-      shape(wr, s);
-      int fit = 0;
-      with_kernel(wr, [&](auto kernel) {
-        cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
-        fit = max_active_clusters(reinterpret_cast<const void*>(kernel), cfg, s);
-      });
-      if (fit <= 0) continue;
-      // a CTA's work (wr x its steps) times the waves of clusters, or times the CTAs per SM when
-      // more than one CTA shares an SM
-      const int64_t clusters = int64_t(cfg.gridDim.x) * cfg.gridDim.y;
-      const double waves = std::max(double((clusters + fit - 1) / fit), double(clusters * s) / sms);
-      const double cost = waves * wr * double((steps + s - 1) / s);
-      if (best_wr == 0 || cost < best) best = cost, best_wr = wr, best_s = s;
-    }
-  if (best_wr == 0) return false;
+  {
+    std::lock_guard<std::mutex> lock(choice_mu);
+    const auto it = choices.find(key);
+    if (it != choices.end()) best_wr = it->second.first, best_s = it->second.second;
+  }
+  if (best_wr == 0) {
+    const int sms = cuda::sm_count();
+    double best = 0.0;
+    for (int wr = nt == 16 ? 1 : 2; wr >= 1; --wr)  // (ties: more rows per CTA, then fewer slices; 128
+                                                    // activation rows: one row group, for the registers)
+      for (int s = 1; s <= kWideMaxSlices && s <= steps; ++s) {
+        shape(wr, s);
+        int fit = 0;
+        with_kernel(wr, [&](auto kernel) {
+          cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
+          fit = max_active_clusters(reinterpret_cast<const void*>(kernel), cfg, s);
+        });
+        if (fit <= 0) continue;
+        // a CTA's work (wr x its steps) times the waves of clusters, or times the CTAs per SM when
+        // more than one CTA shares an SM
+        const int64_t clusters = int64_t(cfg.gridDim.x) * cfg.gridDim.y;
+        const double waves = std::max(double((clusters + fit - 1) / fit), double(clusters * s) / sms);
+        const double cost = waves * wr * double((steps + s - 1) / s);
+        if (best_wr == 0 || cost < best) best = cost, best_wr = wr, best_s = s;
+      }
+    if (best_wr == 0) return false;  // (not remembered: nothing fits, a rare shape)
+    std::lock_guard<std::mutex> lock(choice_mu);
+    choices[key] = {best_wr, best_s};
+  }
   const int slice_steps = static_cast<int>((steps + best_s - 1) / best_s);
   shape(best_wr, best_s);
   with_kernel(best_wr, [&](auto kernel) {
+    cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
     cuda::check(cudaLaunchKernelEx(&cfg, kernel, f, X, N, K, M, Y, bias, slice_steps), "weight-only GEMM (wgmma)");
   });
   cuda::check_launch("weight-only GEMM (wgmma)");

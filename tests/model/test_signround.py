@@ -612,10 +612,13 @@ def test_tree_sum_over_any_number_of_ranks_is_one_process_sum(n):
     terms = (torch.randn(n, 4096, generator=g) * scale).float()
     one = sr._tree_sum(0, n, lambda i: [terms[i].clone()])[0]
     for world in range(1, 6):
-        nodes = sr._nodes(n, world)
+        nodes, owner = sr._nodes(n, world)
         assert nodes[0][0] == 0 and nodes[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(nodes, nodes[1:]))
-        assert len(nodes) >= min(world, n)
+        assert len(nodes) >= min(world, n) and len(owner) == len(nodes)
+        assert sorted(set(owner)) == list(range(min(world, n)))  # every rank with a term works
+        load = [sum(hi - lo for (lo, hi), r in zip(nodes, owner) if r == rank) for rank in range(world)]
+        assert max(load) <= -(-n // world) + (n > world)  # within one term of an even split
         known = {(lo, hi): sr._tree_sum(lo, hi, lambda i: [terms[i].clone()]) for lo, hi in nodes}
         assert torch.equal(sr._tree_sum(0, n, None, known)[0].view(torch.int32), one.view(torch.int32))
     if n >= 4:  # from 4 terms the tree's order is not the running sum's
@@ -624,6 +627,20 @@ def test_tree_sum_over_any_number_of_ranks_is_one_process_sum(n):
         for i in range(1, n):
             seq += plain[i]
         assert not torch.equal(seq, sr._tree_sum(0, n, lambda i: [plain[i].clone()])[0])
+
+
+def test_subtrees_balance_the_terms_over_the_ranks():
+    """3 ranks and a batch of 8: 3, 3 and 2 samples each (a level of the tree alone gives 4, 2,
+    2); 2 and 4 ranks keep whole levels (no extra gathered sums). The splitting is greedy: it
+    stops at the first split that does not help (32 terms: 12, 12, 8, where 11, 11, 10 exists)."""
+    def loads(n, world):
+        nodes, owner = sr._nodes(n, world)
+        return sorted((sum(hi - lo for (lo, hi), r in zip(nodes, owner) if r == rank) for rank in range(world)),
+                      reverse=True), len(nodes)
+    assert loads(8, 3) == ([3, 3, 2], 5)
+    assert loads(8, 2) == ([4, 4], 2)
+    assert loads(8, 4) == ([2, 2, 2, 2], 4)
+    assert loads(32, 3) == ([12, 12, 8], 5)  # a level alone: 16, 8, 8
 
 
 class _ThreadRanks:

@@ -8,6 +8,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace qf::cuda {
@@ -74,13 +75,42 @@ inline unsigned grid_for(int64_t n_items, int items_per_cta) {
   return static_cast<unsigned>(g);
 }
 
-// Sum of v over the 32 lanes of a warp (butterfly: every lane gets it). All 32 lanes must call.
-// For integers the sum is exact; for floats its order is fixed by the butterfly.
+// Sum of v over the 32 lanes of a warp (every lane gets it). All 32 lanes must call. For 32-bit
+// integers the sum is exact and, on sm_80+, one REDUX instruction (redux.sync) instead of five
+// dependent shuffle-add rounds; otherwise a butterfly, whose order is fixed for floats.
 template <class V>
 __device__ __forceinline__ V warp_sum(V v) {
+#if __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<V, int> || std::is_same_v<V, unsigned>) {
+    return __reduce_add_sync(0xFFFFFFFFu, v);
+  } else
+#endif
+  {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    return v;
+  }
+}
+
+// Maximum / minimum of an unsigned v over the 32 lanes of a warp (every lane gets it); all 32
+// lanes must call. One REDUX instruction on sm_80+, a butterfly before.
+__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xFFFFFFFFu, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
   return v;
+#endif
+}
+__device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(0xFFFFFFFFu, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+#endif
 }
 
 // Inclusive prefix sum of v over the 32 lanes of a warp (Hillis-Steele with shuffles; exact for

@@ -1,9 +1,11 @@
 // mixed2bit layout "tiled" on the GPU (mixed2bit_tiled.h): the map check and the dequantizer.
 //
 // Dequantize: a thread per 16-value codes word (16 values out: the stores are the traffic), a
-// CTA per 256 words of one row (grid.y walks the rows). A warp's 32 words lie in one tile of one
-// row (a tile is 256 * gs / 16 words, a multiple of 32), so the warp reads that tile's (at most
-// 8) map words itself, lanes 0..7 one each, and shares them and their prefix counts by shuffles:
+// CTA per 256 words of one row (grid.y walks the rows), or per 128 or 64 when that divides the
+// row's words in whole warps and 256 does not (rows of 896 words, K = 14336: CTAs of 256 left
+// half of every fourth CTA idle). A warp's 32 words lie in one tile of one row (a tile is
+// 256 * gs / 16 words, a multiple of 32), so the warp reads that tile's (at most 8) map words
+// itself, lanes 0..7 one each, and shares them and their prefix counts by shuffles:
 // no barrier, and the codes / scales / so loads, which do not depend on the map, are in flight
 // while it does. Only a 4-bit group's lo / mc4 loads wait for the map (its slot). The count check
 // of the CPU (tile_map_count) runs on the same words, and a tile that fails it decodes to NaN.
@@ -52,7 +54,7 @@ template <class T>
 __global__ void
 __launch_bounds__(kThreads) dequantize_kernel(const ConstBuffers q, const DeqDims d, T* __restrict__ y, bool vec) {
   const int lane = static_cast<int>(threadIdx.x & 31u);
-  const uint32_t w = blockIdx.x * kThreads + threadIdx.x;  // codes word of the row
+  const uint32_t w = blockIdx.x * blockDim.x + threadIdx.x;  // codes word of the row
   const uint32_t w0 = w & ~31u;                            // the warp's first word
   if (w0 >= d.K16) return;                                 // the whole warp
   const bool valid = w < d.K16;
@@ -149,8 +151,10 @@ void dequantize_cuda(const ConstBuffers& q, const Dims& d, T* y, void* stream) {
                    gemm::log2_exact(d.words_per_group()),
                    d.rows};
   const bool vec = (reinterpret_cast<uintptr_t>(y) & 15u) == 0;
-  const dim3 grid(cuda::grid_for(K16, kThreads), static_cast<unsigned>(d.rows < 65535 ? d.rows : 65535));
-  dequantize_kernel<T><<<grid, kThreads, 0, cuda::stream(stream)>>>(q, dd, y, vec);
+  const int64_t warps = (K16 + 31) / 32;  // per row
+  const int threads = warps % 8 == 0 ? 256 : warps % 4 == 0 ? 128 : warps % 2 == 0 ? 64 : 256;
+  const dim3 grid(cuda::grid_for(K16, threads), static_cast<unsigned>(d.rows < 65535 ? d.rows : 65535));
+  dequantize_kernel<T><<<grid, threads, 0, cuda::stream(stream)>>>(q, dd, y, vec);
   cuda::check_launch("mixed2bit tiled dequantize");
 }
 

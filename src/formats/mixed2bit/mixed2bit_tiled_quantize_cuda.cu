@@ -6,10 +6,11 @@
 // "row" i of the warp is the tile's map word i (a ballot), its codes words are consecutive (one
 // coalesced store per row at gs = 16), and positions in order are (i, then lane).
 //   pass 1   per group, serially in its lane as on the CPU: min/max, range, m, score -> key
-//   select   the n4-th largest key K* by a bitwise search (32 warp counts), then the ties
-//            (key == K*) in position order by ballots: is4, the map words, each 4-bit group's slot
-//   order 2  maxima of the 2-bit blocks (segmented butterflies of B lanes, then rows for B > 32)
-//            and of the tile's 4-bit groups (a full butterfly) -> so, so4
+//   select   the n4-th largest key K* by a bitwise search (a warp count per bit below the top
+//            bits all the tile's keys share), then the ties (key == K*) in position order by
+//            ballots: is4, the map words, each 4-bit group's slot
+//   order 2  each group's first-order scale (one division), maxima of the 2-bit blocks
+//            (segments of B lanes, then rows for B > 32) and of the tile's 4-bit groups -> so, so4
 //   pass 2   per group, the tile's values read again: sc, mc and the codes
 // STAGE (16-bit inputs, gs = 16): the warp first copies its tile (8 KB) into its part of shared
 // memory, every 16-byte chunk requested at once (cp.async on sm_80+), and both passes read it
@@ -80,10 +81,19 @@ __device__ __forceinline__ void encode16(const T (&v)[16], float s_eff, float m_
   }
 }
 
-// Maximum over the aligned segments of `width` lanes (a power of two <= 32): xor offsets below
-// width never leave the segment, so every lane ends with its segment's maximum. Inputs are
-// >= +0 and never NaN (see the callers), so the order of fmaxf does not matter.
+// Maximum over the aligned segments of `width` lanes (a power of two <= 32): every lane ends
+// with its segment's maximum. Inputs are >= +0 and never NaN (the callers fold NaN away with
+// fmaxf). Such floats order as their bits do, so for segments of 16 or 32 lanes the maximum is
+// one unsigned REDUX per segment (the other lanes give 0); below 16, xor shuffles, whose offsets
+// below width never leave the segment.
 __device__ __forceinline__ float segment_max(float v, int width) {
+  if (width >= 16) {
+    const unsigned b = static_cast<unsigned>(max(static_cast<int>(__float_as_uint(v)), 0));  // (-0 as +0)
+    if (width == 32) return __uint_as_float(cu::warp_max_u32(b));
+    const bool upper = lane_id() >= 16;
+    const unsigned lo = cu::warp_max_u32(upper ? 0u : b), hi = cu::warp_max_u32(upper ? b : 0u);
+    return __uint_as_float(upper ? hi : lo);
+  }
   for (int o = width >> 1; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
@@ -144,7 +154,7 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
       T v[GS];
       if constexpr (STAGE) load_shared16(staged + p * GS, v);
       else cu::load_run(x, v, vec);  // cached: pass 2 reads these bytes again
-      group_min_max(v, GS, static_cast<const int32_t*>(nullptr), 0, 0, &mn, &mx);
+      minmax16(v, &mn, &mx);         // group_min_max's result (fp16: two values per instruction)
       if constexpr (SENS) {
         float sv[GS];
         const float* sx = sens + c * GS;
@@ -179,8 +189,19 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
   uint32_t kstar = ~0u;
   int need = 0;
   if (n4 > 0) {
-    kstar = 0u;
-    for (int b = 31; b >= 0; --b) {
+    // kstar is one of the tile's keys, so it has the top bits that all of them share (those of
+    // the largest and the smallest): the search starts below them.
+    uint32_t kmax = 0u, kmin = ~0u;
+#pragma unroll
+    for (int i = 0; i < kRowsPerTile; ++i) {
+      kmax = max(kmax, key[i]);
+      if (lane + 32 * i < tg) kmin = min(kmin, key[i]);
+    }
+    kmax = cu::warp_max_u32(kmax);
+    kmin = cu::warp_min_u32(kmin);
+    const int common = __clz(static_cast<int>(kmax ^ kmin));  // 32 when all are equal
+    kstar = common == 32 ? kmax : kmax & ~(0xFFFFFFFFu >> common);
+    for (int b = 31 - common; b >= 0; --b) {
       const uint32_t cand = kstar | (1u << b);
       int n = 0;
 #pragma unroll
@@ -213,13 +234,18 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
   }
   if (lane < kRowsPerTile && 32 * lane < tg) out.map[r * P.map_words + t * kRowsPerTile + lane] = map_word;
 
+  // Step 4: each group's first-order scale, once (a division: steps 4 and 5 both use it).
+  float fs[kRowsPerTile];
+#pragma unroll
+  for (int i = 0; i < kRowsPerTile; ++i) fs[i] = first_order_scale(rng[i], (four >> i) & 1u ? kQmax4 : kQmax2);
+
   // Step 4, 4-bit groups: one block per tile. fmaxf(0, x) is the CPU's `x > acc ? x : acc` from
   // acc = 0: NaN (only where an error is raised anyway) never enters a maximum.
   float a4 = 0.0f, z4 = 0.0f;
 #pragma unroll
   for (int i = 0; i < kRowsPerTile; ++i) {
     if (!((four >> i) & 1u)) continue;
-    a4 = fmaxf(a4, first_order_scale(rng[i], kQmax4));
+    a4 = fmaxf(a4, fs[i]);
     z4 = fmaxf(z4, mv[i]);
   }
   a4 = segment_max(a4, 32);
@@ -241,7 +267,7 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
 #pragma unroll
   for (int i = 0; i < kRowsPerTile; ++i) {
     const bool two = !((four >> i) & 1u);  // positions past the tile have range = m = 0
-    a2[i] = segment_max(two ? fmaxf(0.0f, first_order_scale(rng[i], kQmax2)) : 0.0f, B < 32 ? B : 32);
+    a2[i] = segment_max(two ? fmaxf(0.0f, fs[i]) : 0.0f, B < 32 ? B : 32);
     z2[i] = segment_max(two ? fmaxf(0.0f, mv[i]) : 0.0f, B < 32 ? B : 32);
   }
   if (B > 32) {  // combine the rows of each block (unrolled: the arrays stay in registers)
@@ -288,7 +314,7 @@ tiled_quantize_kernel(const T* __restrict__ w, const float* __restrict__ sens, P
     const bool f = (four >> i) & 1u;
     const uint16_t d = f ? d4 : d2[i], dm = f ? dm4 : dm2[i];
     const int S = f ? kS4 : kS2;
-    const int sc = param_code(first_order_scale(rng[i], f ? kQmax4 : kQmax2), fp16_bits_to_fp32(d), S);
+    const int sc = param_code(fs[i], fp16_bits_to_fp32(d), S);
     const int mc = param_code(mv[i], fp16_bits_to_fp32(dm), S);
     const float s_eff = effective(d, sc), m_eff = effective(dm, mc);
     const int64_t slot = slot0 + slot_in_tile[i];

@@ -92,26 +92,24 @@ __device__ __forceinline__ V warp_sum(V v) {
   }
 }
 
-// Maximum / minimum of an unsigned v over the 32 lanes of a warp (every lane gets it); all 32
-// lanes must call. One REDUX instruction on sm_80+, a butterfly before.
-__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+// Maximum (kMax) or minimum of an unsigned v over the 32 lanes of a warp (every lane gets it);
+// all 32 lanes must call. One REDUX instruction on sm_80+, a butterfly before.
+template <bool kMax>
+__device__ __forceinline__ unsigned warp_extreme_u32(unsigned v) {
 #if __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(0xFFFFFFFFu, v);
+  if constexpr (kMax) return __reduce_max_sync(0xFFFFFFFFu, v);
+  else return __reduce_min_sync(0xFFFFFFFFu, v);
 #else
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned u = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    v = kMax ? max(v, u) : min(v, u);
+  }
   return v;
 #endif
 }
-__device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(0xFFFFFFFFu, v);
-#else
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-  return v;
-#endif
-}
+__device__ __forceinline__ unsigned warp_max_u32(unsigned v) { return warp_extreme_u32<true>(v); }
+__device__ __forceinline__ unsigned warp_min_u32(unsigned v) { return warp_extreme_u32<false>(v); }
 
 // Inclusive prefix sum of v over the 32 lanes of a warp (Hillis-Steele with shuffles; exact for
 // integers). All 32 lanes must call.

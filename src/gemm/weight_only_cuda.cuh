@@ -110,8 +110,6 @@ weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, i
                    const T* __restrict__ bias) {
   __shared__ typename Fmt::Shared sh;
   __shared__ float red[kMaxWarpsPerCta][kRows][NT];
-  f.init(sh);
-  __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int64_t m0 = int64_t(blockIdx.x) * kRows;
   const int64_t n0 = int64_t(blockIdx.y) * NT;
@@ -138,6 +136,8 @@ weight_only_kernel(const Fmt f, const T* __restrict__ X, int64_t N, int64_t K, i
     for (int r = 0; r < kRows; ++r) dst[r] = f.load(rs[r], m0 + r < M ? m0 + r : M - 1, valid ? u : u0, valid);
   };
   if (u_begin < u_end) load_step(u_begin, un);
+  f.init(sh);  // per-CTA tables, while the first loads are in flight
+  __syncthreads();
   for (int64_t u0 = u_begin; u0 < u_end; u0 += 32) {
     const int64_t u = u0 + lane;
     const bool valid = u < units;

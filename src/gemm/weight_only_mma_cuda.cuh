@@ -174,33 +174,47 @@ __device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byt
 //       the activations of pair p's two elements from x = the unit's activations as pairs
 //   static constexpr bool kPairLoad; if kPairLoad: struct Pair, bool pair_load_ok() const (host),
 //       Pair load_pair(RowState&, int64_t u) (units u, u + 1, u even) and
-//       pairs_in_pair<Ops>(const Pair&, int i, int j, uint32_t (&p)[4]) (pairs of unit u + i)
+//       pairs_in_pair<Ops>(const Pair&, int i, int j, uint32_t (&p)[4]) (pairs of unit u + i);
+//       optionally a second way to load a pair (the one-row kernel takes it where the host says so):
+//       struct AlignedPair, bool aligned_pair_ok() const (host), load_aligned_pair and
+//       pairs_in_aligned_pair, as above
 // Units hold raw loaded registers: work on them waits for the load, so it belongs in pairs().
-// What a lane loads per row and step: the format's Unit, or its Pair of units (PAIR).
-template <class Fmt, bool PAIR>
+// PAIR, what a lane loads per row and step: 0 the format's Unit, 1 its Pair of units, 2 its
+// AlignedPair.
+template <class Fmt, int PAIR>
 struct LoadedUnit {
   using type = typename Fmt::Unit;
 };
 template <class Fmt>
-struct LoadedUnit<Fmt, true> {
+struct LoadedUnit<Fmt, 1> {
   using type = typename Fmt::Pair;
 };
+template <class Fmt>
+struct LoadedUnit<Fmt, 2> {
+  using type = typename Fmt::AlignedPair;
+};
+template <class Fmt, class = void>
+struct HasAlignedPair : std::false_type {};
+template <class Fmt>
+struct HasAlignedPair<Fmt, std::void_t<typename Fmt::AlignedPair>> : std::true_type {};
 
 // A lane's loaded registers for unit uc of one weight row: the format's Unit, or with PAIR its Pair
-// of units uc, uc + 1 (uc even).
-template <bool PAIR, class Fmt>
+// (or AlignedPair) of units uc, uc + 1 (uc even).
+template <int PAIR, class Fmt>
 __device__ __forceinline__ typename LoadedUnit<Fmt, PAIR>::type load_unit(const Fmt& f, typename Fmt::RowState& rs,
                                                                           int64_t row, int64_t uc) {
-  if constexpr (PAIR) return f.load_pair(rs, uc);
+  if constexpr (PAIR == 2) return f.load_aligned_pair(rs, uc);
+  else if constexpr (PAIR == 1) return f.load_pair(rs, uc);
   else return f.load(rs, row, uc, true);
 }
 
 // Pairs 4j .. 4j+3 (scale applied) of unit i of a lane's loads `ld` for one row: ld[i] per unit,
 // or with PAIR unit i of ld[0].
-template <class Ops, bool PAIR, class Fmt, class L, int kLoads>
+template <class Ops, int PAIR, class Fmt, class L, int kLoads>
 __device__ __forceinline__ void unit_pairs(const Fmt& f, const uint32_t (*lut)[32], int lane, const L (&ld)[kLoads],
                                            int i, int j, uint32_t (&p)[4]) {
-  if constexpr (PAIR) f.template pairs_in_pair<Ops>(ld[0], i, j, p);
+  if constexpr (PAIR == 2) f.template pairs_in_aligned_pair<Ops>(ld[0], i, j, p);
+  else if constexpr (PAIR == 1) f.template pairs_in_pair<Ops>(ld[0], i, j, p);
   else f.template pairs<Ops>(lut, lane, ld[i], j, p);
 }
 
@@ -227,17 +241,20 @@ __device__ __forceinline__ int xt_slot(int r, int c) {
 }
 
 // Fmt::kLut: the CTA fills its pair table, one copy per bank (lane l reads column l, so lookups
-// never conflict), 4 copies per 16-byte store; ends with a barrier.
+// never conflict): each entry is computed once and stored as 8 16-byte chunks of 4 copies,
+// thread b starting at chunk b % 8 so that a quarter warp's stores (8 rows, one chunk each) hit 8
+// distinct bank quads; ends with a barrier.
 template <class Fmt, class Ops>
 __device__ __forceinline__ void fill_pair_lut(const Fmt& f, uint32_t (*lut)[32]) {
-  for (int e = threadIdx.x; e < 256 * 8; e += blockDim.x) {
-    const uint32_t v = f.template lut_entry<Ops>(e >> 3);
-    reinterpret_cast<uint4*>(lut[e >> 3])[e & 7] = make_uint4(v, v, v, v);
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    const uint32_t v = f.template lut_entry<Ops>(b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) reinterpret_cast<uint4*>(lut[b])[(k + b) & 7] = make_uint4(v, v, v, v);
   }
   __syncthreads();
 }
 
-template <class Fmt, class H, int NTILES, bool PAIR, bool XS, int RG, bool XT>
+template <class Fmt, class H, int NTILES, int PAIR, bool XS, int RG, bool XT>
 __global__ void
 __launch_bounds__(kMmaMaxWarps * 32)
 weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y,
@@ -254,7 +271,6 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   // nf4's pair table, one copy per bank: lane l reads column l, so lookups never conflict.
   __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
   __shared__ float red[kMmaMaxWarps][NTILES * 8][kMmaRows];
-  if constexpr (Fmt::kLut) fill_pair_lut<Fmt, Ops>(f, lut);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t m0 = int64_t(blockIdx.x) * kMmaRows * RG;
@@ -301,7 +317,8 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   const int64_t stride = Fmt::kContiguousSteps ? 1 : nwarps;
   const int64_t mine = Fmt::kContiguousSteps ? steps * (warp + 1) / nwarps - first
                                              : (steps > warp ? (steps - warp + nwarps - 1) / nwarps : 0);
-  // PAIR: the format reads a lane's two units in one go (Fmt::Pair, q4_0's 36 bytes as 9 words)
+  // PAIR: the format reads a lane's two units in one go (Fmt::Pair, q4_0's 36 bytes as 9 words;
+  // Fmt::AlignedPair, as three 16-byte loads)
   static_assert(!PAIR || U == 2, "pair loads take two units per lane");
   using Loaded = typename LoadedUnit<Fmt, PAIR>::type;
   constexpr int kLoads = PAIR ? 1 : U;
@@ -418,6 +435,9 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
     load(0, s0);
     stage_x(0);
   }
+  // The pair table is filled while the first step's loads are in flight (a warp of a short row,
+  // K = 4096, has only a few steps to hide the DRAM latency behind).
+  if constexpr (Fmt::kLut) fill_pair_lut<Fmt, Ops>(f, lut);
   if constexpr (XS) {
     // one unit per thread and pass: its kUnit / 2 activation pairs in, kUnit / 8 slots of B
     // registers out (Fmt::xpair's order); units past K (up to whole steps) get zeros
@@ -507,16 +527,22 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   const int64_t steps = (K / Fmt::kUnit + 7) / 8;  // warp steps (8 units)
   int warps = 1;
   while (warps < kMmaMaxWarps && int64_t(grid.x) * grid.y * warps < 2048 && warps * 2 <= steps) warps *= 2;
+  // From Fmt::kStagedXMinRows rows the one-tile kernel's warps stage X in shared memory (XT), two
+  // stages of 8 kUnit chunks of 16 bytes each (the kernel's kXtStage, as NTILES * U = 2): 4 KB
+  // for kUnit 32. Measured per format (benchmarks/README.md, "Activations through shared memory").
+  const bool xt = ntiles == 1 && N >= Fmt::kStagedXMinRows;
+  // A pair table (32 KB) beside XT's 8 KB per warp: CTAs of 4 warps (70 KB) fit three to an SM
+  // (12 warps), CTAs of 8 (102 KB) two (16 warps, what the registers allow). So with XT a
+  // table-decoding format takes 8 warps where the steps allow (benchmarks/README.md, "Design
+  // measurements behind kernel choices").
+  if (Fmt::kLut && xt)
+    while (warps < kMmaMaxWarps && warps * 2 <= steps) warps *= 2;
   cudaStream_t s = cuda::stream(stream);
   // N = 1: X's row in shared memory in mma order (whole steps of 8 units, zero-padded), while it
   // fits beside the kernel's own shared arrays under the default 48 KB (K up to ~20000; nf4's
   // pair table leaves no room, and nf4 takes the float32 kernel at N = 1 anyway).
   const size_t xs_bytes = size_t((K / Fmt::kUnit + 7) / 8 * 8) * Fmt::kUnit * sizeof(H);
   const bool xs = N == 1 && !Fmt::kLut && xs_bytes <= 40 * 1024;
-  // From Fmt::kStagedXMinRows rows the one-tile kernel's warps stage X in shared memory (XT), two
-  // stages of 8 kUnit chunks of 16 bytes each (the kernel's kXtStage, as NTILES * U = 2): 4 KB
-  // for kUnit 32. Measured per format (benchmarks/README.md, "Activations through shared memory").
-  const bool xt = ntiles == 1 && N >= Fmt::kStagedXMinRows;
   const size_t xt_bytes = size_t(warps) * 2 * (8 * Fmt::kUnit) * 16;
   const size_t dyn = xs ? xs_bytes : xt ? xt_bytes : 0;
   auto go = [&](auto kernel) {
@@ -525,22 +551,37 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   };
   auto two_tile = [&](auto rgc) { go(weight_only_mma_kernel<Fmt, H, 2, false, false, decltype(rgc)::value, false>); };
   auto one_tile = [&](auto pair) {  // the N <= 8 kernels: activations from XS, XT or global memory
-    constexpr bool kPair = decltype(pair)::value;
-    if constexpr (!Fmt::kLut) {
-      if (xs) return go(weight_only_mma_kernel<Fmt, H, 1, kPair, true, 1, false>);
+    constexpr int kPair = decltype(pair)::value;
+    if constexpr (kPair == 2) {  // (with XS only: see below)
+      go(weight_only_mma_kernel<Fmt, H, 1, 2, true, 1, false>);
+    } else {
+      if constexpr (!Fmt::kLut) {
+        if (xs) return go(weight_only_mma_kernel<Fmt, H, 1, kPair, true, 1, false>);
+      }
+      if constexpr (Fmt::kStagedXMinRows <= 8) {
+        if (xt) return go(weight_only_mma_kernel<Fmt, H, 1, kPair, false, 1, true>);
+      }
+      go(weight_only_mma_kernel<Fmt, H, 1, kPair, false, 1, false>);
     }
-    if constexpr (Fmt::kStagedXMinRows <= 8) {
-      if (xt) return go(weight_only_mma_kernel<Fmt, H, 1, kPair, false, 1, true>);
-    }
-    go(weight_only_mma_kernel<Fmt, H, 1, kPair, false, 1, false>);
   };
   if (ntiles == 1) {
+    using Units = std::integral_constant<int, 0>;
+    using Pair = std::integral_constant<int, 1>;
+    using AlignedPair = std::integral_constant<int, 2>;
     bool pair = false;
     if constexpr (Fmt::kPairLoad) {  // (two units per lane: the N <= 8 kernel only)
       pair = f.pair_load_ok();
-      if (pair) one_tile(std::true_type{});
+      bool aligned = false;
+      // The aligned pair's three 16-byte loads at one row (XS); with XT (2..8 rows) its 13
+      // registers per pair raised the kernel to 172 registers and it measured slower
+      // (benchmarks/README.md, "Design measurements behind kernel choices").
+      if constexpr (HasAlignedPair<Fmt>::value) {
+        aligned = pair && xs && f.aligned_pair_ok();
+        if (aligned) one_tile(AlignedPair{});
+      }
+      if (pair && !aligned) one_tile(Pair{});
     }
-    if (!pair) one_tile(std::false_type{});
+    if (!pair) one_tile(Units{});
   } else {
     using R4 = std::integral_constant<int, 4>;
     using R2 = std::integral_constant<int, 2>;

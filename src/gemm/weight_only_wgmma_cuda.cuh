@@ -59,8 +59,7 @@ __launch_bounds__(kWideWarps * 32, wgmma_min_ctas(NT, WR))
   unsigned char* const tab0 = reinterpret_cast<unsigned char*>(dyn) +
                               ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(dyn)) & 1023u)) & 1023u);
   unsigned char* const stg = tab0 + 2 * kStep;
-  __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
-  if constexpr (Fmt::kLut) fill_pair_lut<Fmt, Ops>(f, lut);  // (ends with __syncthreads)
+  __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];  // filled once the first loads are in flight
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t mb = int64_t(blockIdx.x) * R, m0 = mb + 16 * WR * warp;
@@ -156,10 +155,11 @@ __launch_bounds__(kWideWarps * 32, wgmma_min_ctas(NT, WR))
   };
 
   Stage s0, s1;
-  if (steps > 0) rows.load(f, 0, s0);  // in flight while the first table is made
+  if (steps > 0) rows.load(f, 0, s0);  // in flight while the first table (and nf4's pair table) is made
   if (steps > 1) rows.load(f, 1, s1);
+  if (steps > 0) stage_x(0);
+  if constexpr (Fmt::kLut) fill_pair_lut<Fmt, Ops>(f, lut);  // (ends with __syncthreads)
   if (steps > 0) {
-    stage_x(0);
     cuda::cp_async_wait<0>();
     __syncthreads();
     permute(tab0);

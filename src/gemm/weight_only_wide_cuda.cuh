@@ -184,8 +184,7 @@ __launch_bounds__(kWideWarps * 32, 1)
   static_assert(Fmt::kUnit == 32, "units of 32 values");
   constexpr bool kX16 = Fmt::template odd_x16<Ops>();
   extern __shared__ uint4 xs[];  // the activation table, then the partial sums (see the end)
-  __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];
-  if constexpr (Fmt::kLut) fill_pair_lut<Fmt, Ops>(f, lut);  // (ends with __syncthreads)
+  __shared__ uint32_t lut[Fmt::kLut ? 256 : 1][32];  // filled once the first loads are in flight
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -226,8 +225,9 @@ __launch_bounds__(kWideWarps * 32, 1)
   };
 
   Stage s0, s1;
-  if (steps > 0) load(0, s0);  // in flight while the table is filled
+  if (steps > 0) load(0, s0);  // in flight while the tables are filled
   if (steps > 1) load(1, s1);
+  if constexpr (Fmt::kLut) fill_pair_lut<Fmt, Ops>(f, lut);  // (ends with __syncthreads)
   // The table: one (unit, row) per thread and pass, the unit's 16 activation pairs in, its four
   // slots out; rows past N and units past K (up to whole steps) get zeros.
   for (int idx = threadIdx.x; idx < steps * kWideStepUnits * NR; idx += blockDim.x) {

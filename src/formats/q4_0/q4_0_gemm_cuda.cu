@@ -96,8 +96,44 @@ struct Q4_0 {
   }
   template <class Ops>
   __device__ void pairs_in_pair(const Pair& pr, int i, int j, uint32_t (&p)[4]) const {
-    const uint32_t w = i == 0 ? __byte_perm(pr.w[j], pr.w[j + 1], 0x5432) : pr.w[5 + j];
-    const uint32_t d = i == 0 ? pr.w[0] : pr.w[4] >> 16;
+    pair_pairs<Ops>([&](int k) { return pr.w[k]; }, i, j, p);
+  }
+  // With nb % 8 == 0 and a 16-byte aligned W, every run of 4 pairs (8 blocks, 144 = 9 * 16 bytes)
+  // starts 16-byte aligned, and its pair p (bytes 36p .. 36p + 35) lies in the 48 bytes from 32p,
+  // inside the run: a lane reads those as three 16-byte loads, so that a quad's loads cover its 144
+  // bytes in whole 16-byte pieces instead of 36 scattered words. The decode takes words p .. p + 8
+  // of them, selected when decoded (an instruction that reads a register whose load is in flight
+  // stalls the warp). Used at one activation row (see the launcher).
+  bool aligned_pair_ok() const { return nb % 8 == 0 && (reinterpret_cast<uintptr_t>(blocks) & 15u) == 0; }
+  struct AlignedPair {
+    uint32_t l[12];  // the 48 bytes; the pair's words are l[p .. p + 8] (Pair::w)
+    uint32_t p;
+  };
+  __device__ AlignedPair load_aligned_pair(RowState& rs, int64_t u) const {
+    AlignedPair r;
+    r.p = static_cast<uint32_t>(u >> 1) & 3u;
+    const uint4* q = reinterpret_cast<const uint4*>(rs.b + u * 9 - 2 * r.p);  // byte 18u - 4p: 32p into the run
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const uint4 v = __ldg(q + i);
+      r.l[4 * i] = v.x, r.l[4 * i + 1] = v.y, r.l[4 * i + 2] = v.z, r.l[4 * i + 3] = v.w;
+    }
+    return r;
+  }
+  template <class Ops>
+  __device__ void pairs_in_aligned_pair(const AlignedPair& pr, int i, int j, uint32_t (&p)[4]) const {
+    pair_pairs<Ops>(
+        [&](int k) {  // l[k + p]: shifted by p & 1 words, then by p & 2
+          const uint32_t a = pr.p & 1u ? pr.l[k + 1] : pr.l[k], b = pr.p & 1u ? pr.l[k + 3] : pr.l[k + 2];
+          return pr.p & 2u ? b : a;
+        },
+        i, j, p);
+  }
+  // Pairs 4j .. 4j+3 of unit u + i of a pair whose word k (Pair::w's layout) is word(k).
+  template <class Ops, class Word>
+  static __device__ void pair_pairs(Word word, int i, int j, uint32_t (&p)[4]) {
+    const uint32_t w = i == 0 ? __byte_perm(word(j), word(j + 1), 0x5432) : word(5 + j);
+    const uint32_t d = i == 0 ? word(0) : word(4) >> 16;
     Ops::nibble_pairs(w, Ops::nibble_consts(8.0f, Ops::scale_fp16(d & 0xFFFFu)), p);
   }
 };

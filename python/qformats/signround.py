@@ -53,7 +53,11 @@ block-by-block procedure feeds them to the block, raised to ``sensitivity_power`
 ``selection="range"`` by range.
 
 Used through :func:`qformats.quantize_model` with ``method="signround"`` (options:
-:class:`qformats.config.SignRoundConfig`).
+:class:`qformats.config.SignRoundConfig`), and :func:`qformats.streaming.quantize_checkpoint`
+for a checkpoint not loaded: both run the one block loop, :func:`train_blocks`, which asks a
+store for each block's weights when its turn comes and hands it the block's layers and the
+next block's inputs (:class:`KeptBlocks`: a model in memory; streaming's reads each block
+from the checkpoint and writes its results to files).
 """
 from __future__ import annotations
 

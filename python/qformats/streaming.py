@@ -1,13 +1,17 @@
-"""Round-to-nearest quantization of a Hugging Face checkpoint without loading the model:
-tensor by tensor from its safetensors files, resumable, optionally over several processes.
+"""Quantization of a Hugging Face checkpoint without loading the model, from its safetensors
+files, resumable: round to nearest tensor by tensor (optionally over several processes), and
+trainable rounding (``method="signround"``) one transformer block at a time.
 
 Use::
 
     from qformats.streaming import quantize_checkpoint
     report = quantize_checkpoint("Llama-3-8B", "llama-int4", bits=4, max_shard_size="2GB")
+    report = quantize_checkpoint("Llama-3-8B", "llama-int4-sr", bits=4, method="signround",
+                                 calibration=text, tokenizer=tok, iters=200)
 
 or ``qformats quantize MODEL --bits 4 --stream --out DIR`` (``torchrun --nproc-per-node N -m
-qformats quantize ... --stream`` splits the work over N processes).
+qformats quantize ... --stream`` splits the round-to-nearest work over N processes), or
+``qformats quantize MODEL --bits 4 --method signround --calibration C.txt --stream --out DIR``.
 
 The output folder is the one :func:`qformats.quantize_model` + :func:`qformats.save_quantized`
 write for the same model and options (same tensors, same bytes; only the order of the two
@@ -27,18 +31,44 @@ order, may differ), so :func:`qformats.load_quantized` and ``qformats eval`` rea
    as ``save_quantized`` shards, and the folder is completed by the code that completes
    ``save_quantized`` (index, ``config.json``, tokenizer, ``quantization_config.json`` last).
 
+Trainable rounding (``method="signround"``, :mod:`qformats.signround`) makes the same units,
+but the planned Linears inside the transformer blocks are trained, block by block, by the loop
+the in-memory path runs (:func:`qformats.signround.train_blocks`), so the bytes are the same:
+
+* block 0's inputs are captured from the skeleton's own forward, each module it runs before
+  block 0 (the embedding) read from the checkpoint when it is called and put back on the meta
+  device afterwards;
+* each block's parameters are read from the checkpoint when its turn comes (memory-map views,
+  or copies converted to the model's dtype) and put back on the meta device when it is done;
+  its layers go to their unit files, then the next block's inputs (float32 hidden states) and
+  the blocks' stats to ``OUT/.qformats-stream/next-block.pt``;
+* planned Linears outside the blocks (lm_head with ``ignore=[]``) are rounded to nearest, and
+  the other tensors copied, as units of the round-to-nearest path.
+
+Memory: the tensors used before block 0 (the embedding, while capturing); one block, in the
+model's dtype and as the training's float32 copy with its parameters and their gradients (a
+few times the block's float32 weights: the weight, the offsets ``V``, their best values and
+gradients, the step's fake-quantized weight and its gradient); and the calibration
+activations: the samples' hidden states three times (the block's inputs, its targets, its
+outputs), ``nsamples * seqlen * hidden_size * 4`` bytes each, plus one sample's forward and
+backward.
+
 Resume: a run that is killed leaves ``OUT/.qformats-stream`` with a manifest of its settings
-and the finished unit files; the same call (or command) again skips those and goes on. A
-run with other settings refuses the folder unless ``overwrite=True``.
+and the finished unit files; the same call (or command) again skips those and goes on
+(signround: after the last block whose ``next-block.pt`` was written; a block killed halfway
+is trained again, to the same bytes). A run with other settings (options, or calibration
+samples of other tokens) refuses the folder unless ``overwrite=True``.
 
-Several processes: under ``torchrun`` (``WORLD_SIZE`` > 1), or in a process group the caller
-initialized, the units are split among the ranks (largest first, round robin); each rank
-writes its own unit files, and rank 0 assembles the folder after a barrier. The process group
-only synchronizes (barriers; the bytes go through the shared output folder, so the ranks must
-share it, as on one machine), so it is a gloo group on the CPU.
+Several processes (round to nearest): under ``torchrun`` (``WORLD_SIZE`` > 1), or in a
+process group the caller initialized, the units are split among the ranks (largest first,
+round robin); each rank writes its own unit files, and rank 0 assembles the folder after a
+barrier. The process group only synchronizes (barriers; the bytes go through the shared output
+folder, so the ranks must share it, as on one machine), so it is a gloo group on the CPU.
+Streaming signround runs in one process (ValueError under several); the in-memory path splits
+its training over ranks.
 
-Only round to nearest without calibration: the methods that calibrate (``signround``,
-``budget``, calibrated mixed2bit groups) need the model's activations, so the model in memory.
+Not streamed: the budget (``method="budget"``) and calibrated round to nearest
+(``calibration=`` with ``method="rtn"``), which need the whole model's activations.
 """
 from __future__ import annotations
 
@@ -532,44 +562,68 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
                         dtype: str = "auto", max_shard_size: Union[int, str, None] = None,
                         tokenizer: Any = None, overwrite: bool = False, progress: bool = False,
                         **params) -> Optional[QuantizationReport]:
-    """Quantize the Linear layers of a Hugging Face safetensors checkpoint with round to
-    nearest, reading and writing it tensor by tensor, and write the quantized model folder.
+    """Quantize the Linear layers of a Hugging Face safetensors checkpoint without loading
+    the model, and write the quantized model folder: with round to nearest, tensor by tensor;
+    with ``method="signround"``, one transformer block at a time.
 
     The folder equals what ``m = load_model(source, dtype).model; quantize_model(m, format,
-    bits, group_size, ignore=ignore, overrides=overrides, **params); save_quantized(m, out,
-    tokenizer=tokenizer, source=source, max_shard_size=max_shard_size)`` writes: the same
-    files, with the same tensors and bytes (see the module's description for the one header
-    detail that safetensors itself varies). Memory stays at about one tensor of the checkpoint
-    plus its quantized form, whatever the model's size. Interrupted, the same call resumes;
-    under ``torchrun`` (or in an initialized process group) the ranks share the work.
+    bits, group_size, method=method, ignore=ignore, overrides=overrides, **params);
+    save_quantized(m, out, tokenizer=tokenizer, source=source, max_shard_size=max_shard_size)``
+    writes (for signround with ``tokenizer=tokenizer`` among the options too): the same files,
+    with the same tensors and bytes (see the module's description for the one header detail
+    that safetensors itself varies). Memory, whatever the model's size: round to nearest about
+    one tensor of the checkpoint plus its quantized form; signround one block (in the model's
+    dtype, its float32 copy and the training's parameters) plus the calibration activations
+    (the module's description has the sum). Interrupted, the same call resumes (signround:
+    after its last finished block); under ``torchrun`` (or in an initialized process group)
+    the ranks share the round-to-nearest work.
 
     Args:
         source: a Hugging Face model folder: ``config.json`` and ``model.safetensors`` or
             ``model.safetensors.index.json`` with its shards.
         out: the output folder: new, empty, or holding an interrupted run of this call.
         format, bits, group_size, ignore, overrides, ``**params``: as
-            :func:`qformats.quantize_model` (``method="rtn"``).
+            :func:`qformats.quantize_model`.
+        method: ``"rtn"`` (round to nearest, no calibration) or ``"signround"`` (trainable
+            rounding of the Linears inside the transformer blocks, int4 asymmetric and mixed2bit
+            without outliers; the other planned Linears rounded to nearest). signround's
+            options go in ``**params``: the fields of
+            :class:`~qformats.config.SignRoundConfig` (``calibration`` needed: int64 token-id
+            tensors, or a text tokenized with ``tokenizer``; ``iters``, ``nsamples``,
+            ``seqlen`` (capped at the model's ``max_position_embeddings``), ``lr``,
+            ``batch_size``, ``seed``, ``selection``, ``sensitivity_power``; ``amp`` does
+            nothing on the CPU). The training runs on the CPU, with torch's threads.
         dtype: ``"auto"`` (the checkpoint's dtype, as ``qformats quantize`` loads it),
             ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the weights are converted
             to before quantizing, and the tensors that stay in float are stored in.
         max_shard_size: None (one ``model.safetensors``) or the largest output shard (bytes,
             or a string such as ``"2GB"``), as :func:`qformats.save_quantized`.
-        tokenizer: a tokenizer to save with the model (``save_pretrained``); None copies the
-            tokenizer files of ``source``.
+        tokenizer: a tokenizer to save with the model (``save_pretrained``; None copies the
+            tokenizer files of ``source``), and the one signround tokenizes a text
+            ``calibration`` with.
         overwrite: allow ``out`` to hold other files, or an interrupted run with other
             settings (discarded).
         progress: a progress bar over the checkpoint's bytes, with ETA, on stderr (rank 0:
-            the work of every rank).
+            the work of every rank); signround adds one over the blocks.
     Returns:
         the :class:`~qformats.model.QuantizationReport` (per-layer formats and sizes, the
-        seconds each layer took in its process, the total wall time) on rank 0; None on the
-        other ranks.
+        seconds each layer took in its process (signround: its block's time shared out among
+        the block's layers), the total wall time; signround: ``report.signround`` as
+        ``quantize_model``'s, the blocks' seconds those of the run that trained them) on rank 0;
+        None on the other ranks.
     Raises:
         ValueError: ``source`` is not a folder, has no ``config.json`` or safetensors weights,
             or lacks tensors the model needs; ``out`` is a file, the source folder, or a folder
             with other content (without ``overwrite``); a bad format, parameter, override or
-            dtype; ``calibration=`` or other method options (round to nearest only); a unit
-            file of the resumed run that is unreadable.
+            dtype; a method other than ``"rtn"`` and ``"signround"``, or ``calibration=`` with
+            ``"rtn"``; signround without ``calibration``, with a text and no ``tokenizer``,
+            with bad options, or in one of several processes (``WORLD_SIZE`` > 1, or an
+            initialized process group of more than one rank); a model whose forward before
+            its first block uses weights outside the forward of the modules holding them
+            (signround); a unit file or ``next-block.pt`` of the resumed run that is
+            unreadable.
+        NotImplementedError: signround with a planned layer that is neither int4 asymmetric
+            nor mixed2bit without outliers (as ``quantize_model``).
         OSError: the folder cannot be written.
     """
     t0 = time.perf_counter()

@@ -416,3 +416,12 @@ def test_stream_signround_errors(ckpt, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="streaming signround runs in one process"):
         quantize_checkpoint(ckpt, o, bits=4, calibration=SR_IDS, **SR)
     assert not o.exists()  # nothing written before the checks
+    monkeypatch.delenv("WORLD_SIZE")
+    # a forward that reads a weight before block 0 outside its module's forward (here: the
+    # embedding's, which streaming then does not read)
+    import qformats.streaming as st
+
+    load = st._Weights.load
+    monkeypatch.setattr(st._Weights, "load", lambda self, m, recurse=True: load(self, m) if recurse else [])
+    with pytest.raises(ValueError, match="uses weights outside the forward"):
+        quantize_checkpoint(ckpt, tmp_path / "o2", bits=4, calibration=SR_IDS, **SR)

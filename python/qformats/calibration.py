@@ -9,7 +9,7 @@ trainable rounding (:mod:`qformats.signround`) and the budget (:mod:`qformats.bu
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -175,10 +175,12 @@ def _to_f32(v: Any) -> Any:
     return v
 
 
-def capture_block_inputs(model: nn.Module, block: nn.Module, samples: Sequence[torch.Tensor]) -> list:
+def capture_block_inputs(model: nn.Module, block: nn.Module, samples: Sequence[torch.Tensor],
+                         device: Optional[torch.device] = None) -> list:
     """``[(hidden_states float32 [1, L, H], kwargs)]`` per sample: what ``block`` gets in the
     model's forward (captured by a forward pre-hook, which then stops the forward). Cache
-    arguments are dropped (``past_key_values=None``, ``use_cache=False``)."""
+    arguments are dropped (``past_key_values=None``, ``use_cache=False``). The samples go to
+    ``device`` (default: the model's first parameter's device)."""
     got = []
 
     def hook(mod, args, kwargs):
@@ -198,7 +200,7 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, samples: Sequence[t
         raise _Stop
 
     h = block.register_forward_pre_hook(hook, with_kwargs=True)
-    dev = next(model.parameters()).device
+    dev = device if device is not None else next(model.parameters()).device
     try:
         with torch.no_grad():
             for ids in samples:

@@ -223,10 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow --out to be a folder that is not empty (files of the same names "
                         "are replaced)")
     q.add_argument("--stream", action="store_true",
-                   help="rtn only: read the checkpoint's safetensors files tensor by tensor "
-                        "instead of loading the model (memory: about one tensor), writing the same "
-                        "folder; an interrupted run goes on when the same command is run again; "
-                        "under torchrun the processes share the work "
+                   help="rtn (without --calibration) and signround: read the checkpoint's "
+                        "safetensors files instead of loading the model, writing the same folder. "
+                        "Memory: rtn about one tensor; signround one transformer block (read when "
+                        "its turn comes) and the calibration activations. An interrupted run goes "
+                        "on when the same command is run again (signround: after its last "
+                        "finished block); under torchrun the processes share the work (rtn only) "
                         "(qformats.streaming.quantize_checkpoint)")
     q.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the model is quantized (without --stream): cpu (default) or cuda "
@@ -313,6 +315,7 @@ examples:
   qformats quantize MODEL --bits 2 --group-size 32 --ignore lm_head '*.o_proj' --out DIR
   qformats quantize MODEL --bits 4 --stream --max-shard-size 2GB --out DIR
   torchrun --nproc-per-node 4 -m qformats quantize MODEL --bits 4 --stream --out DIR
+  qformats quantize MODEL --method signround --bits 4 --calibration C.txt --stream --out DIR
   torchrun --nproc-per-node 2 -m qformats quantize MODEL --method signround --bits 4 \\
       --calibration C.txt --device cuda --out DIR
   qformats eval llama-int4 --text ../shared/data/pydoc/valid.txt --max-tokens 4096
@@ -406,9 +409,9 @@ def _cmd_quantize(args) -> int:
             if not sep or not pat or not sp:
                 raise ValueError(f"--override expects PATTERN=SPEC, got {item!r}")
             overrides[pat] = _parse_spec(sp)
-        if args.stream and (args.method != "rtn" or args.calibration):
-            raise ValueError("--stream quantizes with --method rtn without --calibration only "
-                             "(the calibrated methods need the model in memory)")
+        if args.stream and (args.method == "budget" or (args.method == "rtn" and args.calibration)):
+            raise ValueError("--stream quantizes with --method signround, or rtn without "
+                             "--calibration (the budget and calibrated rtn need the model in memory)")
         if args.amp and args.method != "signround":
             raise ValueError("--amp applies to --method signround only")
         if args.stream and args.device != "cpu":
@@ -442,7 +445,7 @@ def _cmd_quantize(args) -> int:
                                       max_per_token_kl_divergence=args.max_kl)
         resolve_spec(fmt, args.bits, args.group_size, **params)
         if args.stream:
-            return _quantize_stream(args, fmt, params, overrides)
+            return _quantize_stream(args, fmt, params, overrides, method_options)
         from .model import quantize_model  # needs torch: see the note at the top
         from .saving import save_quantized
 
@@ -514,20 +517,21 @@ def _device_and_ranks(device: str):
     return dev, Ranks(init_from_env=several, backend="nccl", device=dev)
 
 
-def _quantize_stream(args, fmt, params, overrides) -> int:
+def _quantize_stream(args, fmt, params, overrides, method_options) -> int:
     """``quantize --stream``: :func:`qformats.streaming.quantize_checkpoint`, with the tokenizer
-    saved as the in-memory path saves it (so the folders are the same). Under torchrun only
-    rank 0 prints; by default each process takes its share of the cores."""
+    saved (and, for signround, the calibration text tokenized) as the in-memory path does (so
+    the folders are the same). Under torchrun only rank 0 prints; by default each process takes
+    its share of the cores."""
     from .streaming import quantize_checkpoint  # needs torch (see the top)
 
     with _Threads(_threads_per_process(args.threads)), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # listed in the report
         report = quantize_checkpoint(args.model, args.out, format=fmt, bits=args.bits,
-                                     group_size=args.group_size, ignore=args.ignore,
-                                     overrides=overrides, dtype=args.dtype,
+                                     group_size=args.group_size, method=args.method,
+                                     ignore=args.ignore, overrides=overrides, dtype=args.dtype,
                                      max_shard_size=args.max_shard_size,
                                      tokenizer=_tokenizer(args.model), overwrite=args.overwrite,
-                                     progress=not args.no_progress, **params)
+                                     progress=not args.no_progress, **params, **method_options)
     if report is not None:
         print(report.summary())
         print(f"saved to {args.out} ({report.seconds:.1f} s)")

@@ -53,7 +53,11 @@ block-by-block procedure feeds them to the block, raised to ``sensitivity_power`
 ``selection="range"`` by range.
 
 Used through :func:`qformats.quantize_model` with ``method="signround"`` (options:
-:class:`qformats.config.SignRoundConfig`).
+:class:`qformats.config.SignRoundConfig`), and :func:`qformats.streaming.quantize_checkpoint`
+for a checkpoint not loaded: both run the one block loop, :func:`train_blocks`, which asks a
+store for each block's weights when its turn comes and hands it the block's layers and the
+next block's inputs (:class:`KeptBlocks`: a model in memory; streaming's reads each block
+from the checkpoint and writes its results to files).
 """
 from __future__ import annotations
 
@@ -80,7 +84,8 @@ from .progress import progress_bar
 from .calibration import model_second_moments  # noqa: E402,F401
 from .config import SELECTIONS, check_selection  # noqa: E402,F401
 
-__all__ = ["OPTIONS", "DEFAULTS", "SignRoundLinear", "find_blocks", "train_block", "quantize_plan"]
+__all__ = ["OPTIONS", "DEFAULTS", "SignRoundLinear", "find_blocks", "train_block", "quantize_plan",
+           "train_blocks", "KeptBlocks", "check_plan", "block_plan"]
 
 #: quantize_model keyword arguments that belong to signround (not to the format) and their
 #: defaults: the fields of :class:`qformats.config.SignRoundConfig`.
@@ -513,15 +518,75 @@ def train_block(block: nn.Module, linears: dict, inputs: list, targets: list, it
 
 # -- the model-level driver -------------------------------------------------------------------
 
+class KeptBlocks:
+    """Where :func:`train_blocks` finds the blocks' weights and leaves its results, for a model
+    in memory: the weights are there, and the results are kept here. :mod:`qformats.streaming`
+    has one that reads each block from a checkpoint when its turn comes and writes its results
+    to files.
+
+    Attributes:
+        layers: ``{layer name: (QuantizedLinear, seconds)}`` of the blocks trained so far.
+        stats: the per-block :func:`train_block` stats (+ ``"seconds"``, ``"layers"``), in
+            block order.
+    """
+
+    def __init__(self):
+        self.layers: dict = {}
+        self.stats: list = []
+
+    def hold(self, index: int, block: nn.Module):
+        """A context manager during which ``block`` (block ``index``) holds its weights."""
+        return contextlib.nullcontext()
+
+    def finished(self, index: int, layers: dict, stats: Optional[dict],
+                 inputs: Optional[list]) -> None:
+        """Block ``index`` is done: its quantized ``layers`` ``{name: (QuantizedLinear,
+        seconds)}``, its ``stats`` (None for a block without planned layers) and the next
+        block's ``inputs`` ``[(hidden_states, kwargs)]`` (None after the last block to train)."""
+        self.layers.update(layers)
+        if stats is not None:
+            self.stats.append(stats)
+
+
+def check_plan(plan: list, options: Union[SignRoundConfig, Mapping]) -> SignRoundConfig:
+    """``options`` as a :class:`qformats.config.SignRoundConfig`, checked against ``plan``
+    ``[(name, nn.Linear, format, params)]``.
+
+    Raises:
+        NotImplementedError: a planned layer that is neither int4 asymmetric nor mixed2bit
+            without outliers.
+        ValueError: ``iters`` < 0, or a bad option.
+    """
+    config = options if isinstance(options, SignRoundConfig) else SignRoundConfig(**options)
+    for name, m, fmt, qp in plan:
+        spec = format_spec(fmt)
+        if spec.rounding is None or not spec.trainable(qp):
+            raise NotImplementedError(
+                f"method='signround' supports int4 asymmetric groups (bits=4) and mixed2bit "
+                f"without outliers (bits=2, any ratio_4bit, outlier_ratio=0) only; layer {name} "
+                f"asks for {fmt} {qp}")
+    if int(config.iters) < 0:
+        raise ValueError(f"iters must be >= 0, got {int(config.iters)}")
+    return config
+
+
+def block_plan(blocks: nn.ModuleList, plan: list) -> list:
+    """For each block, ``[(name relative to the block, (layer name, format, params))]`` of the
+    planned Linears inside it (``plan`` ``[(name, nn.Linear, format, params)]``)."""
+    by_id = {id(m): (name, fmt, qp) for name, m, fmt, qp in plan}
+    return [[(rel, by_id[id(sub)]) for rel, sub in block.named_modules() if id(sub) in by_id]
+            for block in blocks]
+
+
 def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, Mapping],
                   progress: bool = False) -> tuple:
     """Quantize ``plan`` ``[(name, nn.Linear, format, params)]`` of ``model`` with SignRound.
 
     Linears inside the model's transformer blocks (:func:`find_blocks`) are trained block by
-    block; any other planned Linear is rounded to nearest (as ``method="rtn"``). The model is
-    not modified. Returns ``(new, stats)``: ``new`` ``[(name, QuantizedLinear, seconds)]`` in
-    plan order, ``stats`` ``{"blocks": [per-block train_block stats + "seconds", "layers"],
-    "options": {...}}``.
+    block (:func:`train_blocks`); any other planned Linear is rounded to nearest (as
+    ``method="rtn"``). The model is not modified. Returns ``(new, stats)``: ``new``
+    ``[(name, QuantizedLinear, seconds)]`` in plan order, ``stats`` ``{"blocks": [per-block
+    train_block stats + "seconds", "layers"], "options": {...}}``.
     ``options`` is a :class:`qformats.config.SignRoundConfig` (or a dict of its fields).
     Layers whose format makes a calibrated choice (mixed2bit with ``ratio_4bit > 0``: its 4-bit
     groups, :func:`qformats.mixed2bit.rounding.select_4bit`) make it before training, by the
@@ -541,37 +606,62 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
         ValueError: bad options (iters < 0, selection, sensitivity_power, calibration data);
             an NCCL process group with the model on the CPU.
     """
-    config = options if isinstance(options, SignRoundConfig) else SignRoundConfig(**options)
-    for name, m, fmt, qp in plan:
-        spec = format_spec(fmt)
-        if spec.rounding is None or not spec.trainable(qp):
-            raise NotImplementedError(
-                f"method='signround' supports int4 asymmetric groups (bits=4) and mixed2bit "
-                f"without outliers (bits=2, any ratio_4bit, outlier_ratio=0) only; layer {name} "
-                f"asks for {fmt} {qp}")
-    iters = int(config.iters)
-    if iters < 0:
-        raise ValueError(f"iters must be >= 0, got {iters}")
+    config = check_plan(plan, options)
     samples = calibration_samples(config.calibration, config.tokenizer, config.nsamples, config.seqlen)
-    blocks_name, blocks = find_blocks(model)
+    _, blocks = find_blocks(model)
     device = next(iter(model.parameters()), torch.empty(0)).device  # where the blocks train
     ranks = _ranks_for(device)
-    by_id = {id(m): (name, fmt, qp) for name, m, fmt, qp in plan}
-    results: dict = {}
-    stats: dict = {"blocks": [], "options": config.options(data=False)}
-    has_plan = any(id(x) in by_id for b in blocks for x in b.modules())
-    inputs = capture_block_inputs(model, blocks[0], samples) if has_plan else []
-    bar = progress_bar(list(enumerate(blocks)), enabled=progress and ranks.rank == 0,
+    kept = KeptBlocks()
+    if any(block_plan(blocks, plan)):
+        inputs = capture_block_inputs(model, blocks[0], samples)
+        train_blocks(blocks, plan, config, inputs, kept, device=device, ranks=ranks,
+                     progress=progress)
+    new = []
+    for name, m, fmt, qp in plan:
+        if name in kept.layers:
+            q, secs = kept.layers[name]
+        else:
+            t1 = time.perf_counter()
+            q = QuantizedLinear.from_linear(m, fmt, **qp)
+            secs = time.perf_counter() - t1
+        new.append((name, q, secs))
+    return new, {"blocks": kept.stats, "options": config.options(data=False)}
+
+
+def train_blocks(blocks: nn.ModuleList, plan: list, config: SignRoundConfig, inputs: list,
+                 store: KeptBlocks, *, first: int = 0, device: torch.device,
+                 ranks: Optional[Ranks] = None, progress: bool = False) -> None:
+    """Train the planned Linears of ``blocks`` from block ``first`` on, one block after the
+    other, each on the outputs of the blocks before it (already quantized).
+
+    Args:
+        blocks: the model's transformer blocks (:func:`find_blocks`).
+        plan: ``[(name, nn.Linear, format, params)]``; the Linears outside ``blocks`` are
+            not touched here.
+        config: the options (:func:`check_plan`).
+        inputs: block ``first``'s inputs ``[(hidden_states float32 [1, L, H], kwargs)]``
+            (:func:`qformats.calibration.capture_block_inputs`).
+        store: holds each block's weights while it is worked on (``store.hold(i, block)``)
+            and takes its results (``store.finished(...)``; :class:`KeptBlocks`).
+        first: the block to start from (an interrupted run going on); block ``i`` trains
+            with seed ``config.seed + i`` whichever block the run started from.
+        device: where the blocks are (and train).
+        ranks: the processes sharing the work (:func:`quantize_plan`); None: one.
+        progress: a progress bar over the blocks on stderr (rank 0).
+    """
+    layers_of = block_plan(blocks, plan)
+    last = max((i for i, names in enumerate(layers_of) if names), default=-1)
+    rank0 = ranks is None or ranks.rank == 0
+    bar = progress_bar(list(enumerate(blocks))[first:last + 1], enabled=progress and rank0,
                        desc="signround", unit="block", leave=False)
-    last = max((i for i, b in enumerate(blocks) if any(id(x) in by_id for x in b.modules())), default=-1)
     for bi, block in bar:
-        if bi > last:
-            break
-        t0 = time.perf_counter()
-        with _autocast(device, config.amp):  # (a no-op unless amp on CUDA)
+        names = layers_of[bi]
+        layers: dict = {}
+        st = None
+        with store.hold(bi, block), _autocast(device, config.amp):  # (a no-op unless amp on CUDA)
+            t0 = time.perf_counter()
             fblock = copy.deepcopy(block).to(torch.float32)
             fblock.train(False)
-            names = [(rel, by_id[id(sub)]) for rel, sub in block.named_modules() if id(sub) in by_id]
             # layers whose format makes a calibrated choice (mixed2bit's 4-bit groups): their
             # inputs' second moments, from the same forward that computes the targets (the inputs
             # the training sees)
@@ -596,32 +686,22 @@ def quantize_plan(model: nn.Module, plan: list, options: Union[SignRoundConfig, 
                 linears[rel] = srl
             outs = None
             if linears:
-                st = train_block(fblock, linears, inputs, targets, iters, config.lr,
+                st = train_block(fblock, linears, inputs, targets, int(config.iters), config.lr,
                                  config.batch_size, config.seed + bi, keep_outputs=True, ranks=ranks)
                 outs = st.pop("outputs")
                 secs = time.perf_counter() - t0
                 for rel, (name, fmt, qp) in names:
                     orig = block.get_submodule(rel)
                     qt = linears[rel].export(str(orig.weight.dtype).removeprefix("torch."))
-                    q = QuantizedLinear.from_quantized(qt, orig.bias)
-                    results[name] = (q, secs / len(names))
+                    layers[name] = (QuantizedLinear.from_quantized(qt, orig.bias), secs / len(names))
                 st["seconds"] = secs
                 st["layers"] = [n for _, (n, _, _) in names]
-                stats["blocks"].append(st)
             if outs is None:
                 outs = _forward_all(fblock, inputs, config.batch_size, ranks=ranks)[0]
+            fblock = linears = targets = None  # freed before the next block's copy is made
         inputs = [(y, kw) for y, (_, kw) in zip(outs, inputs)]
+        store.finished(bi, layers, st, inputs if bi < last else None)
     bar.close()
-    new = []
-    for name, m, fmt, qp in plan:
-        if name in results:
-            q, secs = results[name]
-        else:
-            t1 = time.perf_counter()
-            q = QuantizedLinear.from_linear(m, fmt, **qp)
-            secs = time.perf_counter() - t1
-        new.append((name, q, secs))
-    return new, stats
 
 
 def _autocast(device: torch.device, amp: bool):

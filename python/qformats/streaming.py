@@ -1,13 +1,17 @@
-"""Round-to-nearest quantization of a Hugging Face checkpoint without loading the model:
-tensor by tensor from its safetensors files, resumable, optionally over several processes.
+"""Quantization of a Hugging Face checkpoint without loading the model, from its safetensors
+files, resumable: round to nearest tensor by tensor (optionally over several processes), and
+trainable rounding (``method="signround"``) one transformer block at a time.
 
 Use::
 
     from qformats.streaming import quantize_checkpoint
     report = quantize_checkpoint("Llama-3-8B", "llama-int4", bits=4, max_shard_size="2GB")
+    report = quantize_checkpoint("Llama-3-8B", "llama-int4-sr", bits=4, method="signround",
+                                 calibration=text, tokenizer=tok, iters=200)
 
 or ``qformats quantize MODEL --bits 4 --stream --out DIR`` (``torchrun --nproc-per-node N -m
-qformats quantize ... --stream`` splits the work over N processes).
+qformats quantize ... --stream`` splits the round-to-nearest work over N processes), or
+``qformats quantize MODEL --bits 4 --method signround --calibration C.txt --stream --out DIR``.
 
 The output folder is the one :func:`qformats.quantize_model` + :func:`qformats.save_quantized`
 write for the same model and options (same tensors, same bytes; only the order of the two
@@ -27,21 +31,49 @@ order, may differ), so :func:`qformats.load_quantized` and ``qformats eval`` rea
    as ``save_quantized`` shards, and the folder is completed by the code that completes
    ``save_quantized`` (index, ``config.json``, tokenizer, ``quantization_config.json`` last).
 
+Trainable rounding (``method="signround"``, :mod:`qformats.signround`) makes the same units,
+but the planned Linears inside the transformer blocks are trained, block by block, by the loop
+the in-memory path runs (:func:`qformats.signround.train_blocks`), so the bytes are the same:
+
+* block 0's inputs are captured from the skeleton's own forward, each module it runs before
+  block 0 (the embedding) read from the checkpoint when it is called and put back on the meta
+  device afterwards;
+* each block's parameters are read from the checkpoint when its turn comes (memory-map views,
+  or copies converted to the model's dtype) and put back on the meta device when it is done;
+  its layers go to their unit files, then the next block's inputs (float32 hidden states) and
+  the blocks' stats to ``OUT/.qformats-stream/next-block.pt``;
+* planned Linears outside the blocks (lm_head with ``ignore=[]``) are rounded to nearest, and
+  the other tensors copied, as units of the round-to-nearest path.
+
+Memory: the tensors used before block 0 (the embedding, while capturing); one block, in the
+model's dtype and as the training's float32 copy with its parameters and their gradients (a
+few times the block's float32 weights: the weight, the offsets ``V``, their best values and
+gradients, the step's fake-quantized weight and its gradient); and the calibration
+activations: the samples' hidden states three times (the block's inputs, its targets, its
+outputs), ``nsamples * seqlen * hidden_size * 4`` bytes each, plus one sample's forward and
+backward.
+
 Resume: a run that is killed leaves ``OUT/.qformats-stream`` with a manifest of its settings
-and the finished unit files; the same call (or command) again skips those and goes on. A
-run with other settings refuses the folder unless ``overwrite=True``.
+and the finished unit files; the same call (or command) again skips those and goes on
+(signround: after the last block whose ``next-block.pt`` was written; a block killed halfway
+is trained again, to the same bytes). A run with other settings (options, or calibration
+samples of other tokens) refuses the folder unless ``overwrite=True``.
 
-Several processes: under ``torchrun`` (``WORLD_SIZE`` > 1), or in a process group the caller
-initialized, the units are split among the ranks (largest first, round robin); each rank
-writes its own unit files, and rank 0 assembles the folder after a barrier. The process group
-only synchronizes (barriers; the bytes go through the shared output folder, so the ranks must
-share it, as on one machine), so it is a gloo group on the CPU.
+Several processes (round to nearest): under ``torchrun`` (``WORLD_SIZE`` > 1), or in a
+process group the caller initialized, the units are split among the ranks (largest first,
+round robin); each rank writes its own unit files, and rank 0 assembles the folder after a
+barrier. The process group only synchronizes (barriers; the bytes go through the shared output
+folder, so the ranks must share it, as on one machine), so it is a gloo group on the CPU.
+Streaming signround runs in one process (ValueError under several); the in-memory path splits
+its training over ranks.
 
-Only round to nearest without calibration: the methods that calibrate (``signround``,
-``budget``, calibrated mixed2bit groups) need the model's activations, so the model in memory.
+Not streamed: the budget (``method="budget"``) and calibrated round to nearest
+(``calibration=`` with ``method="rtn"``), which need the whole model's activations.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -58,8 +90,9 @@ from torch import nn
 
 from ._dist import Ranks
 from ._files import check_output_dir, read_json, read_safetensors_header
+from .calibration import calibration_samples, capture_block_inputs, context_length
 from .choice import resolve_spec
-from .config import RTNConfig
+from .config import RTNConfig, SignRoundConfig
 from .evaluate import _dtype_key, _is_causal
 from .model import QuantizationReport
 from .nn import QuantizedLinear
@@ -67,6 +100,7 @@ from .plan import LayerReport, plan_layers, set_submodule
 from .progress import progress_bar
 from .saving import (INDEX_NAME, WEIGHTS_METADATA, WEIGHTS_NAME, _dedup_state, _shards,
                      empty_weights, finish_save)
+from .signround import KeptBlocks, block_plan, check_plan, find_blocks, train_blocks
 from .sizes import model_size
 
 __all__ = ["quantize_checkpoint", "STAGE_DIR", "KILL_AFTER_ENV"]
@@ -193,19 +227,23 @@ class _Unit:
         return f"u{self.index:05d}.safetensors"
 
 
+def _stored_names(aliases: dict, ck: _Checkpoint):
+    """``name -> the name the checkpoint holds tensor name under``: itself, or for a tied
+    tensor (``aliases`` ``{alias: target}`` of :func:`qformats.saving._dedup_state`) the other
+    name when the checkpoint lacks this one."""
+    ties: dict = {}
+    for alias, target in aliases.items():
+        ties.setdefault(alias, target)
+        ties.setdefault(target, alias)
+    return lambda name: name if name in ck.where or name not in ties else ties[name]
+
+
 def _units(model: nn.Module, plan: list, ck: _Checkpoint) -> list:
     """The units of the skeleton's stored tensors, in state-dict order; ValueError naming the
     tensors the checkpoint lacks. A tied tensor (lm_head.weight of tied embeddings) is read
     under whichever of its names the checkpoint holds."""
     tensors, aliases = _dedup_state(model, meta=True)
-    ties: dict = {}
-    for alias, target in aliases.items():
-        ties.setdefault(alias, target)
-        ties.setdefault(target, alias)
-
-    def stored(name):  # the name the checkpoint holds the tensor under
-        return name if name in ck.where or name not in ties else ties[name]
-
+    stored = _stored_names(aliases, ck)
     planned = {f"{name}.weight": (name, m, fmt, qp) for name, m, fmt, qp in plan}
     biases = {f"{name}.bias" for name, m, _, _ in plan if m.bias is not None}
     units: list = []
@@ -235,10 +273,7 @@ def _units(model: nn.Module, plan: list, ck: _Checkpoint) -> list:
 
 def _run_unit(unit: _Unit, ck: _Checkpoint, model: nn.Module, path: Path) -> None:
     """Quantize or convert one unit and write it to ``path`` (via ``path.part``)."""
-    from safetensors.torch import save_file
-
     t0 = time.perf_counter()
-    meta = dict(WEIGHTS_METADATA)
     if unit.layer is not None:
         fmt, qp = unit.layer
         w = ck.read(*unit.reads["weight"])
@@ -248,18 +283,34 @@ def _run_unit(unit: _Unit, ck: _Checkpoint, model: nn.Module, path: Path) -> Non
         except (TypeError, ValueError) as e:
             raise ValueError(f"layer {unit.name}: {fmt} {qp}: {e}") from e
         del w, b
-        tensors = {f"{unit.name}.{k}": v.contiguous() for k, v in q.state_dict().items()}
-        derived = {n: [str(q._buffers[n].dtype).removeprefix("torch."), list(q._buffers[n].shape)]
-                   for n in q.derived_names}
-        meta["layer"] = json.dumps({"config": q.config(), "derived": derived,
-                                    "seconds": time.perf_counter() - t0})
-    elif unit.reads:
+        _write_layer(path, unit.name, q, time.perf_counter() - t0)
+        return
+    if unit.reads:
         tensors = {unit.name: ck.read(*unit.reads[unit.name]).contiguous()}
     else:
         owner, _, b = unit.name.rpartition(".")
         tensors = {unit.name: (model.get_submodule(owner) if owner else model)._buffers[b].contiguous()}
+    _save(path, tensors, dict(WEIGHTS_METADATA))
+
+
+def _write_layer(path: Path, name: str, q: QuantizedLinear, seconds: float) -> None:
+    """The unit file of layer ``name`` quantized as ``q``, which took ``seconds``: its
+    tensors, and in the metadata what :func:`_quantized_skeleton` rebuilds it from."""
+    tensors = {f"{name}.{k}": v.contiguous() for k, v in q.state_dict().items()}
+    derived = {n: [str(q._buffers[n].dtype).removeprefix("torch."), list(q._buffers[n].shape)]
+               for n in q.derived_names}
+    meta = dict(WEIGHTS_METADATA, layer=json.dumps({"config": q.config(), "derived": derived,
+                                                    "seconds": seconds}))
+    _save(path, tensors, meta)
+
+
+def _save(path: Path, tensors: dict, metadata: dict) -> None:
+    """``safetensors.torch.save_file`` to ``path``, through ``path.part`` (a killed run leaves
+    no partial file under the final name)."""
+    from safetensors.torch import save_file
+
     part = path.with_name(path.name + ".part")
-    save_file(tensors, str(part), metadata=meta)
+    save_file(tensors, str(part), metadata=metadata)
     os.replace(part, path)
 
 
@@ -352,54 +403,227 @@ def _quantized_skeleton(model: nn.Module, layers: dict) -> None:
         set_submodule(model, name, q)
 
 
+# -- signround: one block at a time ------------------------------------------------------------
+
+#: In the stage folder, rewritten after each trained block: the next block's inputs (float32
+#: hidden states ``[1, L, H]``, one per calibration sample) and the stats of the blocks so far.
+_NEXT = "next-block.pt"
+
+
+class _Weights:
+    """Tensors of the skeleton made real from the checkpoint for a while (a block's, the
+    embedding's) and put back on the meta device afterwards: the same tensor objects, so the
+    skeleton's ties still hold."""
+
+    def __init__(self, model: nn.Module, ck: _Checkpoint):
+        self.ck = ck
+        self.stored = _stored_names(_dedup_state(model, meta=True)[1], ck)
+        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+
+    def load(self, module: nn.Module, recurse: bool = True) -> list:
+        """Read ``module``'s parameters and buffers that are on the meta device (and its
+        submodules' with ``recurse``) from the checkpoint, in their dtypes. Returns what
+        :meth:`release` puts back."""
+        put = []
+        base = self.names[id(module)]
+        for prefix, mod in (module.named_modules(prefix=base) if recurse else [(base, module)]):
+            for store in (mod._parameters, mod._buffers):
+                for k, t in list(store.items()):
+                    if t is None or t.device.type != "meta":
+                        continue
+                    real = self.ck.read(self.stored(f"{prefix}.{k}" if prefix else k), t.dtype)
+                    store[k] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
+                    put.append((store, k, t))
+        return put
+
+    @staticmethod
+    def release(put: list) -> None:
+        for store, k, t in reversed(put):
+            store[k] = t
+
+    @contextlib.contextmanager
+    def held(self, module: nn.Module):
+        """``module``'s weights real inside, on the meta device again after."""
+        put = self.load(module)
+        try:
+            yield
+        finally:
+            self.release(put)
+
+
+class _StreamedBlocks(KeptBlocks):
+    """The blocks of the skeleton for :func:`qformats.signround.train_blocks`: each read from
+    the checkpoint when its turn comes and put back on the meta device after; each finished
+    block's layers written as unit files, then :data:`_NEXT` (what a resumed run goes on from)."""
+
+    def __init__(self, weights: _Weights, files: dict, stage: Path, stats: list, kill: "_Kill"):
+        super().__init__()
+        self.weights, self.files, self.stage, self.kill = weights, files, stage, kill
+        self.stats = stats  # those of the blocks an interrupted run finished, then these
+
+    def hold(self, index: int, block: nn.Module):
+        return self.weights.held(block)
+
+    def finished(self, index: int, layers: dict, stats: Optional[dict],
+                 inputs: Optional[list]) -> None:
+        for name, (q, secs) in layers.items():
+            _write_layer(self.files[name], name, q, secs)
+        if stats is not None:
+            self.stats.append(stats)
+        # torch.save, not safetensors: the hidden states are views of their batch's output,
+        # which torch.save writes once (safetensors refuses tensors that share memory)
+        part = self.stage / (_NEXT + ".part")
+        torch.save({"block": index + 1, "stats": json.dumps(self.stats),
+                    "hidden": [x for x, _ in inputs or []]}, part)
+        os.replace(part, self.stage / _NEXT)
+        self.kill.wrote(len(layers))
+
+
+def _tensors(v: Any):
+    """The tensors in ``v`` (nested tuples, lists, dicts)."""
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (tuple, list)):
+        for x in v:
+            yield from _tensors(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _tensors(x)
+
+
+def _block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list, weights: _Weights) -> list:
+    """:func:`qformats.calibration.capture_block_inputs` of the skeleton: each module outside
+    the blocks that the forward calls before block 0 (the embedding, ...) is read from the
+    checkpoint when it is called, and put back on the meta device when the capture ends."""
+    inside = {id(m) for m in blocks.modules()}
+    put: list = []
+
+    def load(mod, args):
+        put.extend(weights.load(mod, recurse=False))
+
+    hooks = [m.register_forward_pre_hook(load) for m in model.modules()
+             if id(m) not in inside and any(t is not None and t.device.type == "meta"
+                                            for t in (*m._parameters.values(), *m._buffers.values()))]
+    try:
+        got = capture_block_inputs(model, blocks[0], samples, device=torch.device("cpu"))
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        got = None
+    finally:
+        for h in hooks:
+            h.remove()
+        weights.release(put)
+    if got is None or any(t.device.type == "meta" for t in _tensors(got)):
+        raise ValueError(f"{type(model).__name__}: its forward up to the first block uses weights "
+                         "outside the forward of the modules that hold them, which streaming "
+                         "does not read; quantize it in memory (quantize_model)")
+    return got
+
+
+def _signround(model: nn.Module, plan: list, config: SignRoundConfig, samples: list, units: list,
+               ck: _Checkpoint, stage: Path, kill: "_Kill", progress: bool) -> list:
+    """Train the planned Linears of the blocks (:func:`qformats.signround.train_blocks`), each
+    block read from the checkpoint when its turn comes; after each block its layers' unit
+    files, then :data:`_NEXT`. An interrupted run goes on after its last finished block.
+    Returns the per-block stats (as ``quantize_plan``'s ``stats["blocks"]``)."""
+    _, blocks = find_blocks(model)
+    first, hidden, stats = 0, None, []
+    if (stage / _NEXT).is_file():
+        try:
+            saved = torch.load(stage / _NEXT, weights_only=True)
+            first, hidden, stats = int(saved["block"]), saved["hidden"], json.loads(saved["stats"])
+        except Exception as e:  # noqa: BLE001 - any damage: the same advice
+            raise ValueError(f"{stage / _NEXT}: unreadable ({e}); remove {stage} and run "
+                             "again") from e
+    if not any(names for names in block_plan(blocks, plan)[first:]):
+        return stats
+    weights = _Weights(model, ck)
+    inputs = _block_inputs(model, blocks, samples, weights)
+    if first > 0:  # the kwargs (mask, positions, ...) of the capture, the saved hidden states
+        if len(hidden) != len(inputs):
+            raise ValueError(f"{stage / _NEXT}: holds {len(hidden)} samples, not "
+                             f"{len(inputs)}; remove {stage} and run again")
+        inputs = [(x, kw) for x, (_, kw) in zip(hidden, inputs)]
+    files = {u.name: stage / "units" / u.file for u in units if u.layer is not None}
+    store = _StreamedBlocks(weights, files, stage, stats, kill)
+    train_blocks(blocks, plan, config, inputs, store, first=first, device=torch.device("cpu"),
+                 progress=progress)
+    return store.stats
+
+
 # -- the entry point ---------------------------------------------------------------------------
 
 def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
                         format: Optional[str] = None, bits: Optional[int] = None,
-                        group_size: Optional[int] = None, *,
+                        group_size: Optional[int] = None, *, method: str = "rtn",
                         ignore: Optional[Sequence[str]] = None,
                         overrides: Optional[Mapping[str, Mapping[str, Any]]] = None,
                         dtype: str = "auto", max_shard_size: Union[int, str, None] = None,
                         tokenizer: Any = None, overwrite: bool = False, progress: bool = False,
                         **params) -> Optional[QuantizationReport]:
-    """Quantize the Linear layers of a Hugging Face safetensors checkpoint with round to
-    nearest, reading and writing it tensor by tensor, and write the quantized model folder.
+    """Quantize the Linear layers of a Hugging Face safetensors checkpoint without loading
+    the model, and write the quantized model folder: with round to nearest, tensor by tensor;
+    with ``method="signround"``, one transformer block at a time.
 
     The folder equals what ``m = load_model(source, dtype).model; quantize_model(m, format,
-    bits, group_size, ignore=ignore, overrides=overrides, **params); save_quantized(m, out,
-    tokenizer=tokenizer, source=source, max_shard_size=max_shard_size)`` writes: the same
-    files, with the same tensors and bytes (see the module's description for the one header
-    detail that safetensors itself varies). Memory stays at about one tensor of the checkpoint
-    plus its quantized form, whatever the model's size. Interrupted, the same call resumes;
-    under ``torchrun`` (or in an initialized process group) the ranks share the work.
+    bits, group_size, method=method, ignore=ignore, overrides=overrides, **params);
+    save_quantized(m, out, tokenizer=tokenizer, source=source, max_shard_size=max_shard_size)``
+    writes (for signround with ``tokenizer=tokenizer`` among the options too): the same files,
+    with the same tensors and bytes (see the module's description for the one header detail
+    that safetensors itself varies). Memory, whatever the model's size: round to nearest about
+    one tensor of the checkpoint plus its quantized form; signround one block (in the model's
+    dtype, its float32 copy and the training's parameters) plus the calibration activations
+    (the module's description has the sum). Interrupted, the same call resumes (signround:
+    after its last finished block); under ``torchrun`` (or in an initialized process group)
+    the ranks share the round-to-nearest work.
 
     Args:
         source: a Hugging Face model folder: ``config.json`` and ``model.safetensors`` or
             ``model.safetensors.index.json`` with its shards.
         out: the output folder: new, empty, or holding an interrupted run of this call.
         format, bits, group_size, ignore, overrides, ``**params``: as
-            :func:`qformats.quantize_model` (``method="rtn"``).
+            :func:`qformats.quantize_model`.
+        method: ``"rtn"`` (round to nearest, no calibration) or ``"signround"`` (trainable
+            rounding of the Linears inside the transformer blocks, int4 asymmetric and mixed2bit
+            without outliers; the other planned Linears rounded to nearest). signround's
+            options go in ``**params``: the fields of
+            :class:`~qformats.config.SignRoundConfig` (``calibration`` needed: int64 token-id
+            tensors, or a text tokenized with ``tokenizer``; ``iters``, ``nsamples``,
+            ``seqlen`` (capped at the model's ``max_position_embeddings``), ``lr``,
+            ``batch_size``, ``seed``, ``selection``, ``sensitivity_power``; ``amp`` does
+            nothing on the CPU). The training runs on the CPU, with torch's threads.
         dtype: ``"auto"`` (the checkpoint's dtype, as ``qformats quantize`` loads it),
             ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the weights are converted
             to before quantizing, and the tensors that stay in float are stored in.
         max_shard_size: None (one ``model.safetensors``) or the largest output shard (bytes,
             or a string such as ``"2GB"``), as :func:`qformats.save_quantized`.
-        tokenizer: a tokenizer to save with the model (``save_pretrained``); None copies the
-            tokenizer files of ``source``.
+        tokenizer: a tokenizer to save with the model (``save_pretrained``; None copies the
+            tokenizer files of ``source``), and the one signround tokenizes a text
+            ``calibration`` with.
         overwrite: allow ``out`` to hold other files, or an interrupted run with other
             settings (discarded).
         progress: a progress bar over the checkpoint's bytes, with ETA, on stderr (rank 0:
-            the work of every rank).
+            the work of every rank); signround adds one over the blocks.
     Returns:
         the :class:`~qformats.model.QuantizationReport` (per-layer formats and sizes, the
-        seconds each layer took in its process, the total wall time) on rank 0; None on the
-        other ranks.
+        seconds each layer took in its process (signround: its block's time shared out among
+        the block's layers), the total wall time; signround: ``report.signround`` as
+        ``quantize_model``'s, the blocks' seconds those of the run that trained them) on rank 0;
+        None on the other ranks.
     Raises:
         ValueError: ``source`` is not a folder, has no ``config.json`` or safetensors weights,
             or lacks tensors the model needs; ``out`` is a file, the source folder, or a folder
             with other content (without ``overwrite``); a bad format, parameter, override or
-            dtype; ``calibration=`` or other method options (round to nearest only); a unit
-            file of the resumed run that is unreadable.
+            dtype; a method other than ``"rtn"`` and ``"signround"``, or ``calibration=`` with
+            ``"rtn"``; signround without ``calibration``, with a text and no ``tokenizer``,
+            with bad options, or in one of several processes (``WORLD_SIZE`` > 1, or an
+            initialized process group of more than one rank); a model whose forward before
+            its first block uses weights outside the forward of the modules holding them
+            (signround); a unit file or ``next-block.pt`` of the resumed run that is
+            unreadable.
+        NotImplementedError: signround with a planned layer that is neither int4 asymmetric
+            nor mixed2bit without outliers (as ``quantize_model``).
         OSError: the folder cannot be written.
     """
     t0 = time.perf_counter()
@@ -410,10 +634,25 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
         raise ValueError(f"{source}: no config.json; not a Hugging Face model folder")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {_DTYPES}, got {dtype!r}")
-    for k in ("method", *RTNConfig.names()):
-        if k in params:
-            raise ValueError(f"{k}=: streaming quantizes with plain round to nearest only; "
-                             "calibrated methods need the model in memory (quantize_model)")
+    config = None
+    if method == "signround":
+        config = SignRoundConfig.pop(params)  # the rest of params: the format's
+        if config.calibration is None:
+            raise ValueError("method='signround' needs calibration data: pass calibration= "
+                             "token-id tensors, or a text with tokenizer=")
+        if _several_processes():
+            raise ValueError("streaming signround runs in one process; under torchrun, quantize "
+                             "in memory (qformats quantize without --stream), where the "
+                             "processes share the training")
+    elif method == "rtn":
+        for k in RTNConfig.names():
+            if k in params:
+                raise ValueError(f"{k}=: with method='rtn' streaming quantizes with plain round "
+                                 "to nearest only; calibrated round to nearest needs the model in "
+                                 "memory (quantize_model)")
+    else:
+        raise ValueError(f"method={method!r}: streaming quantizes with 'rtn' or 'signround'; "
+                         "other methods need the model in memory (quantize_model)")
     if max_shard_size is not None:
         _shards({}, max_shard_size)  # a bad size fails here, before any work
     outp = check_output_dir(out, src)
@@ -421,15 +660,24 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
     ck = _Checkpoint.open(src)
     model = _skeleton(src, ck, dtype)
     glob = {"format": format, "bits": bits, "group_size": group_size, "params": dict(params)}
-    report = QuantizationReport(method="rtn")
+    report = QuantizationReport(method=method)
     # layers kept in float: warned about (as quantize_model does) and in report.warnings
     report.layers, plan, report.warnings = plan_layers(model, glob, ignore, overrides or {})
     units = _units(model, plan, ck)
+    trained: set = set()  # the layers signround trains (in the blocks); the others: rtn
+    settings = None
+    if config is not None:
+        config = check_plan(plan, config.replace(tokenizer=tokenizer,
+                                                 seqlen=context_length(model, config.seqlen)))
+        samples = calibration_samples(config.calibration, config.tokenizer, config.nsamples,
+                                      config.seqlen)
+        trained = {name for names in block_plan(find_blocks(model)[1], plan) for _, (name, _, _) in names}
+        settings = dict(config.options(data=False), calibration=_digest(samples))
     manifest = json.loads(json.dumps({
         "source": str(src.resolve()), "inputs": ck.signature(), "dtype": dtype,
         "choice": glob, "ignore": None if ignore is None else list(ignore),
-        "overrides": overrides or {}, "max_shard_size": max_shard_size,
-        "units": [[u.name, u.layer] for u in units]}, default=str))
+        "overrides": overrides or {}, "max_shard_size": max_shard_size, "method": method,
+        "signround": settings, "units": [[u.name, u.layer] for u in units]}, default=str))
 
     group = Ranks(init_from_env=True)  # the ranks only synchronize: gloo
     try:
@@ -444,7 +692,13 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
             tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
             os.replace(tmp, stage / _MANIFEST)
         group.barrier()
-        _work(units, ck, model, stage / "units", group, progress)
+        kill = _Kill()
+        _work([u for u in units if u.name not in trained], ck, model, stage / "units", group,
+              progress, kill)
+        if config is not None:
+            report.signround = {"blocks": _signround(model, plan, config, samples, units, ck, stage,
+                                                     kill, progress),
+                                "options": config.options(data=False)}
         if group.rank != 0:
             group.barrier()
             return None
@@ -461,6 +715,24 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
     report.size = model_size(model)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _several_processes() -> bool:
+    """Whether this process is one of several: under torchrun, or in a process group of more
+    than one rank that the caller initialized."""
+    import torch.distributed as dist
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or (
+        dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _digest(samples: list) -> str:
+    """What identifies the calibration samples (int64 token ids) in the manifest."""
+    h = hashlib.sha256()
+    for t in samples:
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _check_stage(out: Path, stage: Path, manifest: dict, overwrite: bool) -> bool:
@@ -481,8 +753,22 @@ def _check_stage(out: Path, stage: Path, manifest: dict, overwrite: bool) -> boo
     return True
 
 
+class _Kill:
+    """The test aid of :data:`KILL_AFTER_ENV`: counts the unit files this process writes and
+    kills it (SIGKILL) once they reach the number the variable gives."""
+
+    def __init__(self):
+        self.after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
+        self.written = 0
+
+    def wrote(self, n: int = 1) -> None:
+        self.written += n
+        if self.after and self.written >= self.after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _work(units: list, ck: _Checkpoint, model: nn.Module, units_dir: Path, group: Ranks,
-          progress: bool) -> None:
+          progress: bool, kill: _Kill) -> None:
     """This rank's share of the units (largest first, round robin over the ranks), skipping
     those already written; then wait for the other ranks, rank 0 showing everyone's progress."""
     mine = sorted(units, key=lambda u: -u.nbytes)[group.rank::group.world]
@@ -496,8 +782,6 @@ def _work(units: list, ck: _Checkpoint, model: nn.Module, units_dir: Path, group
         if show:  # update(), not refresh(): tqdm's mininterval keeps a log file short
             bar.update(sum(size.get(f.name, 0) for f in units_dir.iterdir()) - bar.n)
 
-    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
-    written = 0
     try:
         refresh()
         for u in mine:
@@ -507,9 +791,7 @@ def _work(units: list, ck: _Checkpoint, model: nn.Module, units_dir: Path, group
             if show:
                 bar.set_postfix_str(u.name, refresh=False)
             _run_unit(u, ck, model, path)
-            written += 1
-            if kill_after and written >= kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
+            kill.wrote()
             refresh()
         group.barrier(wait=refresh if show else None)
         refresh()

@@ -2,8 +2,10 @@
 that quantize_model + save_quantized write (compared file by file, safetensors by header and
 tensor bytes), resume after being killed, share the work under torchrun (and so does
 ``--method signround``), keep memory at about one tensor, and refuse bad input with clear
-ValueErrors. Random checkpoints written by benchmarks/stream_quantize.py's write_checkpoint (a
-few MB, 3+ shards); no ../shared needed."""
+ValueErrors; streamed signround writes what in-memory signround writes, with one block's
+weights real at a time, and resumes after its last finished block. Random checkpoints written
+by benchmarks/stream_quantize.py's write_checkpoint (a few MB, 3+ shards); no ../shared
+needed."""
 from __future__ import annotations
 
 import importlib.util
@@ -259,11 +261,167 @@ def test_bad_input(ckpt, tmp_path):
 
 
 def test_cli_stream_errors(ckpt, tmp_path, capsys):
-    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--method", "signround",
-                 "--calibration", str(ckpt / "config.json"), "--out", str(tmp_path / "o")]) == 2
-    assert "--stream quantizes with --method rtn" in capsys.readouterr().err
+    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--method", "budget",
+                 "--calibration", str(ckpt / "config.json"), "--max-kl", "0.1",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "--stream quantizes with --method signround, or rtn without --calibration" in capsys.readouterr().err
+    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--calibration",
+                 str(ckpt / "config.json"), "--out", str(tmp_path / "o")]) == 2
+    assert "--stream quantizes with --method signround, or rtn without --calibration" in capsys.readouterr().err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--out", str(tmp_path / "full"),
                  "--no-progress"]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+# -- signround, streamed --------------------------------------------------------------------------
+
+SR = dict(method="signround", iters=10, nsamples=4, seqlen=16)
+SR_IDS = [torch.randint(0, SMALL["vocab"], (24,), generator=torch.Generator().manual_seed(i))
+          for i in range(5)]
+
+SR_CASES = {  # int4 with lm_head planned (rounded to nearest) from the tied embeddings; mixed2bit
+    # with 4-bit groups (chosen by the blocks' second moments), converted to float32, sharded
+    "int4-tied-lm_head": ("tied", dict(bits=4, ignore=[]), "auto", None),
+    "mixed2bit-ratio-float32": ("ckpt", dict(bits=2, ratio_4bit=0.25), "float32", "400KB"),
+}
+
+
+@pytest.mark.parametrize("case", list(SR_CASES))
+def test_stream_signround_equals_in_memory(case, request, tmp_path):
+    which, choice, dtype, shard = SR_CASES[case]
+    src = request.getfixturevalue(which)
+    ref, ref_report = _in_memory(src, tmp_path / "ref", dtype, shard, calibration=SR_IDS, **SR, **choice)
+    report = quantize_checkpoint(src, tmp_path / "stream", dtype=dtype, max_shard_size=shard,
+                                 calibration=SR_IDS, **SR, **choice)
+    assert bench.compare_folders(tmp_path / "ref", tmp_path / "stream") == []
+    assert not (tmp_path / "stream" / STAGE_DIR).exists()
+    assert report.method == "signround" and _layers(report) == _layers(ref_report)
+    assert report.size == ref_report.size
+    drop = ("seconds",)
+    assert [{k: v for k, v in b.items() if k not in drop} for b in report.signround["blocks"]] == \
+        [{k: v for k, v in b.items() if k not in drop} for b in ref_report.signround["blocks"]]
+    assert report.signround["options"] == ref_report.signround["options"]
+    assert len(report.signround["blocks"]) == SMALL["layers"]
+    # the training changed the codes (each block kept parameters of a later step than the
+    # first): round to nearest writes other bytes
+    assert all(b["best_iter"] > 0 for b in report.signround["blocks"])
+    quantize_checkpoint(src, tmp_path / "rtn", dtype=dtype, max_shard_size=shard, **choice)
+    assert bench.compare_folders(tmp_path / "rtn", tmp_path / "stream") != []
+
+
+def test_stream_signround_holds_one_block_at_a_time(ckpt, tmp_path, monkeypatch):
+    """While a block trains, it is the only block whose weights are off the meta device, and
+    the embedding (read for the first block's inputs) and lm_head are on it; afterwards every
+    block is back on it."""
+    import qformats.signround as sr
+    import qformats.streaming as st
+
+    seen, trained = {}, []
+    skeleton, train_block = st._skeleton, sr.train_block
+
+    def keep(*a, **k):
+        seen["model"] = skeleton(*a, **k)
+        return seen["model"]
+
+    def real(module):
+        return [n for n, t in module.named_parameters() if t.device.type != "meta"]
+
+    def check(block, *a, **k):
+        m = seen["model"]
+        held = [i for i, b in enumerate(m.model.layers) if real(b)]
+        assert held == [len(trained)], held
+        assert len(real(m.model.layers[held[0]])) == 9  # its 7 Linears and 2 norms
+        assert real(m) == [f"model.layers.{held[0]}.{n}" for n in real(m.model.layers[held[0]])]
+        trained.append(held[0])
+        return train_block(block, *a, **k)
+
+    monkeypatch.setattr(st, "_skeleton", keep)
+    monkeypatch.setattr(sr, "train_block", check)
+    quantize_checkpoint(ckpt, tmp_path / "o", bits=4, calibration=SR_IDS, **SR)
+    assert trained == [0, 1]
+    assert real(seen["model"]) == []
+
+
+def _next_block(out):
+    return torch.load(out / STAGE_DIR / "next-block.pt", weights_only=True)["block"]
+
+
+def test_stream_signround_resumes_after_its_last_finished_block(ckpt, tmp_path):
+    """Killed (SIGKILL) once block 0 is written; its inputs file removed (what a kill between a
+    block's unit files and that file leaves): block 0 again, killed after it; then block 1,
+    killed after it, block 0's files untouched; the last run assembles the folder, which equals
+    an uninterrupted run's. Other settings refuse the folder."""
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i % 97} and {i}" for i in range(300)), encoding="utf-8")
+    out = tmp_path / "out"
+    args = [ckpt, "--bits", "4", "--method", "signround", "--calibration", text, "--iters", "4",
+            "--nsamples", "4", "--seqlen", "16", "--stream", "--out", out, "--no-progress"]
+    units = out / STAGE_DIR / "units"
+
+    def block_files(i):  # the unit files of block i's 7 Linears (units in state-dict order)
+        names = [u[0] for u in json.loads((out / STAGE_DIR / "manifest.json").read_text())["units"]]
+        return [units / f"u{k:05d}.safetensors" for k, n in enumerate(names)
+                if n.startswith(f"model.layers.{i}.") and not n.endswith("norm.weight")]
+
+    r = _cli(args, {KILL_AFTER_ENV: "8"})  # 7 tensors rounded to nearest, then block 0
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert _next_block(out) == 1 and all(f.is_file() for f in block_files(0))
+    assert not any(f.is_file() for f in block_files(1))
+    first = {f: f.stat().st_mtime_ns for f in block_files(0)}
+    (out / STAGE_DIR / "next-block.pt").unlink()
+    r = _cli(args, {KILL_AFTER_ENV: "1"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert _next_block(out) == 1 and all(f.stat().st_mtime_ns != t for f, t in first.items())
+    again = {f: f.stat().st_mtime_ns for f in block_files(0)}
+    r = _cli(args, {KILL_AFTER_ENV: "1"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert _next_block(out) == 2 and all(f.is_file() for f in block_files(1))
+    assert all(f.stat().st_mtime_ns == t for f, t in again.items())
+    with pytest.raises(ValueError, match="interrupted run with other settings"):
+        quantize_checkpoint(ckpt, out, bits=4, calibration=SR_IDS, **SR)
+    assert main(["quantize", *map(str, args)]) == 0
+    assert not (out / STAGE_DIR).exists()
+    assert main(["quantize", *map(str, args[:-3]), "--out", str(tmp_path / "once"), "--no-progress"]) == 0
+    assert bench.compare_folders(out, tmp_path / "once") == []
+
+
+def test_cli_stream_signround_equals_cli_in_memory(ckpt, tmp_path, capsys):
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i % 97} and {i}" for i in range(300)), encoding="utf-8")
+    args = [str(ckpt), "--format", "mixed2bit:ratio_4bit=0.1", "--method", "signround",
+            "--calibration", str(text), "--iters", "10", "--nsamples", "3", "--seqlen", "16",
+            "--no-progress"]
+    assert main(["quantize", *args, "--out", str(tmp_path / "a")]) == 0
+    assert main(["quantize", *args, "--stream", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("quantized 14 of 15 Linear layers (signround): mixed2bit x14") == 2
+    assert bench.compare_folders(tmp_path / "a", tmp_path / "b") == []
+
+
+def test_stream_signround_errors(ckpt, tmp_path, monkeypatch):
+    o = tmp_path / "o"
+    with pytest.raises(ValueError, match="needs calibration"):
+        quantize_checkpoint(ckpt, o, bits=4, method="signround")
+    with pytest.raises(ValueError, match="pass tokenizer= as well"):
+        quantize_checkpoint(ckpt, o, bits=4, method="signround", calibration="some text")
+    with pytest.raises(NotImplementedError, match="int4 asymmetric"):
+        quantize_checkpoint(ckpt, o, bits=8, calibration=SR_IDS, **SR)
+    with pytest.raises(ValueError, match="selection"):
+        quantize_checkpoint(ckpt, o, bits=2, calibration=SR_IDS, selection="best", **SR)
+    with pytest.raises(ValueError, match="'rtn' or 'signround'"):
+        quantize_checkpoint(ckpt, o, bits=4, method="budget", calibration=SR_IDS)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="streaming signround runs in one process"):
+        quantize_checkpoint(ckpt, o, bits=4, calibration=SR_IDS, **SR)
+    assert not o.exists()  # nothing written before the checks
+    monkeypatch.delenv("WORLD_SIZE")
+    # a forward that reads a weight before block 0 outside its module's forward (here: the
+    # embedding's, which streaming then does not read)
+    import qformats.streaming as st
+
+    load = st._Weights.load
+    monkeypatch.setattr(st._Weights, "load", lambda self, m, recurse=True: load(self, m) if recurse else [])
+    with pytest.raises(ValueError, match="uses weights outside the forward"):
+        quantize_checkpoint(ckpt, tmp_path / "o2", bits=4, calibration=SR_IDS, **SR)

@@ -29,14 +29,14 @@
 // rows into shared memory with cp.async while it multiplies the current step (XT, two stages per
 // warp), and lanes read their units from there instead of from global memory.
 //
-// One activation row (N = 1, the decode GEMV): the CTA first writes X's row into shared memory
-// already in mma order (XS: per unit and j, the B registers of its two mma, so a lane reads them
-// with one 16-byte LDS instead of loading the unit's activations from global memory and
-// permuting them with 2 PRMT per mma; zeros past K, so lanes past the end need no test). The
-// weights of the warp's first step are requested before that fill, so the two latencies
-// overlap. Why: on the H200 (int4 g128, N = 1) the x loads right before their PRMT were the
-// largest stall of the kernel (Nsight Compute source view), and the table made int4 faster
-// (benchmarks/README.md, "Design measurements behind kernel choices").
+// One activation row (N = 1, the decode GEMV; and two where Fmt::kTableXMaxRows says so): the CTA
+// first writes X's rows into shared memory already in mma order (XS: per unit and j, the B
+// registers of its two mma, so a lane reads them with one 16-byte LDS instead of loading the
+// unit's activations from global memory and permuting them with 2 PRMT per mma; zeros past K, so
+// lanes past the end need no test). The weights of the warp's first step are requested before
+// that fill, so the two latencies overlap. Why: on the H200 (int4 g128, N = 1) the x loads right
+// before their PRMT were the largest stall of the kernel (Nsight Compute source view), and the
+// table made int4 faster (benchmarks/README.md, "Design measurements behind kernel choices").
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -164,6 +164,8 @@ __device__ __forceinline__ uint32_t hi_hi(uint32_t a, uint32_t b) { return __byt
 //       kernel (N > 8) may take (see the launcher; mixed2bit's loads measured slower with more)
 //   static constexpr int kStagedXMinRows;  from how many activation rows the one-tile kernel (N <= 8)
 //       stages X in shared memory (XT; 9: never), as measured for the format
+//   static constexpr int kTableXMaxRows;  1 or 2: up to how many rows X goes into the activation
+//       table (XS; it takes precedence over XT), as measured for the format
 //   static constexpr bool kLut;  (whether it decodes through a 256-entry pair table; if so:)
 //   template <class Ops> __device__ uint32_t lut_entry(int byte) const;
 //   template <class Ops> __device__ void pairs(const uint32_t (*lut)[32], int lane, const Unit&, int j,
@@ -218,9 +220,24 @@ __device__ __forceinline__ void unit_pairs(const Fmt& f, const uint32_t (*lut)[3
   else f.template pairs<Ops>(lut, lane, ld[i], j, p);
 }
 
-// XS: slot of word-quad j of unit u in the activation table. The four lanes t of a quad read units
-// U t + i (U = 2) in one LDS; XOR-ing j with bits of u puts their four 16-byte reads in distinct
-// banks (units are 64 bytes apart for kUnit = 32, 32 bytes for 16).
+// XS: the table holds N = 1 or 2 activation rows; lane (g, t) takes row g & (N - 1), so columns 0
+// and 1 of the mma are rows 0 and 1 (the other columns repeat them and are not stored).
+// A row holds whole steps of 8 units; row 1 starts one unit after row 0's end, so that lanes
+// g = 2a and 2a + 1 of one 16-byte-load phase (rows 0 and 1) read distinct bank quads (see
+// xs_slot). xs_row_slots: 16-byte slots from one row to the next; xs_bytes: the table's size.
+template <int kUnit>
+__host__ __device__ constexpr int64_t xs_row_slots(int64_t K) {
+  return ((K / kUnit + 7) / 8 * 8 + 1) * (kUnit / 8);
+}
+template <int kUnit>
+constexpr size_t xs_bytes(int64_t N, int64_t K) {
+  return size_t(N * xs_row_slots<kUnit>(K) - kUnit / 8) * 16;
+}
+
+// XS: slot of word-quad j of unit u in a row of the activation table. The four lanes t of a quad
+// read units U t + i (U = 2) in one LDS; XOR-ing j with bits of u puts their four 16-byte reads in
+// distinct banks (units are 64 bytes apart for kUnit = 32, 32 bytes for 16). They use half of the
+// 8 bank quads; the next row, one unit further (xs_row_slots), uses the other half.
 template <int kUnit>
 __device__ __forceinline__ int xs_slot(int64_t u, int j) {
   constexpr int kSlots = kUnit / 8;
@@ -260,7 +277,7 @@ __launch_bounds__(kMmaMaxWarps * 32)
 weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t K, int64_t M, H* __restrict__ Y,
                        const H* __restrict__ bias) {
   using Ops = PairOps<H>;
-  static_assert(!XS || NTILES == 1, "the activation table holds one row");
+  static_assert(!XS || NTILES == 1, "the activation table: the one-tile kernel (N <= 8)");
   static_assert(NTILES * (NTILES == 1 ? 2 : 1) == 2, "XT's stage size (the launcher's xt_bytes)");
   static_assert(RG == 1 || (!XS && !PAIR), "row groups: the per-unit loads of the multi-tile kernel");
   static_assert(!(XS && XT), "one activation path");
@@ -305,6 +322,8 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   constexpr int U = NTILES == 1 ? 2 : 1;  // two units per lane measured slower at 16 rows (177 registers)
   constexpr int kStepUnits = 4 * U;
   const int64_t steps = (units + kStepUnits - 1) / kStepUnits;
+  // XS: this lane's row of the activation table
+  const uint4* const xsg = xs + (XS ? (g & (N - 1)) * xs_row_slots<kUnit>(K) : 0);
   // XT (2..8 rows): the activations of a warp's step (8 rows x kStepUnits units) are copied with
   // cp.async into one of the warp's two stages while the previous step is multiplied, and lanes
   // read them from there. Read straight from global memory, a quad's units of one row span two
@@ -382,7 +401,7 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
       uint4 xq[kUnit / 8];     // XS: the unit's B registers, per j (h = 0: .x .y; h = 1: .z .w)
       if constexpr (XS) {
 #pragma unroll
-        for (int j = 0; j < kUnit / 8; ++j) xq[j] = xs[xs_slot<kUnit>(u, j)];
+        for (int j = 0; j < kUnit / 8; ++j) xq[j] = xsg[xs_slot<kUnit>(u, j)];
       }
 #pragma unroll
       for (int nt = 0; nt < NTILES && !XS; ++nt) {
@@ -441,18 +460,22 @@ weight_only_mma_kernel(const Fmt f, const H* __restrict__ X, int64_t N, int64_t 
   if constexpr (XS) {
     // one unit per thread and pass: its kUnit / 2 activation pairs in, kUnit / 8 slots of B
     // registers out (Fmt::xpair's order); units past K (up to whole steps) get zeros
-    const int64_t padded = steps * kStepUnits;
-    for (int64_t u = threadIdx.x; u < padded; u += blockDim.x) {
-      uint32_t w[16];
+    const int64_t padded = steps * kStepUnits, row_slots = xs_row_slots<kUnit>(K);
+    for (int r = 0; r < N; ++r) {
+      const H* const xr = X + r * K;
+      for (int64_t u = threadIdx.x; u < padded; u += blockDim.x) {
+        uint32_t w[16];
 #pragma unroll
-      for (int q = 0; q < kUnit / 8; ++q) {
-        const uint4 v = u < units ? __ldg(reinterpret_cast<const uint4*>(X + u * kUnit) + q) : make_uint4(0, 0, 0, 0);
-        w[4 * q] = v.x; w[4 * q + 1] = v.y; w[4 * q + 2] = v.z; w[4 * q + 3] = v.w;
+        for (int q = 0; q < kUnit / 8; ++q) {
+          const uint4 v =
+              u < units ? __ldg(reinterpret_cast<const uint4*>(xr + u * kUnit) + q) : make_uint4(0, 0, 0, 0);
+          w[4 * q] = v.x; w[4 * q + 1] = v.y; w[4 * q + 2] = v.z; w[4 * q + 3] = v.w;
+        }
+#pragma unroll
+        for (int j = 0; j < kUnit / 8; ++j)
+          xs[r * row_slots + xs_slot<kUnit>(u, j)] = make_uint4(Fmt::xpair(w, 4 * j), Fmt::xpair(w, 4 * j + 2),
+                                                                Fmt::xpair(w, 4 * j + 1), Fmt::xpair(w, 4 * j + 3));
       }
-#pragma unroll
-      for (int j = 0; j < kUnit / 8; ++j)
-        xs[xs_slot<kUnit>(u, j)] = make_uint4(Fmt::xpair(w, 4 * j), Fmt::xpair(w, 4 * j + 2), Fmt::xpair(w, 4 * j + 1),
-                                              Fmt::xpair(w, 4 * j + 3));
     }
     __syncthreads();
   }
@@ -538,13 +561,16 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
   if (Fmt::kLut && xt)
     while (warps < kMmaMaxWarps && warps * 2 <= steps) warps *= 2;
   cudaStream_t s = cuda::stream(stream);
-  // N = 1: X's row in shared memory in mma order (whole steps of 8 units, zero-padded), while it
-  // fits beside the kernel's own shared arrays under the default 48 KB (K up to ~20000; nf4's
-  // pair table leaves no room, and nf4 takes the float32 kernel at N = 1 anyway).
-  const size_t xs_bytes = size_t((K / Fmt::kUnit + 7) / 8 * 8) * Fmt::kUnit * sizeof(H);
-  const bool xs = N == 1 && !Fmt::kLut && xs_bytes <= 40 * 1024;
+  // Up to Fmt::kTableXMaxRows (1 or 2) rows: X's rows in shared memory in mma order (XS; whole
+  // steps of 8 units, zero-padded) while they fit in 40 KB for one row (K up to ~20000) or 64 KB
+  // for two (two CTAs of 8 warps per SM). Every CTA reads all of X into its table, so the fill's
+  // L2 traffic grows with N: four rows measured slower than XT or global loads (benchmarks/README.md,
+  // "Design measurements behind kernel choices"). nf4's pair table leaves no room.
+  static_assert(Fmt::kTableXMaxRows == 1 || Fmt::kTableXMaxRows == 2, "the table's rows: g & (N - 1)");
+  const size_t xs_size = xs_bytes<Fmt::kUnit>(N, K);
+  const bool xs = N <= Fmt::kTableXMaxRows && !Fmt::kLut && xs_size <= size_t(N == 1 ? 40 : 64) * 1024;
   const size_t xt_bytes = size_t(warps) * 2 * (8 * Fmt::kUnit) * 16;
-  const size_t dyn = xs ? xs_bytes : xt ? xt_bytes : 0;
+  const size_t dyn = xs ? xs_size : xt ? xt_bytes : 0;
   auto go = [&](auto kernel) {
     if (dyn > 0) cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
     kernel<<<grid, warps * 32, dyn, s>>>(f, X, N, K, M, Y, bias);
@@ -572,7 +598,7 @@ void launch_weight_only_mma(const Fmt& f, const H* X, int64_t N, int64_t K, int6
     if constexpr (Fmt::kPairLoad) {  // (two units per lane: the N <= 8 kernel only)
       pair = f.pair_load_ok();
       bool aligned = false;
-      // The aligned pair's three 16-byte loads at one row (XS); with XT (2..8 rows) its 13
+      // The aligned pair's three 16-byte loads with XS (one or two rows); with XT (2..8 rows) its 13
       // registers per pair raised the kernel to 172 registers and it measured slower
       // (benchmarks/README.md, "Design measurements behind kernel choices").
       if constexpr (HasAlignedPair<Fmt>::value) {

@@ -76,6 +76,7 @@ struct Int4 {
   static constexpr bool kContiguousSteps = false;
   static constexpr int kMaxRowGroups = 4;    // benchmarks/README.md, "Row groups"
   static constexpr int kStagedXMinRows = 4;  // benchmarks/README.md, "Activations through shared memory"
+  static constexpr int kTableXMaxRows = 1;   // benchmarks/README.md, "Design measurements behind kernel choices"
   bool pair_load_ok() const { return gshift >= 1; }
   struct Pair {
     uint4 q[2];

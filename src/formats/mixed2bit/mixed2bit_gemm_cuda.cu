@@ -127,6 +127,7 @@ struct Mixed2Mma {
   static constexpr bool kContiguousSteps = true;
   static constexpr int kMaxRowGroups = 1;    // more measured slower (benchmarks/README.md, "Row groups")
   static constexpr int kStagedXMinRows = 9;  // benchmarks/README.md, "Activations through shared memory"
+  static constexpr int kTableXMaxRows = 1;   // two measured no faster (benchmarks/README.md)
   mixed2bit::ConstBuffers q;
   const uint64_t* index;
   int64_t G, C;

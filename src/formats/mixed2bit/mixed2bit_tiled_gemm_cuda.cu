@@ -41,6 +41,7 @@ struct TiledPolicy {
   static constexpr bool kContiguousSteps = true;
   static constexpr int kMaxRowGroups = 1;
   static constexpr int kStagedXMinRows = 9;
+  static constexpr int kTableXMaxRows = 1;  // (one and two rows take the layout's own GEMV)
   static constexpr bool kLut = false;
   static constexpr bool kPairLoad = false;
 

@@ -81,6 +81,7 @@ struct Nf4 {
   static constexpr bool kContiguousSteps = false;
   static constexpr int kMaxRowGroups = 4;    // benchmarks/README.md, "Row groups"
   static constexpr int kStagedXMinRows = 4;  // benchmarks/README.md, "Activations through shared memory"
+  static constexpr int kTableXMaxRows = 1;   // (the pair table leaves no room for it)
 };
 
 }  // namespace

@@ -83,6 +83,7 @@ struct Q4_0 {
   static constexpr bool kContiguousSteps = false;
   static constexpr int kMaxRowGroups = 4;    // benchmarks/README.md, "Row groups"
   static constexpr int kStagedXMinRows = 2;  // benchmarks/README.md, "Activations through shared memory"
+  static constexpr int kTableXMaxRows = 2;   // benchmarks/README.md, "Design measurements behind kernel choices"
   bool pair_load_ok() const { return nb % 2 == 0 && (reinterpret_cast<uintptr_t>(blocks) & 3u) == 0; }
   struct Pair {
     uint32_t w[9];  // block u: d = low half of w[0], qs = bytes 2..17; block u+1: d = high half of w[4], qs = w[5..8]

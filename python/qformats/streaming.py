@@ -59,8 +59,9 @@ and the activations are in GPU memory.
 Resume: a run that is killed leaves ``OUT/.qformats-stream`` with a manifest of its settings
 and the finished unit files; the same call (or command) again skips those and goes on
 (signround: after the last block whose ``next-block.pt`` was written; a block killed halfway
-is trained again, to the same bytes). A run with other settings (options, or calibration
-samples of other tokens) refuses the folder unless ``overwrite=True``.
+is trained again, to the same bytes). A run with other settings (options, calibration
+samples of other tokens, or signround on the other kind of device) refuses the folder unless
+``overwrite=True``.
 
 Device: signround trains each block on ``device`` (``"cuda"``: the block's weights read
 onto the GPU, block 0's inputs computed there, as in memory with the model on that GPU;
@@ -740,7 +741,10 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
         samples = calibration_samples(config.calibration, config.tokenizer, config.nsamples,
                                       config.seqlen)
         trained = {name for names in block_plan(find_blocks(model)[1], plan) for _, (name, _, _) in names}
-        settings = dict(config.options(data=False), calibration=_digest(samples))
+        # the device type too: a GPU's products round otherwise than the CPU's, so a run
+        # resumed on the other one would mix blocks of two different results
+        settings = dict(config.options(data=False), calibration=_digest(samples),
+                        device=dev.type)
     manifest = json.loads(json.dumps({
         "source": str(src.resolve()), "inputs": ck.signature(), "dtype": dtype,
         "choice": glob, "ignore": None if ignore is None else list(ignore),

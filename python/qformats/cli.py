@@ -28,6 +28,7 @@ from typing import Sequence
 from . import __version__, _runtime
 from ._files import check_output_dir, read_json, read_safetensors_header
 from ._core import FORMATS, format_spec
+from ._dist import several_processes
 from .choice import resolve_spec
 from .compare import DEFAULT_MAX_SENTENCES, DEFAULT_MAX_TOKENS, CompareError, _parse_value, compare
 from .config import METHODS, BudgetConfig, SignRoundConfig, check_method
@@ -228,14 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "Memory: rtn about one tensor; signround one transformer block (read when "
                         "its turn comes) and the calibration activations. An interrupted run goes "
                         "on when the same command is run again (signround: after its last "
-                        "finished block); under torchrun the processes share the work (rtn only) "
+                        "finished block); under torchrun the processes share the work (rtn: the "
+                        "tensors; signround: each block's training, as without --stream) "
                         "(qformats.streaming.quantize_checkpoint)")
     q.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the model is quantized (without --stream): cpu (default) or cuda "
-                        "(the current GPU; under torchrun each process's GPU, LOCAL_RANK). "
-                        "torchrun with --method signround splits the training over the "
-                        "processes (NCCL on cuda, gloo on cpu) and writes the folder one process "
-                        "writes")
+                   help="where the model is quantized: cpu (default) or cuda (the current GPU; "
+                        "under torchrun each process's GPU, LOCAL_RANK). torchrun with --method "
+                        "signround splits the training over the processes (NCCL on cuda, gloo on "
+                        "cpu) and writes the folder one process writes. With --stream: where "
+                        "signround trains each block (round to nearest streams on the CPU)")
     q.add_argument("--threads", type=_threads, metavar="N",
                    help="CPU threads for torch and the qformats codecs (default: QFORMATS_NUM_THREADS, else all cores; "
                         "under torchrun, the cores shared out among the processes on the machine)")
@@ -316,6 +318,8 @@ examples:
   qformats quantize MODEL --bits 4 --stream --max-shard-size 2GB --out DIR
   torchrun --nproc-per-node 4 -m qformats quantize MODEL --bits 4 --stream --out DIR
   qformats quantize MODEL --method signround --bits 4 --calibration C.txt --stream --out DIR
+  torchrun --nproc-per-node 8 -m qformats quantize MODEL --method signround --bits 4 \\
+      --calibration C.txt --stream --device cuda --out DIR
   torchrun --nproc-per-node 2 -m qformats quantize MODEL --method signround --bits 4 \\
       --calibration C.txt --device cuda --out DIR
   qformats eval llama-int4 --text ../shared/data/pydoc/valid.txt --max-tokens 4096
@@ -414,9 +418,10 @@ def _cmd_quantize(args) -> int:
                              "--calibration (the budget and calibrated rtn need the model in memory)")
         if args.amp and args.method != "signround":
             raise ValueError("--amp applies to --method signround only")
-        if args.stream and args.device != "cpu":
-            raise ValueError("--stream quantizes on the CPU (--device applies without --stream)")
-        if not args.stream and args.method != "signround" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.stream and args.method == "rtn" and args.device != "cpu":
+            raise ValueError("--stream rounds to nearest on the CPU (--device cuda applies to "
+                             "--method signround with --stream)")
+        if not args.stream and args.method != "signround" and several_processes():
             raise ValueError("several processes (torchrun) share the work with --stream or "
                              "--method signround only")
         # Check the choice, the method's options and the output folder before torch is imported
@@ -504,17 +509,13 @@ def _device_and_ranks(device: str):
     GPU, LOCAL_RANK; gloo on the CPU), else one process."""
     import torch  # needs torch: see the note at the top
 
-    from ._dist import Ranks
+    from ._dist import Ranks, rank_device
 
-    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if device == "cpu":
-        return torch.device("cpu"), Ranks(init_from_env=several, backend="gloo")
-    if not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA GPU")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if several
-                       else torch.cuda.current_device())
+    dev = rank_device(device)
+    if dev.type == "cpu":
+        return dev, Ranks(init_from_env=True, backend="gloo")
     torch.cuda.set_device(dev)
-    return dev, Ranks(init_from_env=several, backend="nccl", device=dev)
+    return dev, Ranks(init_from_env=True, backend="nccl", device=dev)
 
 
 def _quantize_stream(args, fmt, params, overrides, method_options) -> int:
@@ -530,7 +531,8 @@ def _quantize_stream(args, fmt, params, overrides, method_options) -> int:
                                      group_size=args.group_size, method=args.method,
                                      ignore=args.ignore, overrides=overrides, dtype=args.dtype,
                                      max_shard_size=args.max_shard_size,
-                                     tokenizer=_tokenizer(args.model), overwrite=args.overwrite,
+                                     tokenizer=_tokenizer(args.model), device=args.device,
+                                     overwrite=args.overwrite,
                                      progress=not args.no_progress, **params, **method_options)
     if report is not None:
         print(report.summary())

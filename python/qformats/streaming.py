@@ -10,8 +10,9 @@ Use::
                                  calibration=text, tokenizer=tok, iters=200)
 
 or ``qformats quantize MODEL --bits 4 --stream --out DIR`` (``torchrun --nproc-per-node N -m
-qformats quantize ... --stream`` splits the round-to-nearest work over N processes), or
-``qformats quantize MODEL --bits 4 --method signround --calibration C.txt --stream --out DIR``.
+qformats quantize ... --stream`` splits the work over N processes), or
+``qformats quantize MODEL --bits 4 --method signround --calibration C.txt --stream --out DIR``
+(``--device cuda``: the blocks train on the GPU, under torchrun each process's own).
 
 The output folder is the one :func:`qformats.quantize_model` + :func:`qformats.save_quantized`
 write for the same model and options (same tensors, same bytes; only the order of the two
@@ -39,9 +40,10 @@ the in-memory path runs (:func:`qformats.signround.train_blocks`), so the bytes 
   block 0 (the embedding) read from the checkpoint when it is called and put back on the meta
   device afterwards;
 * each block's parameters are read from the checkpoint when its turn comes (memory-map views,
-  or copies converted to the model's dtype) and put back on the meta device when it is done;
-  its layers go to their unit files, then the next block's inputs (float32 hidden states) and
-  the blocks' stats to ``OUT/.qformats-stream/next-block.pt``;
+  or copies converted to the model's dtype; copies on ``device`` when it is a GPU) and put back
+  on the meta device when it is done; its layers go to their unit files, then the next block's
+  inputs (float32 hidden states) and the blocks' stats to
+  ``OUT/.qformats-stream/next-block.pt``;
 * planned Linears outside the blocks (lm_head with ``ignore=[]``) are rounded to nearest, and
   the other tensors copied, as units of the round-to-nearest path.
 
@@ -51,21 +53,34 @@ few times the block's float32 weights: the weight, the offsets ``V``, their best
 gradients, the step's fake-quantized weight and its gradient); and the calibration
 activations: the samples' hidden states three times (the block's inputs, its targets, its
 outputs), ``nsamples * seqlen * hidden_size * 4`` bytes each, plus one sample's forward and
-backward.
+backward. Under several processes each rank holds as much; with a CUDA ``device`` the block
+and the activations are in GPU memory.
 
 Resume: a run that is killed leaves ``OUT/.qformats-stream`` with a manifest of its settings
 and the finished unit files; the same call (or command) again skips those and goes on
 (signround: after the last block whose ``next-block.pt`` was written; a block killed halfway
-is trained again, to the same bytes). A run with other settings (options, or calibration
-samples of other tokens) refuses the folder unless ``overwrite=True``.
+is trained again, to the same bytes). A run with other settings (options, calibration
+samples of other tokens, or signround on the other kind of device) refuses the folder unless
+``overwrite=True``.
 
-Several processes (round to nearest): under ``torchrun`` (``WORLD_SIZE`` > 1), or in a
-process group the caller initialized, the units are split among the ranks (largest first,
-round robin); each rank writes its own unit files, and rank 0 assembles the folder after a
-barrier. The process group only synchronizes (barriers; the bytes go through the shared output
-folder, so the ranks must share it, as on one machine), so it is a gloo group on the CPU.
-Streaming signround runs in one process (ValueError under several); the in-memory path splits
-its training over ranks.
+Device: signround trains each block on ``device`` (``"cuda"``: the block's weights read
+onto the GPU, block 0's inputs computed there, as in memory with the model on that GPU;
+``amp`` applies there); round to nearest runs on the CPU.
+
+Several processes: under ``torchrun`` (``WORLD_SIZE`` > 1), or in a process group the caller
+initialized, the round-to-nearest units are split among the ranks (largest first, round
+robin); each rank writes its own unit files, and rank 0 assembles the folder after a barrier.
+Those bytes go through the shared output folder (the ranks must share it, as on one machine),
+so this group only synchronizes: a gloo group on the CPU (made from torchrun's environment when
+none is initialized). Signround splits each block's training over the ranks as the in-memory
+path does (:func:`qformats.signround.train_block`: each step's samples and the forwards over
+all samples; the gradients gathered and added in one order, so the bytes are one process's):
+every rank reads the block from the checkpoint (its memory maps: one machine) and trains it,
+and rank 0 alone writes the block's unit files and ``next-block.pt`` while the others wait at
+a barrier, so a killed run leaves a stage that every rank of the next run reads alike. The
+training's gathers go over a gloo group on the CPU, an NCCL group on CUDA (each rank on its
+``LOCAL_RANK``'s GPU); on the CPU every rank needs the same number of threads as the run it is
+compared with, since that chooses the products' summation order.
 
 Not streamed: the budget (``method="budget"``) and calibrated round to nearest
 (``calibration=`` with ``method="rtn"``), which need the whole model's activations.
@@ -88,7 +103,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ._dist import Ranks
+from ._dist import Ranks, rank_device
 from ._files import check_output_dir, read_json, read_safetensors_header
 from .calibration import calibration_samples, capture_block_inputs, context_length
 from .choice import resolve_spec
@@ -296,7 +311,7 @@ def _run_unit(unit: _Unit, ck: _Checkpoint, model: nn.Module, path: Path) -> Non
 def _write_layer(path: Path, name: str, q: QuantizedLinear, seconds: float) -> None:
     """The unit file of layer ``name`` quantized as ``q``, which took ``seconds``: its
     tensors, and in the metadata what :func:`_quantized_skeleton` rebuilds it from."""
-    tensors = {f"{name}.{k}": v.contiguous() for k, v in q.state_dict().items()}
+    tensors = {f"{name}.{k}": v.contiguous().cpu() for k, v in q.state_dict().items()}
     derived = {n: [str(q._buffers[n].dtype).removeprefix("torch."), list(q._buffers[n].shape)]
                for n in q.derived_names}
     meta = dict(WEIGHTS_METADATA, layer=json.dumps({"config": q.config(), "derived": derived,
@@ -420,18 +435,24 @@ class _Weights:
         self.stored = _stored_names(_dedup_state(model, meta=True)[1], ck)
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
 
-    def load(self, module: nn.Module, recurse: bool = True) -> list:
-        """Read ``module``'s parameters and buffers that are on the meta device (and its
-        submodules' with ``recurse``) from the checkpoint, in their dtypes. Returns what
-        :meth:`release` puts back."""
+    def load(self, module: nn.Module, recurse: bool = True,
+             device: torch.device = torch.device("cpu")) -> list:
+        """Put ``module``'s parameters and buffers (and its submodules' with ``recurse``) on
+        ``device``: those on the meta device read from the checkpoint, in their dtypes (on
+        the CPU: views of its memory map when the dtype is the stored one), the real ones
+        (buffers the model computed) copied. Returns what :meth:`release` puts back."""
         put = []
         base = self.names[id(module)]
         for prefix, mod in (module.named_modules(prefix=base) if recurse else [(base, module)]):
             for store in (mod._parameters, mod._buffers):
                 for k, t in list(store.items()):
-                    if t is None or t.device.type != "meta":
+                    if t is None or t.device == device:
                         continue
-                    real = self.ck.read(self.stored(f"{prefix}.{k}" if prefix else k), t.dtype)
+                    if t.device.type == "meta":
+                        real = self.ck.read(self.stored(f"{prefix}.{k}" if prefix else k), t.dtype)
+                    else:
+                        real = t.detach()
+                    real = real.to(device)
                     store[k] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
                     put.append((store, k, t))
         return put
@@ -442,9 +463,10 @@ class _Weights:
             store[k] = t
 
     @contextlib.contextmanager
-    def held(self, module: nn.Module):
-        """``module``'s weights real inside, on the meta device again after."""
-        put = self.load(module)
+    def held(self, module: nn.Module, device: torch.device):
+        """``module``'s weights real on ``device`` inside, where they were (the meta device)
+        again after."""
+        put = self.load(module, device=device)
         try:
             yield
         finally:
@@ -453,30 +475,39 @@ class _Weights:
 
 class _StreamedBlocks(KeptBlocks):
     """The blocks of the skeleton for :func:`qformats.signround.train_blocks`: each read from
-    the checkpoint when its turn comes and put back on the meta device after; each finished
-    block's layers written as unit files, then :data:`_NEXT` (what a resumed run goes on from)."""
+    the checkpoint onto ``device`` when its turn comes and put back on the meta device after;
+    each finished block's layers written as unit files, then :data:`_NEXT` (what a resumed run
+    goes on from), by rank 0 of ``group`` while the other ranks (which trained the same layers)
+    wait."""
 
-    def __init__(self, weights: _Weights, files: dict, stage: Path, stats: list, kill: "_Kill"):
+    def __init__(self, weights: _Weights, device: torch.device, files: dict, stage: Path,
+                 stats: list, group: Ranks, kill: "_Kill"):
         super().__init__()
-        self.weights, self.files, self.stage, self.kill = weights, files, stage, kill
+        self.weights, self.device, self.files, self.stage = weights, device, files, stage
+        self.group, self.kill = group, kill
         self.stats = stats  # those of the blocks an interrupted run finished, then these
 
     def hold(self, index: int, block: nn.Module):
-        return self.weights.held(block)
+        return self.weights.held(block, self.device)
 
     def finished(self, index: int, layers: dict, stats: Optional[dict],
                  inputs: Optional[list]) -> None:
-        for name, (q, secs) in layers.items():
-            _write_layer(self.files[name], name, q, secs)
         if stats is not None:
             self.stats.append(stats)
-        # torch.save, not safetensors: the hidden states are views of their batch's output,
-        # which torch.save writes once (safetensors refuses tensors that share memory)
-        part = self.stage / (_NEXT + ".part")
-        torch.save({"block": index + 1, "stats": json.dumps(self.stats),
-                    "hidden": [x for x, _ in inputs or []]}, part)
-        os.replace(part, self.stage / _NEXT)
-        self.kill.wrote(len(layers))
+        if self.group.rank == 0:
+            for name, (q, secs) in layers.items():
+                _write_layer(self.files[name], name, q, secs)
+            # torch.save, not safetensors: the hidden states are views of their batch's
+            # output, which torch.save writes once (safetensors refuses tensors that share
+            # memory)
+            part = self.stage / (_NEXT + ".part")
+            torch.save({"block": index + 1, "stats": json.dumps(self.stats),
+                        "hidden": [x.cpu() for x, _ in inputs or []]}, part)
+            os.replace(part, self.stage / _NEXT)
+            self.kill.wrote(len(layers))
+        # no rank goes on to the next block (and, after the last, to assembling) before the
+        # stage holds this one: a killed run resumes from a stage every rank agrees on
+        self.group.barrier()
 
 
 def _tensors(v: Any):
@@ -491,21 +522,25 @@ def _tensors(v: Any):
             yield from _tensors(x)
 
 
-def _block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list, weights: _Weights) -> list:
-    """:func:`qformats.calibration.capture_block_inputs` of the skeleton: each module outside
-    the blocks that the forward calls before block 0 (the embedding, ...) is read from the
-    checkpoint when it is called, and put back on the meta device when the capture ends."""
+def _block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list, weights: _Weights,
+                  device: torch.device) -> list:
+    """:func:`qformats.calibration.capture_block_inputs` of the skeleton on ``device``: each
+    module outside the blocks that the forward calls before block 0 (the embedding, the
+    rotary embedding, ...) has its tensors put on ``device`` when it is called (read from the
+    checkpoint, or copied), and back where they were when the capture ends. So block 0's inputs
+    are computed on the device the blocks train on, as in memory (``--device cuda``: the
+    positions' cos and sin are CUDA's)."""
     inside = {id(m) for m in blocks.modules()}
     put: list = []
 
     def load(mod, args):
-        put.extend(weights.load(mod, recurse=False))
+        put.extend(weights.load(mod, recurse=False, device=device))
 
     hooks = [m.register_forward_pre_hook(load) for m in model.modules()
-             if id(m) not in inside and any(t is not None and t.device.type == "meta"
+             if id(m) not in inside and any(t is not None and t.device != device
                                             for t in (*m._parameters.values(), *m._buffers.values()))]
     try:
-        got = capture_block_inputs(model, blocks[0], samples, device=torch.device("cpu"))
+        got = capture_block_inputs(model, blocks[0], samples, device=device)
     except (RuntimeError, NotImplementedError) as e:
         if "meta" not in str(e):
             raise
@@ -522,34 +557,58 @@ def _block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list, weight
 
 
 def _signround(model: nn.Module, plan: list, config: SignRoundConfig, samples: list, units: list,
-               ck: _Checkpoint, stage: Path, kill: "_Kill", progress: bool) -> list:
-    """Train the planned Linears of the blocks (:func:`qformats.signround.train_blocks`), each
-    block read from the checkpoint when its turn comes; after each block its layers' unit
-    files, then :data:`_NEXT`. An interrupted run goes on after its last finished block.
+               ck: _Checkpoint, stage: Path, group: Ranks, device: torch.device, kill: "_Kill",
+               progress: bool) -> list:
+    """Train the planned Linears of the blocks (:func:`qformats.signround.train_blocks`) on
+    ``device``, each block read from the checkpoint when its turn comes; after each block its
+    layers' unit files, then :data:`_NEXT`. An interrupted run goes on after its last finished
+    block. With several ranks in ``group`` (every rank calls this alike) the ranks split each
+    block's training (over an NCCL group on CUDA, gloo on the CPU) and rank 0 writes the files.
     Returns the per-block stats (as ``quantize_plan``'s ``stats["blocks"]``)."""
     _, blocks = find_blocks(model)
-    first, hidden, stats = 0, None, []
+    first, hidden, stats = _resume_point(stage, group)
+    if not any(names for names in block_plan(blocks, plan)[first:]):
+        return stats
+    weights = _Weights(model, ck)
+    inputs = _block_inputs(model, blocks, samples, weights, device)
+    if first > 0:  # the kwargs (mask, positions, ...) of the capture, the saved hidden states
+        if len(hidden) != len(inputs):
+            raise ValueError(f"{stage / _NEXT}: holds {len(hidden)} samples, not "
+                             f"{len(inputs)}; remove {stage} and run again")
+        inputs = [(x.to(device), kw) for x, (_, kw) in zip(hidden, inputs)]
+    files = {u.name: stage / "units" / u.file for u in units if u.layer is not None}
+    store = _StreamedBlocks(weights, device, files, stage, stats, group, kill)
+    ranks = group.with_backend("nccl" if device.type == "cuda" else "gloo", device)
+    try:
+        # CUDA's current device: where torch.distributed puts the object gathers' tensors
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            train_blocks(blocks, plan, config, inputs, store, first=first, device=device,
+                         ranks=ranks, progress=progress)
+    finally:
+        ranks.close()
+    return store.stats
+
+
+def _resume_point(stage: Path, group: Ranks) -> tuple:
+    """``(first block, its inputs' hidden states (CPU), the finished blocks' stats)`` of the
+    stage's :data:`_NEXT` (``(0, None, [])`` without one), the same on every rank: each reads
+    the file, and all raise the same ValueError when any rank's reading failed or the ranks
+    read different blocks (a file replaced meanwhile)."""
+    first, hidden, stats, error = 0, None, [], None
     if (stage / _NEXT).is_file():
         try:
             saved = torch.load(stage / _NEXT, weights_only=True)
             first, hidden, stats = int(saved["block"]), saved["hidden"], json.loads(saved["stats"])
         except Exception as e:  # noqa: BLE001 - any damage: the same advice
-            raise ValueError(f"{stage / _NEXT}: unreadable ({e}); remove {stage} and run "
-                             "again") from e
-    if not any(names for names in block_plan(blocks, plan)[first:]):
-        return stats
-    weights = _Weights(model, ck)
-    inputs = _block_inputs(model, blocks, samples, weights)
-    if first > 0:  # the kwargs (mask, positions, ...) of the capture, the saved hidden states
-        if len(hidden) != len(inputs):
-            raise ValueError(f"{stage / _NEXT}: holds {len(hidden)} samples, not "
-                             f"{len(inputs)}; remove {stage} and run again")
-        inputs = [(x, kw) for x, (_, kw) in zip(hidden, inputs)]
-    files = {u.name: stage / "units" / u.file for u in units if u.layer is not None}
-    store = _StreamedBlocks(weights, files, stage, stats, kill)
-    train_blocks(blocks, plan, config, inputs, store, first=first, device=torch.device("cpu"),
-                 progress=progress)
-    return store.stats
+            error = f"{stage / _NEXT}: unreadable ({e}); remove {stage} and run again"
+    seen = group.gather_objects((first, error))
+    error = next((err for _, err in seen if err is not None), None)
+    if error is None and len({b for b, _ in seen}) > 1:
+        error = (f"{stage / _NEXT}: the ranks read blocks {[b for b, _ in seen]}; run again "
+                 "(one process writes that file)")
+    if error is not None:
+        raise ValueError(error)
+    return first, hidden, stats
 
 
 # -- the entry point ---------------------------------------------------------------------------
@@ -560,7 +619,8 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
                         ignore: Optional[Sequence[str]] = None,
                         overrides: Optional[Mapping[str, Mapping[str, Any]]] = None,
                         dtype: str = "auto", max_shard_size: Union[int, str, None] = None,
-                        tokenizer: Any = None, overwrite: bool = False, progress: bool = False,
+                        tokenizer: Any = None, device: Union[str, torch.device] = "cpu",
+                        overwrite: bool = False, progress: bool = False,
                         **params) -> Optional[QuantizationReport]:
     """Quantize the Linear layers of a Hugging Face safetensors checkpoint without loading
     the model, and write the quantized model folder: with round to nearest, tensor by tensor;
@@ -576,7 +636,8 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
     dtype, its float32 copy and the training's parameters) plus the calibration activations
     (the module's description has the sum). Interrupted, the same call resumes (signround:
     after its last finished block); under ``torchrun`` (or in an initialized process group)
-    the ranks share the round-to-nearest work.
+    the ranks share the work (round to nearest: the tensors; signround: each block's training,
+    with the bytes of one process).
 
     Args:
         source: a Hugging Face model folder: ``config.json`` and ``model.safetensors`` or
@@ -591,8 +652,8 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
             :class:`~qformats.config.SignRoundConfig` (``calibration`` needed: int64 token-id
             tensors, or a text tokenized with ``tokenizer``; ``iters``, ``nsamples``,
             ``seqlen`` (capped at the model's ``max_position_embeddings``), ``lr``,
-            ``batch_size``, ``seed``, ``selection``, ``sensitivity_power``; ``amp`` does
-            nothing on the CPU). The training runs on the CPU, with torch's threads.
+            ``batch_size``, ``seed``, ``selection``, ``sensitivity_power``; ``amp``: bfloat16
+            autocast on CUDA, nothing on the CPU).
         dtype: ``"auto"`` (the checkpoint's dtype, as ``qformats quantize`` loads it),
             ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the weights are converted
             to before quantizing, and the tensors that stay in float are stored in.
@@ -601,6 +662,10 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
         tokenizer: a tokenizer to save with the model (``save_pretrained``; None copies the
             tokenizer files of ``source``), and the one signround tokenizes a text
             ``calibration`` with.
+        device: where signround trains the blocks: ``"cpu"`` (with torch's threads) or a
+            CUDA device (``"cuda"``: under several processes each rank's ``LOCAL_RANK`` GPU,
+            else the current one); one block's float32 copy, its training's parameters and the
+            calibration activations live there. Round to nearest runs on the CPU.
         overwrite: allow ``out`` to hold other files, or an interrupted run with other
             settings (discarded).
         progress: a progress bar over the checkpoint's bytes, with ETA, on stderr (rank 0:
@@ -617,11 +682,11 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
             with other content (without ``overwrite``); a bad format, parameter, override or
             dtype; a method other than ``"rtn"`` and ``"signround"``, or ``calibration=`` with
             ``"rtn"``; signround without ``calibration``, with a text and no ``tokenizer``,
-            with bad options, or in one of several processes (``WORLD_SIZE`` > 1, or an
-            initialized process group of more than one rank); a model whose forward before
-            its first block uses weights outside the forward of the modules holding them
-            (signround); a unit file or ``next-block.pt`` of the resumed run that is
-            unreadable.
+            or with bad options; a ``device`` other than the CPU and CUDA, CUDA with
+            ``"rtn"``, or CUDA where torch sees no GPU; a model whose forward before its first
+            block uses weights outside the forward of the modules holding them (signround);
+            a unit file or ``next-block.pt`` of the resumed run that is unreadable, or that
+            the ranks read differently.
         NotImplementedError: signround with a planned layer that is neither int4 asymmetric
             nor mixed2bit without outliers (as ``quantize_model``).
         OSError: the folder cannot be written.
@@ -640,10 +705,6 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
         if config.calibration is None:
             raise ValueError("method='signround' needs calibration data: pass calibration= "
                              "token-id tensors, or a text with tokenizer=")
-        if _several_processes():
-            raise ValueError("streaming signround runs in one process; under torchrun, quantize "
-                             "in memory (qformats quantize without --stream), where the "
-                             "processes share the training")
     elif method == "rtn":
         for k in RTNConfig.names():
             if k in params:
@@ -653,6 +714,14 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
     else:
         raise ValueError(f"method={method!r}: streaming quantizes with 'rtn' or 'signround'; "
                          "other methods need the model in memory (quantize_model)")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda") or (method == "rtn" and kind != "cpu"):
+        raise ValueError(f"device={str(device)!r}: expected 'cpu', or a CUDA device with "
+                         "method='signround' (streamed round to nearest runs on the CPU)")
+    dev = rank_device(device)  # under several processes, plain "cuda" is LOCAL_RANK's GPU
     if max_shard_size is not None:
         _shards({}, max_shard_size)  # a bad size fails here, before any work
     outp = check_output_dir(out, src)
@@ -672,14 +741,19 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
         samples = calibration_samples(config.calibration, config.tokenizer, config.nsamples,
                                       config.seqlen)
         trained = {name for names in block_plan(find_blocks(model)[1], plan) for _, (name, _, _) in names}
-        settings = dict(config.options(data=False), calibration=_digest(samples))
+        # the device type too: a GPU's products round otherwise than the CPU's, so a run
+        # resumed on the other one would mix blocks of two different results
+        settings = dict(config.options(data=False), calibration=_digest(samples),
+                        device=dev.type)
     manifest = json.loads(json.dumps({
         "source": str(src.resolve()), "inputs": ck.signature(), "dtype": dtype,
         "choice": glob, "ignore": None if ignore is None else list(ignore),
         "overrides": overrides or {}, "max_shard_size": max_shard_size, "method": method,
         "signround": settings, "units": [[u.name, u.layer] for u in units]}, default=str))
 
-    group = Ranks(init_from_env=True)  # the ranks only synchronize: gloo
+    # the ranks synchronize the file work (gloo); signround's training gathers over a group
+    # on its device (_signround)
+    group = Ranks(init_from_env=True)
     try:
         stage = outp / STAGE_DIR
         restart = _check_stage(outp, stage, manifest, overwrite)  # every rank raises alike
@@ -697,7 +771,7 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
               progress, kill)
         if config is not None:
             report.signround = {"blocks": _signround(model, plan, config, samples, units, ck, stage,
-                                                     kill, progress),
+                                                     group, dev, kill, progress),
                                 "options": config.options(data=False)}
         if group.rank != 0:
             group.barrier()
@@ -715,15 +789,6 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
     report.size = model_size(model)
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def _several_processes() -> bool:
-    """Whether this process is one of several: under torchrun, or in a process group of more
-    than one rank that the caller initialized."""
-    import torch.distributed as dist
-
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or (
-        dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _digest(samples: list) -> str:

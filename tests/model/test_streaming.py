@@ -3,9 +3,10 @@ that quantize_model + save_quantized write (compared file by file, safetensors b
 tensor bytes), resume after being killed, share the work under torchrun (and so does
 ``--method signround``), keep memory at about one tensor, and refuse bad input with clear
 ValueErrors; streamed signround writes what in-memory signround writes, with one block's
-weights real at a time, and resumes after its last finished block. Random checkpoints written
-by benchmarks/stream_quantize.py's write_checkpoint (a few MB, 3+ shards); no ../shared
-needed."""
+weights real at a time, and resumes after its last finished block, also under torchrun, where
+the processes share each block's training (the CUDA variants skip without GPUs). Random
+checkpoints written by benchmarks/stream_quantize.py's write_checkpoint (a few MB, 3+ shards);
+no ../shared needed."""
 from __future__ import annotations
 
 import importlib.util
@@ -54,14 +55,16 @@ def tied(tmp_path_factory):
     return d
 
 
-def _in_memory(src, out, dtype="auto", max_shard_size=None, **choice):
+def _in_memory(src, out, dtype="auto", max_shard_size=None, device="cpu", **choice):
     """What quantize_checkpoint must equal: the model loaded as `qformats quantize` loads it
-    (from_pretrained in the checkpoint's dtype, then .to(dtype)), quantize_model, save_quantized."""
+    (from_pretrained in the checkpoint's dtype, then .to(dtype), then to ``device``),
+    quantize_model, save_quantized."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
     if dtype != "auto":
         m = m.to(getattr(torch, dtype))
+    m = m.to(device)
     report = qformats.quantize_model(m, **choice)
     qformats.save_quantized(m, out, source=src, max_shard_size=max_shard_size)
     return m, report
@@ -143,16 +146,28 @@ def test_resume_after_kill(ckpt, tmp_path):
     assert bench.compare_folders(out, tmp_path / "once") == []
 
 
-def test_torchrun_two_processes_same_bytes(ckpt, tmp_path):
+def _torchrun(args, env=None, program=("-m", "qformats"), timeout=300):
+    """``torchrun --nproc-per-node 2 PROGRAM quantize ARGS`` (one OpenMP thread per process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
-    e = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", "-m", "qformats", "quantize", str(ckpt), "--bits", "4",
-                        "--stream", "--out", str(tmp_path / "two")],
-                       env=e, capture_output=True, text=True, timeout=180)
+    e = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+             **(env or {}))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", *map(str, program), "quantize", *map(str, args)],
+                          env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def _skip_without_two_gpus(device):
+    import torch.distributed as dist
+
+    if device == "cuda" and (torch.cuda.device_count() < 2 or not dist.is_nccl_available()):
+        pytest.skip("needs two CUDA GPUs and NCCL")
+
+
+def test_torchrun_two_processes_same_bytes(ckpt, tmp_path):
+    r = _torchrun([ckpt, "--bits", "4", "--stream", "--out", tmp_path / "two"], timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("quantized 14 of 15 Linear layers") == 1  # rank 0 only
     assert "quantize (stream)" in r.stderr  # rank 0's progress bar
@@ -161,26 +176,23 @@ def test_torchrun_two_processes_same_bytes(ckpt, tmp_path):
     assert bench.compare_folders(tmp_path / "two", tmp_path / "one") == []
 
 
+def _sr_args(ckpt, tmp_path, device):
+    """`qformats quantize` arguments of a small signround (one thread: the thread count
+    chooses the CPU products' summation order, so every run compared uses one)."""
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i % 97} and {i}" for i in range(400)), encoding="utf-8")
+    return [str(ckpt), "--bits", "4", "--method", "signround", "--calibration", str(text),
+            "--iters", "10", "--nsamples", "5", "--seqlen", "24", "--device", device, "--threads", "1"]
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_torchrun_signround_two_processes_same_bytes(ckpt, tmp_path, device):
     """--method signround under torchrun (gloo on the CPU, NCCL on two GPUs): the two processes
     share the training and write the folder one process writes, bit for bit (on the CPU one
     thread per process in both runs: the thread count chooses the products' summation order)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
-    if device == "cuda" and (torch.cuda.device_count() < 2 or not dist.is_nccl_available()):
-        pytest.skip("needs two CUDA GPUs and NCCL")
-    text = tmp_path / "calib.txt"
-    text.write_text(" ".join(f"word{i % 97} and {i}" for i in range(400)), encoding="utf-8")
-    args = [str(ckpt), "--bits", "4", "--method", "signround", "--calibration", str(text),
-            "--iters", "10", "--nsamples", "5", "--seqlen", "24", "--device", device, "--threads", "1"]
-    e = dict(os.environ, PYTHONPATH=PACKAGE_PARENT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", "-m", "qformats", "quantize", *args,
-                        "--out", str(tmp_path / "two")],
-                       env=e, capture_output=True, text=True, timeout=300)
+    _skip_without_two_gpus(device)
+    args = _sr_args(ckpt, tmp_path, device)
+    r = _torchrun([*args, "--out", tmp_path / "two"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("quantized 14 of 15 Linear layers (signround)") == 1  # rank 0 only
     assert main(["quantize", *args, "--out", str(tmp_path / "one"), "--no-progress"]) == 0
@@ -268,6 +280,9 @@ def test_cli_stream_errors(ckpt, tmp_path, capsys):
     assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--calibration",
                  str(ckpt / "config.json"), "--out", str(tmp_path / "o")]) == 2
     assert "--stream quantizes with --method signround, or rtn without --calibration" in capsys.readouterr().err
+    assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--device", "cuda",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "--stream rounds to nearest on the CPU" in capsys.readouterr().err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     assert main(["quantize", str(ckpt), "--bits", "4", "--stream", "--out", str(tmp_path / "full"),
@@ -400,6 +415,91 @@ def test_cli_stream_signround_equals_cli_in_memory(ckpt, tmp_path, capsys):
     assert bench.compare_folders(tmp_path / "a", tmp_path / "b") == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stream_signround_cuda_equals_in_memory(ckpt, tmp_path, monkeypatch):
+    """device="cuda": the blocks train on the GPU (block 0's inputs computed there too, as
+    in memory), and the folder is the in-memory run's with the model on that GPU."""
+    import qformats.signround as sr
+
+    choice = dict(bits=2, ratio_4bit=0.25, calibration=SR_IDS, **SR)
+    _in_memory(ckpt, tmp_path / "ref", device="cuda", **choice)
+    seen, train_block = [], sr.train_block
+
+    def spy(block, linears, inputs, *a, **k):
+        seen.append((next(iter(linears.values())).weight.device.type, inputs[0][0].device.type))
+        return train_block(block, linears, inputs, *a, **k)
+
+    monkeypatch.setattr(sr, "train_block", spy)
+    quantize_checkpoint(ckpt, tmp_path / "stream", device="cuda", **choice)
+    assert seen == [("cuda", "cuda")] * SMALL["layers"]
+    assert bench.compare_folders(tmp_path / "ref", tmp_path / "stream") == []
+
+
+# Under torchrun: `qformats quantize` with train_block reporting on stderr the ranks it shares
+# each block's training with and the device of the block's inputs.
+_SPY = """\
+import sys
+
+import qformats.signround as sr
+from qformats.cli import main
+
+train_block = sr.train_block
+
+
+def spy(block, linears, inputs, *a, ranks=None, **k):
+    print(f"train_block: {ranks.world if ranks else 1} ranks, {inputs[0][0].device.type}",
+          file=sys.stderr)
+    return train_block(block, linears, inputs, *a, ranks=ranks, **k)
+
+
+sr.train_block = spy
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _spy(tmp_path):
+    path = tmp_path / "spy.py"
+    path.write_text(_SPY, encoding="utf-8")
+    return [path]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torchrun_stream_signround_same_bytes(ckpt, tmp_path, device):
+    """--stream --method signround under torchrun (gloo on the CPU, NCCL on two GPUs): both
+    processes train every block, each its share, and the folder is one process's streamed
+    run's and the in-memory run's, bit for bit."""
+    _skip_without_two_gpus(device)
+    args = _sr_args(ckpt, tmp_path, device)
+    r = _torchrun([*args, "--stream", "--out", tmp_path / "two"], program=_spy(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("quantized 14 of 15 Linear layers (signround)") == 1  # rank 0 only
+    assert r.stderr.count(f"train_block: 2 ranks, {device}") == 2 * SMALL["layers"]
+    assert main(["quantize", *args, "--stream", "--out", str(tmp_path / "one"), "--no-progress"]) == 0
+    assert main(["quantize", *args, "--out", str(tmp_path / "memory"), "--no-progress"]) == 0
+    assert bench.compare_folders(tmp_path / "two", tmp_path / "one") == []
+    assert bench.compare_folders(tmp_path / "one", tmp_path / "memory") == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torchrun_stream_signround_resumes(ckpt, tmp_path, device):
+    """Rank 0 killed (SIGKILL) once block 0 is written (its 4 round-to-nearest units, then
+    block 0's 7 layers: its 8th file; rank 1 writes 3 units and no block's): torchrun ends
+    rank 1, the stage goes on from block 1; run again, both ranks train block 1 only and the
+    folder is one process's."""
+    _skip_without_two_gpus(device)
+    out = tmp_path / "out"
+    args = [*_sr_args(ckpt, tmp_path, device), "--stream", "--no-progress"]
+    r = _torchrun([*args, "--out", out], {KILL_AFTER_ENV: "8"})
+    assert r.returncode != 0 and "SIGKILL" in r.stderr, r.stderr[-3000:]
+    assert _next_block(out) == 1 and not (out / "quantization_config.json").exists()
+    r = _torchrun([*args, "--out", out], program=_spy(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count(f"train_block: 2 ranks, {device}") == 2  # block 1 on each rank
+    assert not (out / STAGE_DIR).exists()
+    assert main(["quantize", *args, "--out", str(tmp_path / "one")]) == 0
+    assert bench.compare_folders(out, tmp_path / "one") == []
+
+
 def test_stream_signround_errors(ckpt, tmp_path, monkeypatch):
     o = tmp_path / "o"
     with pytest.raises(ValueError, match="needs calibration"):
@@ -412,16 +512,20 @@ def test_stream_signround_errors(ckpt, tmp_path, monkeypatch):
         quantize_checkpoint(ckpt, o, bits=2, calibration=SR_IDS, selection="best", **SR)
     with pytest.raises(ValueError, match="'rtn' or 'signround'"):
         quantize_checkpoint(ckpt, o, bits=4, method="budget", calibration=SR_IDS)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="streaming signround runs in one process"):
-        quantize_checkpoint(ckpt, o, bits=4, calibration=SR_IDS, **SR)
+    with pytest.raises(ValueError, match="streamed round to nearest runs on the CPU"):
+        quantize_checkpoint(ckpt, o, bits=4, device="cuda")
+    with pytest.raises(ValueError, match="expected 'cpu', or a CUDA device"):
+        quantize_checkpoint(ckpt, o, bits=4, calibration=SR_IDS, device="tpu0", **SR)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+            quantize_checkpoint(ckpt, o, bits=4, calibration=SR_IDS, device="cuda", **SR)
     assert not o.exists()  # nothing written before the checks
-    monkeypatch.delenv("WORLD_SIZE")
     # a forward that reads a weight before block 0 outside its module's forward (here: the
     # embedding's, which streaming then does not read)
     import qformats.streaming as st
 
     load = st._Weights.load
-    monkeypatch.setattr(st._Weights, "load", lambda self, m, recurse=True: load(self, m) if recurse else [])
+    monkeypatch.setattr(st._Weights, "load",
+                        lambda self, m, recurse=True, **kw: load(self, m, **kw) if recurse else [])
     with pytest.raises(ValueError, match="uses weights outside the forward"):
         quantize_checkpoint(ckpt, tmp_path / "o2", bits=4, calibration=SR_IDS, **SR)

@@ -1,0 +1,419 @@
+// A one-row int4 GEMV whose weights reach shared memory by bulk copies (TMA's 1-D form), a
+// standalone probe for issue 19's N = 1 target: does a kernel that keeps its weight bytes in
+// flight without registers, and decodes with fewer instructions per weight, get near the read
+// floor that benchmarks/read_patterns.cu measured? Not the library's kernel: int4 with
+// group_size 128, zero points and float32 scales (qformats.int4's layout), fp16 activations,
+// K / 128 a multiple of G; checked against a float64 reference on the host.
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -diag-suppress 128 benchmarks/gemv_bulk_probe.cu -o /tmp/gemv_bulk_probe
+//   /tmp/gemv_bulk_probe ["W4 G4 P2"]   (4096x14336 and 14336x4096, cold and back-to-back launches;
+//                                       a name: that variant only, e.g. for ncu)
+// Results: benchmarks/README.md, "A one-row GEMV fed by bulk copies".
+//
+// The kernel: a CTA owns 16 weight rows; its W warps split K into contiguous runs of whole
+// groups; each warp streams its run through a private ring of P stages (G groups of its 16 rows
+// per stage), lanes 0-15 issuing one cp.async.bulk per row and stage onto the stage's mbarrier,
+// P stages ahead. The CTA's scales and zero points come the same way, once. Lane (g, t) takes rows
+// g and g + 8 and unit t (32 values) of each group, so a quad covers one group and the mma's
+// 16 k slots hold values of one group: the A fragments are the exact integers q - z (one LOP3
+// and one HSUB2 or HFMA2 per pair: the nibble in the mantissa of 1024, then 1024 + z or
+// (64 + z) after a 1/16 scaling subtracted), each group's products are summed by the mma into
+// fresh float32 accumulators and scaled once per group (FFMA). X goes into shared memory once
+// per CTA, in the order of the B fragments.
+//
+// Variants (template arguments): W warps per CTA, G groups per stage, P stages per ring, rows
+// padded by 64 bytes in shared memory (rows g and g + 1, read by one quarter warp, in other banks)
+// or not; and the mode below.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CK(x)                                                               \
+  do {                                                                      \
+    cudaError_t e = (x);                                                    \
+    if (e != cudaSuccess) {                                                 \
+      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
+      std::exit(1);                                                         \
+    }                                                                       \
+  } while (0)
+
+enum Mode {
+  kGroups = 0,       // each group's 8 mma in one chain, group after group; a slot refilled after its stage
+  kStreamOnly = 1,   // no decode: one word per lane and stage (what the copies alone cost)
+  kInterleaved = 3,  // the stage's G groups as G chains, interleaved
+  kEarly = 4,        // kInterleaved, and the slot refilled as soon as its words are in registers
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void bar_expect(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
+  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n" ::"r"(
+                   smem_u32(b)),
+               "r"(parity)
+               : "memory");
+}
+// bytes (a multiple of 16, 16-byte aligned at both ends) from global to shared memory, counted
+// on mbarrier b
+__device__ __forceinline__ void bulk(void* dst, const void* src, uint32_t bytes, uint64_t* b) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(b))
+      : "memory");
+}
+__device__ __forceinline__ uint32_t lop3_or(uint32_t w, uint32_t mask) {  // (w & mask) | 0x64006400
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
+  return r;
+}
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t word(const uint4& q, int j) {
+  return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
+}
+__device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
+  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
+}
+
+// A word's 8 codes (element 2b in the low nibble of byte b) as the pairs P0 = (e0, e4),
+// P1 = (e1, e5), P2 = (e2, e6), P3 = (e3, e7), each q - z exact in fp16.
+__device__ __forceinline__ void decode(uint32_t w, uint32_t zlo, uint32_t zhi, uint32_t (&p)[4]) {
+  const uint32_t w8 = w >> 8;
+  p[0] = hsub2(lop3_or(w, 0x000F000Fu), zlo);               // 1024 + q - (1024 + z)
+  p[1] = hfma2(lop3_or(w, 0x00F000F0u), 0x2C002C00u, zhi);  // (1024 + 16 q) / 16 - (64 + z)
+  p[2] = hsub2(lop3_or(w8, 0x000F000Fu), zlo);
+  p[3] = hfma2(lop3_or(w8, 0x00F000F0u), 0x2C002C00u, zhi);
+}
+
+template <int W, int G, int P, bool PAD = true>
+struct Cfg {
+  static constexpr int kRowBytes = G * 64 + (PAD ? 64 : 0);  // + 64: rows g and g + 1 of a quarter warp in other banks
+  static constexpr int kStage = 16 * kRowBytes;
+  static size_t smem(int K) {
+    const int KG = K / 128;
+    return size_t(W) * P * kStage + size_t(K) * 2 + 16 * KG * 4 + 16 * KG + 16 + 8 * (1 + W * P) + 128;
+  }
+};
+
+template <int W, int G, int P, int MODE, bool PAD>
+__global__ void
+__launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __restrict__ sc,
+                                               const uint8_t* __restrict__ zr, const __half* __restrict__ x,
+                                               __half* __restrict__ y, int M, int K) {
+  using C = Cfg<W, G, P, PAD>;
+  extern __shared__ __align__(128) uint8_t sm[];
+  const int KG = K / 128, S = KG / G, sw0 = S * int(threadIdx.x >> 5) / W,
+            stages = S * int((threadIdx.x >> 5) + 1) / W - sw0;
+  uint8_t* ring = sm;
+  uint4* xs = reinterpret_cast<uint4*>(ring + size_t(W) * P * C::kStage);
+  float* ssc = reinterpret_cast<float*>(xs + K / 8);
+  uint8_t* szr = reinterpret_cast<uint8_t*>(ssc + 16 * KG);
+  uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(szr + 16 * KG) + 15) & ~uintptr_t(15));
+  __shared__ float red[W][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t m0 = int64_t(blockIdx.x) * 16;
+  uint64_t* meta = bars;
+  uint64_t* full = bars + 1 + warp * P;
+  uint8_t* myring = ring + size_t(warp) * P * C::kStage;
+  const int gw0 = sw0 * G;
+  if (threadIdx.x == 0) {
+    bar_init(meta, 1);
+    for (int i = 0; i < W * P; ++i) bar_init(bars + 1 + i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  // stage s of this warp's run into slot s % P: lane r < 16 copies row r (one instruction for the
+  // 16 copies), after lane 0 has announced the stage's bytes
+  const uint8_t* const qrow = q + (m0 + (lane & 15)) * (K / 2) + int64_t(gw0) * 64;
+  auto issue = [&](int s) {
+    uint64_t* b = full + s % P;
+    if (lane == 0) bar_expect(b, 16 * G * 64);
+    __syncwarp();
+    if (lane < 16) bulk(myring + (s % P) * C::kStage + lane * C::kRowBytes, qrow + int64_t(s) * G * 64, G * 64, b);
+  };
+  if (warp == 0) {
+    if (lane == 0) bar_expect(meta, 16 * KG * 5);
+    __syncwarp();
+    if (lane < 16) {
+      bulk(ssc + lane * KG, sc + (m0 + lane) * KG, KG * 4, meta);
+      bulk(szr + lane * KG, zr + (m0 + lane) * KG, KG, meta);
+    }
+  }
+  for (int s = 0; s < P && s < stages; ++s) issue(s);
+  // X in B-fragment order: slot ((u / 4) * 4 + j) * 4 + u % 4 holds unit u's word j pairs
+  // {x(P0), x(P2), x(P1), x(P3)} (mma h = 0: .x .y; h = 1: .z .w)
+  for (int u = threadIdx.x; u < K / 32; u += W * 32) {
+    const uint4* xp = reinterpret_cast<const uint4*>(x + u * 32);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint4 v = __ldg(xp + j);
+      const __half* e = reinterpret_cast<const __half*>(&v);
+      xs[((u >> 2) * 4 + j) * 4 + (u & 3)] =
+          make_uint4(pack(e[0], e[4]), pack(e[2], e[6]), pack(e[1], e[5]), pack(e[3], e[7]));
+    }
+  }
+  __syncthreads();
+  bar_wait(meta, 0);
+  float acc_a = 0.f, acc_b = 0.f;
+  uint32_t sink = 0;
+  for (int s = 0; s < stages; ++s) {
+    bar_wait(full + s % P, (s / P) & 1);
+    const uint8_t* st = myring + (s % P) * C::kStage;
+    if constexpr (MODE == kStreamOnly) {
+      sink ^= *reinterpret_cast<const uint32_t*>(st + g * C::kRowBytes + t * 16);
+      __syncwarp();
+      if (s + P < stages) issue(s + P);
+      continue;
+    }
+    uint4 ua[G], ub[G];
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      ua[i] = *reinterpret_cast<const uint4*>(st + g * C::kRowBytes + i * 64 + t * 16);
+      ub[i] = *reinterpret_cast<const uint4*>(st + (g + 8) * C::kRowBytes + i * 64 + t * 16);
+    }
+    if constexpr (MODE == kEarly) {
+      // Early release: the slot is refilled as soon as its words are in registers (the branch
+      // reads every loaded word, so the copy cannot overtake a load), and the stage is
+      // multiplied while P stages are in flight instead of P - 1.
+      uint32_t all = 0;
+#pragma unroll
+      for (int i = 0; i < G; ++i) all |= ua[i].x ^ ua[i].y ^ ua[i].z ^ ua[i].w ^ ub[i].x ^ ub[i].y ^ ub[i].z ^ ub[i].w;
+      if (all == 0x9E3779B9u) red[warp][0] = 0.f;  // (a branch on every word: the warp waits for them)
+      __syncwarp();
+      if (s + P < stages) issue(s + P);
+    }
+    if constexpr (MODE == kInterleaved || MODE == kEarly) {
+      float d[G][4], sa[G], sb[G];
+      uint32_t zloa[G], zlob[G], zhia[G], zhib[G];
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const int ga = gw0 + s * G + i;
+        const uint32_t za = szr[g * KG + ga], zb = szr[(g + 8) * KG + ga];
+        sa[i] = ssc[g * KG + ga];
+        sb[i] = ssc[(g + 8) * KG + ga];
+        zloa[i] = (0x6400u + za) * 0x10001u;
+        zlob[i] = (0x6400u + zb) * 0x10001u;
+        zhia[i] = (0xD400u + 16 * za) * 0x10001u;
+        zhib[i] = (0xD400u + 16 * zb) * 0x10001u;
+        d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+          const int ga = gw0 + s * G + i;
+          const uint4 xq = xs[(ga * 4 + j) * 4 + t];
+          uint32_t pa[4], pb[4];
+          decode(word(ua[i], j), zloa[i], zhia[i], pa);
+          decode(word(ub[i], j), zlob[i], zhib[i], pb);
+          const uint32_t a0[4] = {pa[0], pb[0], pa[2], pb[2]};
+          const uint32_t a1[4] = {pa[1], pb[1], pa[3], pb[3]};
+          mma(d[i], a0, xq.x, xq.y);
+          mma(d[i], a1, xq.z, xq.w);
+        }
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        acc_a = fmaf(sa[i], d[i][0], acc_a);
+        acc_b = fmaf(sb[i], d[i][2], acc_b);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < G && MODE == kGroups; ++i) {
+      const int ga = gw0 + s * G + i;
+      const uint32_t za = szr[g * KG + ga], zb = szr[(g + 8) * KG + ga];
+      const float sa = ssc[g * KG + ga], sb = ssc[(g + 8) * KG + ga];
+      const uint32_t zloa = (0x6400u + za) * 0x10001u, zlob = (0x6400u + zb) * 0x10001u;
+      const uint32_t zhia = (0xD400u + 16 * za) * 0x10001u, zhib = (0xD400u + 16 * zb) * 0x10001u;
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 xq = xs[(ga * 4 + j) * 4 + t];
+        uint32_t pa[4], pb[4];
+        decode(word(ua[i], j), zloa, zhia, pa);
+        decode(word(ub[i], j), zlob, zhib, pb);
+        const uint32_t a0[4] = {pa[0], pb[0], pa[2], pb[2]};
+        const uint32_t a1[4] = {pa[1], pb[1], pa[3], pb[3]};
+        mma(d, a0, xq.x, xq.y);
+        mma(d, a1, xq.z, xq.w);
+      }
+      acc_a = fmaf(sa, d[0], acc_a);  // every column of B is x: d[0] = row g, d[2] = row g + 8
+      acc_b = fmaf(sb, d[2], acc_b);
+    }
+    if constexpr (MODE != kEarly) {
+      __syncwarp();  // (the stage's values are in registers and used: the slot can be refilled)
+      if (s + P < stages) issue(s + P);
+    }
+  }
+  if (MODE == kStreamOnly && sink == 0x12345679u) acc_a += 1.f;  // (keeps the reads)
+  if (t == 0) {
+    red[warp][g] = acc_a;
+    red[warp][g + 8] = acc_b;
+  }
+  __syncthreads();
+  if (threadIdx.x < 16 && m0 + threadIdx.x < M) {
+    float v = 0.f;
+    for (int w = 0; w < W; ++w) v += red[w][threadIdx.x];
+    y[m0 + threadIdx.x] = __float2half(v);
+  }
+}
+
+__global__ void spin(int64_t cycles) {
+  const int64_t t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+struct Set {
+  uint8_t *q, *z;
+  float* s;
+};
+
+static const char* only = nullptr;
+template <int W, int G, int P, int MODE = kGroups, bool PAD = true>
+void run(const char* name, int M, int K, const std::vector<Set>& sets, const __half* x, __half* y,
+         const std::vector<double>& ref) {
+  using C = Cfg<W, G, P, PAD>;
+  const int KG = K / 128;
+  if (KG % G || KG / G < W || (only && std::strcmp(name, only) != 0)) return;
+  const size_t smem = C::smem(K);
+  CK(cudaFuncSetAttribute(gemv<W, G, P, MODE, PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv<W, G, P, MODE, PAD>, W * 32, smem));
+  auto launch = [&](const Set& st) { gemv<W, G, P, MODE, PAD><<<M / 16, W * 32, smem>>>(st.q, st.s, st.z, x, y, M, K); };
+  launch(sets[0]);
+  CK(cudaDeviceSynchronize());
+  std::vector<__half> h(M);
+  CK(cudaMemcpy(h.data(), y, M * 2, cudaMemcpyDeviceToHost));
+  double err = 0, mx = 0;
+  for (int m = 0; m < M; ++m) {
+    err = std::max(err, std::fabs(double(__half2float(h[m])) - ref[m]));
+    mx = std::max(mx, std::fabs(ref[m]));
+  }
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> cold, hot;
+  for (int i = 0; i < 15; ++i) {
+    spin<<<1, 1>>>(2000000);
+    CK(cudaEventRecord(a));
+    launch(sets[i % sets.size()]);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    cold.push_back(ms * 1000);
+  }
+  for (int r = 0; r < 5; ++r) {  // resident: one weight, 200 back-to-back launches
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < 200; ++i) launch(sets[0]);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    hot.push_back(ms * 1000 / 200);
+  }
+  CK(cudaGetLastError());
+  std::sort(cold.begin(), cold.end());
+  std::sort(hot.begin(), hot.end());
+  std::printf("%-22s %5dx%-5d  CTAs/SM %d  smem %6zu  cold %6.1f us  resident %6.1f us  max|err|/max|y| %.2e\n", name,
+              M, K, per_sm, smem, cold[cold.size() / 2], hot[hot.size() / 2], err / mx);
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1) only = argv[1];
+  const int shapes[2][2] = {{4096, 14336}, {14336, 4096}};
+  for (auto& sh : shapes) {
+    const int M = sh[0], K = sh[1], KG = K / 128;
+    const size_t qb = size_t(M) * K / 2, nb = size_t(M) * KG;
+    std::vector<uint8_t> hq(qb), hz(nb);
+    std::vector<float> hs(nb);
+    std::vector<__half> hx(K);
+    uint64_t r = 88172645463325252ull;
+    auto rnd = [&]() {
+      r ^= r << 13;
+      r ^= r >> 7;
+      r ^= r << 17;
+      return r;
+    };
+    for (auto& v : hq) v = uint8_t(rnd());
+    for (auto& v : hz) v = uint8_t(rnd() % 16);
+    for (auto& v : hs) v = 0.001f + 0.01f * float(rnd() % 1000) / 1000.f;
+    for (auto& v : hx) v = __float2half(float(int(rnd() % 2001) - 1000) / 1000.f);
+    std::vector<double> ref(M, 0.0);
+    for (int m = 0; m < M; ++m) {
+      double acc = 0;
+      for (int k = 0; k < K; ++k) {
+        const int qv = (hq[size_t(m) * K / 2 + k / 2] >> (4 * (k & 1))) & 15, gi = m * KG + k / 128;
+        acc += double(__half2float(hx[k])) * hs[gi] * (qv - hz[gi]);
+      }
+      ref[m] = acc;
+    }
+    const size_t bytes = qb + nb * 5;
+    const int nsets = int(std::max<size_t>(2, (4 * 60ull << 20) / bytes + 1));
+    std::vector<Set> sets(nsets);
+    for (auto& st : sets) {
+      CK(cudaMalloc(&st.q, qb));
+      CK(cudaMalloc(&st.z, nb));
+      CK(cudaMalloc(&st.s, nb * 4));
+      CK(cudaMemcpy(st.q, hq.data(), qb, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(st.z, hz.data(), nb, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(st.s, hs.data(), nb * 4, cudaMemcpyHostToDevice));
+    }
+    __half *x, *y;
+    CK(cudaMalloc(&x, K * 2));
+    CK(cudaMalloc(&y, M * 2));
+    CK(cudaMemcpy(x, hx.data(), K * 2, cudaMemcpyHostToDevice));
+    std::printf("%d x %d: %.1f MB of weights, %d rotated copies\n", M, K, bytes / 1e6, nsets);
+    run<4, 4, 2, kStreamOnly>("W4 G4 P2 stream-only", M, K, sets, x, y, ref);
+    run<4, 4, 3, kStreamOnly>("W4 G4 P3 stream-only", M, K, sets, x, y, ref);
+    run<2, 8, 2, kStreamOnly>("W2 G8 P2 stream-only", M, K, sets, x, y, ref);
+    run<8, 4, 2, kStreamOnly, false>("W8 G4 P2 stream-only nopad", M, K, sets, x, y, ref);
+    run<4, 4, 2>("W4 G4 P2", M, K, sets, x, y, ref);
+    run<4, 4, 3>("W4 G4 P3", M, K, sets, x, y, ref);
+    run<4, 2, 4>("W4 G2 P4", M, K, sets, x, y, ref);
+    run<8, 2, 2>("W8 G2 P2", M, K, sets, x, y, ref);
+    run<2, 8, 2>("W2 G8 P2", M, K, sets, x, y, ref);
+    run<4, 4, 2, kInterleaved>("W4 G4 P2 ilv", M, K, sets, x, y, ref);
+    run<4, 4, 2, kInterleaved, false>("W4 G4 P2 ilv nopad", M, K, sets, x, y, ref);
+    run<8, 4, 2, kInterleaved, false>("W8 G4 P2 ilv nopad", M, K, sets, x, y, ref);
+    run<4, 8, 2, kInterleaved, false>("W4 G8 P2 ilv nopad", M, K, sets, x, y, ref);
+    run<4, 4, 2, kEarly>("W4 G4 P2 early", M, K, sets, x, y, ref);
+    run<2, 8, 2, kEarly>("W2 G8 P2 early", M, K, sets, x, y, ref);
+    for (auto& st : sets) {
+      cudaFree(st.q);
+      cudaFree(st.z);
+      cudaFree(st.s);
+    }
+    cudaFree(x);
+    cudaFree(y);
+  }
+  return 0;
+}

@@ -35,14 +35,7 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                               \
-  do {                                                                      \
-    cudaError_t e = (x);                                                    \
-    if (e != cudaSuccess) {                                                 \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      std::exit(1);                                                         \
-    }                                                                       \
-  } while (0)
+#include "cuda_probe.cuh"
 
 enum Mode {
   kGroups = 0,       // each group's 8 mma in one chain, group after group; a slot refilled after its stage
@@ -282,12 +275,6 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
     float v = 0.f;
     for (int w = 0; w < W; ++w) v += red[w][threadIdx.x];
     y[m0 + threadIdx.x] = __float2half(v);
-  }
-}
-
-__global__ void spin(int64_t cycles) {
-  const int64_t t0 = clock64();
-  while (clock64() - t0 < cycles) {
   }
 }
 

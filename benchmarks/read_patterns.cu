@@ -21,19 +21,15 @@
 #include <cstdio>
 #include <vector>
 
-#define CK(x)                                                                    \
-  do {                                                                           \
-    cudaError_t e = (x);                                                         \
-    if (e != cudaSuccess) {                                                      \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));      \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
+#include "cuda_probe.cuh"
 
 // Stand-in for decode work: WORK integer multiply-adds per 16 bytes, in 4 independent chains.
 template <int WORK>
 __device__ __forceinline__ void work(const uint4& v, uint32_t (&a)[4]) {
-  a[0] ^= v.x; a[1] ^= v.y; a[2] ^= v.z; a[3] ^= v.w;
+  a[0] ^= v.x;
+  a[1] ^= v.y;
+  a[2] ^= v.z;
+  a[3] ^= v.w;
 #pragma unroll
   for (int i = 0; i < WORK; ++i) a[i & 3] = a[i & 3] * 0x9E3779B1u + (i + 1);
 }
@@ -41,12 +37,6 @@ __device__ __forceinline__ void work(const uint4& v, uint32_t (&a)[4]) {
 __device__ __forceinline__ void sink(const uint32_t (&a)[4], uint32_t* out) {
   const uint32_t s = a[0] ^ a[1] ^ a[2] ^ a[3];
   if (s == 0x12345679u) out[threadIdx.x] = s;  // (practically never): keeps the loads alive
-}
-
-__global__ void spin(int64_t cycles) {
-  const int64_t t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
 }
 
 template <int UNR, int WORK>

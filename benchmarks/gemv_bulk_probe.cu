@@ -23,7 +23,9 @@
 //
 // Variants (template arguments): W warps per CTA, G groups per stage, P stages per ring, rows
 // padded by 64 bytes in shared memory (rows g and g + 1, read by one quarter warp, in other banks)
-// or not; and the mode below.
+// or not; KS CTAs per 16-row tile, each taking 1/KS of K and adding its sums into a float32 Y
+// with atomics (more warps per tile; each CTA still copies its rows' scales and zero points whole);
+// and the mode below.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -106,28 +108,32 @@ __device__ __forceinline__ void decode(uint32_t w, uint32_t zlo, uint32_t zhi, u
   p[3] = hfma2(lop3_or(w8, 0x00F000F0u), 0x2C002C00u, zhi);
 }
 
-template <int W, int G, int P, bool PAD = true>
+template <int W, int G, int P, bool PAD = true, int KS = 1>
 struct Cfg {
   static constexpr int kRowBytes = G * 64 + (PAD ? 64 : 0);  // + 64: rows g and g + 1 of a quarter warp in other banks
   static constexpr int kStage = 16 * kRowBytes;
   static size_t smem(int K) {
     const int KG = K / 128;
-    return size_t(W) * P * kStage + size_t(K) * 2 + 16 * KG * 4 + 16 * KG + 16 + 8 * (1 + W * P) + 128;
+    const int xs_groups = (KG / G + KS - 1) / KS * G;  // a CTA's groups (K split KS ways)
+    return size_t(W) * P * kStage + size_t(xs_groups) * 256 + 16 * KG * 4 + 16 * KG + 16 + 8 * (1 + W * P) + 128;
   }
 };
 
-template <int W, int G, int P, int MODE, bool PAD>
+template <int W, int G, int P, int MODE, bool PAD, int KS>
 __global__ void
 __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __restrict__ sc,
                                                const uint8_t* __restrict__ zr, const __half* __restrict__ x,
-                                               __half* __restrict__ y, int M, int K) {
-  using C = Cfg<W, G, P, PAD>;
+                                               __half* __restrict__ y, float* __restrict__ y32, int M, int K) {
+  using C = Cfg<W, G, P, PAD, KS>;
   extern __shared__ __align__(128) uint8_t sm[];
-  const int KG = K / 128, S = KG / G, sw0 = S * int(threadIdx.x >> 5) / W,
-            stages = S * int((threadIdx.x >> 5) + 1) / W - sw0;
+  // KS > 1: CTA (tile, blockIdx.y) takes stages cs0.. of the row; the CTAs' sums are added
+  // into y32 with atomics (a probe of more warps per row tile: not deterministic)
+  const int KG = K / 128, S = KG / G, cs0 = S * int(blockIdx.y) / KS, Sc = S * int(blockIdx.y + 1) / KS - cs0;
+  const int sw0 = cs0 + Sc * int(threadIdx.x >> 5) / W, stages = cs0 + Sc * int((threadIdx.x >> 5) + 1) / W - sw0;
+  const int xg0 = cs0 * G;  // the CTA's first group: xs holds groups xg0 .. xg0 + Sc * G
   uint8_t* ring = sm;
   uint4* xs = reinterpret_cast<uint4*>(ring + size_t(W) * P * C::kStage);
-  float* ssc = reinterpret_cast<float*>(xs + K / 8);
+  float* ssc = reinterpret_cast<float*>(xs + (S + KS - 1) / KS * G * 16);  // (Cfg::smem's xs_groups)
   uint8_t* szr = reinterpret_cast<uint8_t*>(ssc + 16 * KG);
   uint64_t* bars = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(szr + 16 * KG) + 15) & ~uintptr_t(15));
   __shared__ float red[W][16];
@@ -163,13 +169,13 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
   for (int s = 0; s < P && s < stages; ++s) issue(s);
   // X in B-fragment order: slot ((u / 4) * 4 + j) * 4 + u % 4 holds unit u's word j pairs
   // {x(P0), x(P2), x(P1), x(P3)} (mma h = 0: .x .y; h = 1: .z .w)
-  for (int u = threadIdx.x; u < K / 32; u += W * 32) {
+  for (int u = xg0 * 4 + threadIdx.x; u < (xg0 + Sc * G) * 4; u += W * 32) {
     const uint4* xp = reinterpret_cast<const uint4*>(x + u * 32);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint4 v = __ldg(xp + j);
       const __half* e = reinterpret_cast<const __half*>(&v);
-      xs[((u >> 2) * 4 + j) * 4 + (u & 3)] =
+      xs[(((u >> 2) - xg0) * 4 + j) * 4 + (u & 3)] =
           make_uint4(pack(e[0], e[4]), pack(e[2], e[6]), pack(e[1], e[5]), pack(e[3], e[7]));
     }
   }
@@ -223,7 +229,7 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
 #pragma unroll
         for (int i = 0; i < G; ++i) {
           const int ga = gw0 + s * G + i;
-          const uint4 xq = xs[(ga * 4 + j) * 4 + t];
+          const uint4 xq = xs[((ga - xg0) * 4 + j) * 4 + t];
           uint32_t pa[4], pb[4];
           decode(word(ua[i], j), zloa[i], zhia[i], pa);
           decode(word(ub[i], j), zlob[i], zhib[i], pb);
@@ -248,7 +254,7 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
       float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint4 xq = xs[(ga * 4 + j) * 4 + t];
+        const uint4 xq = xs[((ga - xg0) * 4 + j) * 4 + t];
         uint32_t pa[4], pb[4];
         decode(word(ua[i], j), zloa, zhia, pa);
         decode(word(ub[i], j), zlob, zhib, pb);
@@ -274,7 +280,8 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
   if (threadIdx.x < 16 && m0 + threadIdx.x < M) {
     float v = 0.f;
     for (int w = 0; w < W; ++w) v += red[w][threadIdx.x];
-    y[m0 + threadIdx.x] = __float2half(v);
+    if (KS > 1) atomicAdd(y32 + m0 + threadIdx.x, v);
+    else y[m0 + threadIdx.x] = __float2half(v);
   }
 }
 
@@ -284,24 +291,29 @@ struct Set {
 };
 
 static const char* only = nullptr;
-template <int W, int G, int P, int MODE = kGroups, bool PAD = true>
-void run(const char* name, int M, int K, const std::vector<Set>& sets, const __half* x, __half* y,
+template <int W, int G, int P, int MODE = kGroups, bool PAD = true, int KS = 1>
+void run(const char* name, int M, int K, const std::vector<Set>& sets, const __half* x, __half* y, float* y32,
          const std::vector<double>& ref) {
-  using C = Cfg<W, G, P, PAD>;
+  using C = Cfg<W, G, P, PAD, KS>;
   const int KG = K / 128;
-  if (KG % G || KG / G < W || (only && std::strcmp(name, only) != 0)) return;
+  if (KG % G || KG / G < W * KS || (only && std::strcmp(name, only) != 0)) return;
   const size_t smem = C::smem(K);
-  CK(cudaFuncSetAttribute(gemv<W, G, P, MODE, PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CK(cudaFuncSetAttribute(gemv<W, G, P, MODE, PAD, KS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv<W, G, P, MODE, PAD>, W * 32, smem));
-  auto launch = [&](const Set& st) { gemv<W, G, P, MODE, PAD><<<M / 16, W * 32, smem>>>(st.q, st.s, st.z, x, y, M, K); };
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv<W, G, P, MODE, PAD, KS>, W * 32, smem));
+  auto launch = [&](const Set& st) {
+    gemv<W, G, P, MODE, PAD, KS><<<dim3(M / 16, KS), W * 32, smem>>>(st.q, st.s, st.z, x, y, y32, M, K);
+  };
+  CK(cudaMemset(y32, 0, M * 4));
   launch(sets[0]);
   CK(cudaDeviceSynchronize());
   std::vector<__half> h(M);
+  std::vector<float> h32(M);
   CK(cudaMemcpy(h.data(), y, M * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(h32.data(), y32, M * 4, cudaMemcpyDeviceToHost));
   double err = 0, mx = 0;
   for (int m = 0; m < M; ++m) {
-    err = std::max(err, std::fabs(double(__half2float(h[m])) - ref[m]));
+    err = std::max(err, std::fabs((KS > 1 ? double(h32[m]) : double(__half2float(h[m]))) - ref[m]));
     mx = std::max(mx, std::fabs(ref[m]));
   }
   cudaEvent_t a, b;
@@ -309,6 +321,7 @@ void run(const char* name, int M, int K, const std::vector<Set>& sets, const __h
   CK(cudaEventCreate(&b));
   std::vector<float> cold, hot;
   for (int i = 0; i < 15; ++i) {
+    if (KS > 1) CK(cudaMemsetAsync(y32, 0, M * 4));  // (before the spin: not timed)
     spin<<<1, 1>>>(2000000);
     CK(cudaEventRecord(a));
     launch(sets[i % sets.size()]);
@@ -375,25 +388,32 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(st.s, hs.data(), nb * 4, cudaMemcpyHostToDevice));
     }
     __half *x, *y;
+    float* y32;
+    CK(cudaMalloc(&y32, M * 4));
     CK(cudaMalloc(&x, K * 2));
     CK(cudaMalloc(&y, M * 2));
     CK(cudaMemcpy(x, hx.data(), K * 2, cudaMemcpyHostToDevice));
     std::printf("%d x %d: %.1f MB of weights, %d rotated copies\n", M, K, bytes / 1e6, nsets);
-    run<4, 4, 2, kStreamOnly>("W4 G4 P2 stream-only", M, K, sets, x, y, ref);
-    run<4, 4, 3, kStreamOnly>("W4 G4 P3 stream-only", M, K, sets, x, y, ref);
-    run<2, 8, 2, kStreamOnly>("W2 G8 P2 stream-only", M, K, sets, x, y, ref);
-    run<8, 4, 2, kStreamOnly, false>("W8 G4 P2 stream-only nopad", M, K, sets, x, y, ref);
-    run<4, 4, 2>("W4 G4 P2", M, K, sets, x, y, ref);
-    run<4, 4, 3>("W4 G4 P3", M, K, sets, x, y, ref);
-    run<4, 2, 4>("W4 G2 P4", M, K, sets, x, y, ref);
-    run<8, 2, 2>("W8 G2 P2", M, K, sets, x, y, ref);
-    run<2, 8, 2>("W2 G8 P2", M, K, sets, x, y, ref);
-    run<4, 4, 2, kInterleaved>("W4 G4 P2 ilv", M, K, sets, x, y, ref);
-    run<4, 4, 2, kInterleaved, false>("W4 G4 P2 ilv nopad", M, K, sets, x, y, ref);
-    run<8, 4, 2, kInterleaved, false>("W8 G4 P2 ilv nopad", M, K, sets, x, y, ref);
-    run<4, 8, 2, kInterleaved, false>("W4 G8 P2 ilv nopad", M, K, sets, x, y, ref);
-    run<4, 4, 2, kEarly>("W4 G4 P2 early", M, K, sets, x, y, ref);
-    run<2, 8, 2, kEarly>("W2 G8 P2 early", M, K, sets, x, y, ref);
+    run<4, 4, 2, kStreamOnly>("W4 G4 P2 stream-only", M, K, sets, x, y, y32, ref);
+    run<4, 4, 3, kStreamOnly>("W4 G4 P3 stream-only", M, K, sets, x, y, y32, ref);
+    run<2, 8, 2, kStreamOnly>("W2 G8 P2 stream-only", M, K, sets, x, y, y32, ref);
+    run<8, 4, 2, kStreamOnly, false>("W8 G4 P2 stream-only nopad", M, K, sets, x, y, y32, ref);
+    run<4, 4, 2>("W4 G4 P2", M, K, sets, x, y, y32, ref);
+    run<4, 4, 3>("W4 G4 P3", M, K, sets, x, y, y32, ref);
+    run<4, 2, 4>("W4 G2 P4", M, K, sets, x, y, y32, ref);
+    run<8, 2, 2>("W8 G2 P2", M, K, sets, x, y, y32, ref);
+    run<2, 8, 2>("W2 G8 P2", M, K, sets, x, y, y32, ref);
+    run<4, 4, 2, kInterleaved>("W4 G4 P2 ilv", M, K, sets, x, y, y32, ref);
+    run<4, 4, 2, kInterleaved, false>("W4 G4 P2 ilv nopad", M, K, sets, x, y, y32, ref);
+    run<8, 4, 2, kInterleaved, false>("W8 G4 P2 ilv nopad", M, K, sets, x, y, y32, ref);
+    run<4, 8, 2, kInterleaved, false>("W4 G8 P2 ilv nopad", M, K, sets, x, y, y32, ref);
+    run<4, 4, 2, kEarly>("W4 G4 P2 early", M, K, sets, x, y, y32, ref);
+    run<4, 4, 2, kInterleaved, true, 2>("W4 G4 P2 ilv, K over 2 CTAs", M, K, sets, x, y, y32, ref);
+    run<4, 4, 2, kInterleaved, true, 4>("W4 G4 P2 ilv, K over 4 CTAs", M, K, sets, x, y, y32, ref);
+    run<2, 4, 2, kInterleaved, true, 4>("W2 G4 P2 ilv, K over 4 CTAs", M, K, sets, x, y, y32, ref);
+    run<4, 2, 2, kInterleaved, true, 4>("W4 G2 P2 ilv, K over 4 CTAs", M, K, sets, x, y, y32, ref);
+    run<4, 4, 2, kStreamOnly, true, 4>("W4 G4 P2 stream-only, K over 4 CTAs", M, K, sets, x, y, y32, ref);
+    run<2, 8, 2, kEarly>("W2 G8 P2 early", M, K, sets, x, y, y32, ref);
     for (auto& st : sets) {
       cudaFree(st.q);
       cudaFree(st.z);
@@ -401,6 +421,7 @@ int main(int argc, char** argv) {
     }
     cudaFree(x);
     cudaFree(y);
+    cudaFree(y32);
   }
   return 0;
 }

@@ -717,10 +717,8 @@ def _autocast(device: torch.device, amp: bool):
 def _ranks_for(dev: torch.device) -> Ranks:
     """The ranks sharing the work (one process when torch.distributed is not initialized),
     with their collectives on the model's device ``dev`` under NCCL."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
-            and dist.get_backend() == "nccl":
+    group = Ranks()  # the default group: collectives on a GPU under NCCL, else on the CPU
+    if group.several and group.device.type == "cuda":
         if dev.type != "cuda":
             raise ValueError("signround over an NCCL process group needs the model on the rank's "
                              f"GPU; it is on {dev} (move it, or use a gloo group on the CPU)")

@@ -9,20 +9,27 @@
 //        benchmarks/prefill_probe.cu -o /tmp/prefill_probe
 //   /tmp/prefill_probe
 // (4096x14336 and 14336x4096, N = 256 ... 2048, cold; "no-dec": the same pipeline with A = 1.0,
-// checked against the sums of X.)
+// checked against the sums of X, except ws's, whose A tile is left stale: its error means nothing.)
 // Results: benchmarks/README.md, "A GEMM that decodes int4 in its main loop, for prefill".
 //
-// The kernel: a CTA owns BM = 128 weight rows and BN activation rows; its two warpgroups take 64
-// weight rows each (wgmma m64nBNk16, A = the decoded weights in registers, B = X from shared
-// memory). K moves in steps of 64: each step's X tile (K-major, 128-byte swizzle: wgmma reads it
-// as it lands), packed weights (128 rows x 32 bytes) and the group's scales and zero points come
-// by cp.async, P - 1 steps ahead. No permutation of X: the decode builds A in the natural k order.
-// Lane (g, t) needs, per k16 slice j, byte t of the row's words 2j and 2j + 1 (values 2t, 2t + 1
-// and 2t + 8, 2t + 9); a PRMT copies that byte into both halves of a register, one LOP3 puts its
-// low nibble into the low half's mantissa of 1024 and its high nibble, times 16, into the high
-// half's, HSUB2 takes off (1024 + z, 1024 + 16 z) and HMUL2 multiplies by (s, s / 16): four
-// instructions per pair of weights, each weight (q - z) * s rounded once to fp16 from an fp16 s.
-// One barrier per step; the wgmma batch of step s runs while the warps decode step s + 1.
+// Three main loops (benchmarks/README.md has the table):
+// - prefill: a CTA owns BM = 128 weight rows and BN activation rows; its two warpgroups take 64
+//   weight rows each (wgmma m64nBNk16, A = the decoded weights in registers, B = X from shared
+//   memory). K moves in steps of 64: each step's X tile (K-major, 128-byte swizzle: wgmma reads it
+//   as it lands), packed weights (128 rows x 32 bytes) and the group's scales and zero points come
+//   by cp.async, P - 1 steps ahead; one barrier per step; the wgmma batch of step s runs while the
+//   warps decode step s + 1.
+// - prefill_ws: TMA copies on mbarriers from a warp of their own, a producer warpgroup decoding
+//   into an fp16 A tile in shared memory, consumers issuing wgmma with both operands there.
+// - prefill_rt: the TMA warp and mbarriers, consumers decoding their own A into registers.
+// No permutation of X: the decode builds A in the natural k order. Lane (g, t) needs, per k16
+// slice j, byte t of the row's words 2j and 2j + 1 (values 2t, 2t + 1 and 2t + 8, 2t + 9); a PRMT
+// copies that byte into both halves of a register, one LOP3 puts its low nibble into the low half's
+// mantissa of 1024 and its high nibble, times 16, into the high half's, HSUB2 takes off
+// (1024 + z, 1024 + 16 z) and HMUL2 multiplies by (s, s / 16): four instructions per pair of
+// weights, each weight (q - z) * s rounded once to fp16 from an fp16 s.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -122,6 +129,59 @@ __device__ __forceinline__ void wgmma_n(float (&d)[128], const uint32_t (&a)[4],
         "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
         "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#endif
+}
+
+// D [64, 128] += A (descriptor) . B (descriptor): wgmma m64n128k16 with both operands in shared memory.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(1));
+#endif
+}
+
+// D [64, 256] += A (descriptor) . B (descriptor): wgmma m64n256k16 with both operands in shared memory.
+__device__ __forceinline__ void wgmma_ss(float (&d)[128], uint64_t da, uint64_t db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "
+      "%79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, "
+      "%101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, "
+      "%119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),
+        "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
+        "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(1));
 #endif
 }
 
@@ -256,18 +316,320 @@ __launch_bounds__(256, 1)
 #endif
 }
 
+// ---- The warp-specialized variant: TMA loads on mbarriers, a producer warpgroup that decodes ----
+// A CTA of three warpgroups and a warp: warp 12 issues each step's TMA copies (X tile [BN, 64]
+// swizzled, packed weights [128, 32 bytes]) as soon as the stage is free; warpgroup 0 decodes
+// (thread r: weight row r of the tile, its 64 values of the step into an fp16 A tile in shared
+// memory, K-major with the 128-byte swizzle); warpgroups 1 and 2 take 64 weight rows each and only issue wgmma with
+// both operands in shared memory. Stage st: full[st] (the copies' bytes), ready[st] (128 decoding
+// threads), empty[st] (both consumer warpgroups done with it).
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n" ::"r"(smem_u32(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* tm, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+      : "memory");
+}
+
+template <int BN, int S>
+constexpr int ws_smem_bytes() {
+  return S * (BN * 128 + 128 * 128 + 128 * 32) + 3 * S * 8 + 1024;
+}
+
+// D decoding warpgroups (1 or 2: a row per thread, or half a row); DECODE false: the decoders only
+// wait and arrive (A is whatever the buffer holds: timing only)
+template <int BN, int S, int D = 1, bool DECODE = true>
+__global__ void __launch_bounds__(128 * (D + 2) + 32, 1)
+    prefill_ws(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmW,
+               const float* __restrict__ sc, const uint8_t* __restrict__ zr, __half* __restrict__ Y, int N, int M, int K) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int NT = BN / 8, kX = BN * 128, kA = 128 * 128, kW = 128 * 32;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* xs = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* as = xs + S * kX;
+  uint8_t* wsm = as + S * kA;
+  uint64_t* full = reinterpret_cast<uint64_t*>(wsm + S * kW);
+  uint64_t* ready = full + S;
+  uint64_t* empty = ready + S;
+  // (the warpgroup index through a shuffle, so that ptxas sees it warp-uniform: else it serializes
+  // the wgmma, C7518)
+  const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int m0 = blockIdx.x * 128, n0 = blockIdx.y * BN, steps = K / 64, G = K / 128;
+  if (tid == 0) {
+    for (int st = 0; st < S; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&ready[st], 128 * D);
+      mbar_init(&empty[st], 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wgi == D + 2) {  // the copies, S steps ahead: one lane of the last warp
+    if ((tid & 31) == 0)
+      for (int k = 0; k < steps; ++k) {
+        const int st = k % S;
+        if (k >= S) mbar_wait(&empty[st], ((k / S) - 1) & 1);
+        mbar_expect(&full[st], kX + kW);
+        tma2d(xs + st * kX, &tmX, k * 64, n0, &full[st]);
+        tma2d(wsm + st * kW, &tmW, k * 32, m0, &full[st]);
+      }
+  } else if (wgi < D) {  // the decode: thread r takes weight row r (D = 2: half h of it)
+    const int r = tid % 128, h = D == 2 ? tid / 128 : 0;
+    uint8_t* arow = as + (r >> 6) * (kA / 2) + (r & 63) * 128;
+    const float* srow = sc + size_t(m0 + r) * G;
+    const uint8_t* zrow = zr + size_t(m0 + r) * G;
+    float s_next = __ldg(srow);  // (the group of step k + 1 loaded during step k)
+    uint32_t z_next = __ldg(zrow);
+    for (int k = 0; k < steps; ++k) {
+      const int st = k % S;
+      const float s0 = s_next;
+      const uint32_t z = z_next;
+      if (k + 1 < steps) {
+        s_next = __ldg(srow + ((k + 1) >> 1));
+        z_next = __ldg(zrow + ((k + 1) >> 1));
+      }
+      const uint32_t zo = (0x6400u + z) | ((0x6400u + 16 * z) << 16);
+      const uint32_t s2 =
+          uint32_t(__half_as_ushort(__float2half(s0))) | (uint32_t(__half_as_ushort(__float2half(s0 * 0.0625f))) << 16);
+      mbar_wait(&full[st], (k / S) & 1);
+      if constexpr (DECODE) {
+        constexpr int C = 8 / D;  // chunks (words) per thread
+        uint32_t w[8];
+#pragma unroll
+        for (int q = 0; q < C / 4; ++q) {
+          const uint4 u = *reinterpret_cast<const uint4*>(wsm + st * kW + r * 32 + h * 16 + q * 16);
+          w[4 * q] = u.x, w[4 * q + 1] = u.y, w[4 * q + 2] = u.z, w[4 * q + 3] = u.w;
+        }
+        uint8_t* adst = arow + st * kA;
+#pragma unroll
+        for (int i = 0; i < C; ++i) {  // chunk c: values 8c .. 8c + 7, word c, its bytes in order
+          const int c = h * C + i;
+          uint4 o;
+          o.x = pair(w[i], 0x4040u, zo, s2);
+          o.y = pair(w[i], 0x4141u, zo, s2);
+          o.z = pair(w[i], 0x4242u, zo, s2);
+          o.w = pair(w[i], 0x4343u, zo, s2);
+          *reinterpret_cast<uint4*>(adst + ((c ^ (r & 7)) << 4)) = o;
+        }
+        wg::proxy_fence();
+      }
+      mbar_arrive(&ready[st]);
+    }
+  } else {
+    const int cw = wgi - D, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    float d[4 * NT];
+#pragma unroll
+    for (int i = 0; i < 4 * NT; ++i) {
+      d[i] = 0.f;
+      wg::pin(d[i]);
+    }
+    const uint32_t xa = smem_u32(xs), aa = smem_u32(as) + cw * (kA / 2);
+    auto consume = [&](int k) {
+      const int st = k % S;
+      mbar_wait(&full[st], (k / S) & 1);
+      mbar_wait(&ready[st], (k / S) & 1);
+      const uint64_t da = wg::sw128_desc(aa + st * kA), db = wg::sw128_desc(xa + st * kX);
+      wg::fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wgmma_ss(d, da + 2 * j, db + 2 * j);
+      wg::commit();
+      if (k + 1 == steps) wg::wait<0>();  // (see step() above: the last step waits for everything)
+      else wg::wait<1>();
+      if (k > 0 && (tid & 127) == 0) mbar_arrive(&empty[(k - 1) % S]);
+    };
+    for (int k = 0; k < steps; k += 2) {  // (two steps per trip, as in prefill: else ptxas serializes, C7514)
+      consume(k);
+      consume(k + 1);
+    }
+#pragma unroll
+    for (int i = 0; i < 4 * NT; ++i) wg::pin(d[i]);
+    const int r0 = cw * 64 + warp * 16 + g;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = n0 + 8 * nt + 2 * t + (e & 1), m = m0 + r0 + (e >> 1) * 8;
+        Y[size_t(n) * M + m] = __float2half(d[4 * nt + e]);
+      }
+  }
+#endif
+}
+
+// The same TMA pipeline, but the consumer warpgroups decode their own weights into A registers
+// (wgmma with A from registers, as in prefill above): no fp16 A tile in shared memory, whose
+// writes and reads the decoding variant above pays for. A CTA of two warpgroups and a warp (the
+// copies); stage st: full[st] (bytes), empty[st] (both warpgroups done with it).
+template <int BN, int S>
+constexpr int rt_smem_bytes() {
+  return S * (BN * 128 + 128 * 32) + 2 * S * 8 + 1024;
+}
+template <int BN, int S, bool DECODE = true>
+__global__ void __launch_bounds__(288, 1)
+    prefill_rt(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmW,
+               const float* __restrict__ sc, const uint8_t* __restrict__ zr, __half* __restrict__ Y, int N, int M, int K) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int NT = BN / 8, kX = BN * 128, kW = 128 * 32;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* xs = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* wsm = xs + S * kX;
+  uint64_t* full = reinterpret_cast<uint64_t*>(wsm + S * kW);
+  uint64_t* empty = full + S;
+  const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int m0 = blockIdx.x * 128, n0 = blockIdx.y * BN, steps = K / 64, G = K / 128;
+  if (tid == 0) {
+    for (int st = 0; st < S; ++st) {
+      mbar_init(&full[st], 1);
+      mbar_init(&empty[st], 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wgi == 2) {
+    if ((tid & 31) == 0)
+      for (int k = 0; k < steps; ++k) {
+        const int st = k % S;
+        if (k >= S) mbar_wait(&empty[st], ((k / S) - 1) & 1);
+        mbar_expect(&full[st], kX + kW);
+        tma2d(xs + st * kX, &tmX, k * 64, n0, &full[st]);
+        tma2d(wsm + st * kW, &tmW, k * 32, m0, &full[st]);
+      }
+    return;
+  }
+  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r0 = wgi * 64 + warp * 16 + g;
+  const uint32_t sel = 0x4040u | uint32_t(t) | (uint32_t(t) << 8);
+  const float* s0p = sc + size_t(m0 + r0) * G;
+  const float* s1p = s0p + size_t(8) * G;
+  const uint8_t* z0p = zr + size_t(m0 + r0) * G;
+  const uint8_t* z1p = z0p + size_t(8) * G;
+  // The scales and zero points of group k / 2 + 1 are loaded while the steps of group k / 2 run
+  // (their latency would otherwise sit between a step's wait and its decode).
+  float s0n = __ldg(s0p), s1n = __ldg(s1p), s0 = 0.f, s1 = 0.f;
+  uint32_t z0n = __ldg(z0p), z1n = __ldg(z1p), z0 = 0, z1 = 0;
+  auto decode = [&](int k, uint32_t (&a)[4][4]) {
+    const int st = k % S;
+    if ((k & 1) == 0) {
+      s0 = s0n, s1 = s1n, z0 = z0n, z1 = z1n;
+      if ((k >> 1) + 1 < G) {
+        const int gn = (k >> 1) + 1;
+        s0n = __ldg(s0p + gn), s1n = __ldg(s1p + gn), z0n = __ldg(z0p + gn), z1n = __ldg(z1p + gn);
+      }
+    }
+    const uint32_t zo0 = (0x6400u + z0) | ((0x6400u + 16 * z0) << 16), zo1 = (0x6400u + z1) | ((0x6400u + 16 * z1) << 16);
+    const uint32_t sa =
+        uint32_t(__half_as_ushort(__float2half(s0))) | (uint32_t(__half_as_ushort(__float2half(s0 * 0.0625f))) << 16);
+    const uint32_t sb =
+        uint32_t(__half_as_ushort(__float2half(s1))) | (uint32_t(__half_as_ushort(__float2half(s1 * 0.0625f))) << 16);
+    mbar_wait(&full[st], (k / S) & 1);
+    if constexpr (!DECODE) {  // (A = 1.0: the pipeline without the decode)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[j][e] = 0x3C003C00u;
+      return;
+    }
+    const uint8_t* wrow = wsm + st * kW;
+    const uint4 u0 = *reinterpret_cast<const uint4*>(wrow + r0 * 32);
+    const uint4 u1 = *reinterpret_cast<const uint4*>(wrow + r0 * 32 + 16);
+    const uint4 v0 = *reinterpret_cast<const uint4*>(wrow + (r0 + 8) * 32);
+    const uint4 v1 = *reinterpret_cast<const uint4*>(wrow + (r0 + 8) * 32 + 16);
+    const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      a[j][0] = pair(w0[2 * j], sel, zo0, sa);
+      a[j][1] = pair(w1[2 * j], sel, zo1, sb);
+      a[j][2] = pair(w0[2 * j + 1], sel, zo0, sa);
+      a[j][3] = pair(w1[2 * j + 1], sel, zo1, sb);
+    }
+  };
+  float d[4 * NT];
+#pragma unroll
+  for (int i = 0; i < 4 * NT; ++i) {
+    d[i] = 0.f;
+    wg::pin(d[i]);
+  }
+  const uint32_t xa = smem_u32(xs);
+  // (Three sets of A registers with wait_group 2, so that two batches run while the warps decode,
+  // measured 3-7% slower: benchmarks/README.md.)
+  auto step = [&](int k, const uint32_t (&acur)[4][4], uint32_t (&anext)[4][4]) {
+    const uint64_t db = wg::sw128_desc(xa + (k % S) * kX);
+    wg::fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_n(d, acur[j], db + 2 * j);
+    wg::commit();
+    if (k + 1 == steps) wg::wait<0>();  // (see step() in prefill: the last step waits for everything)
+    else wg::wait<1>();
+    if (k > 0 && (tid & 127) == 0) mbar_arrive(&empty[(k - 1) % S]);
+    if (k + 1 < steps) decode(k + 1, anext);
+  };
+  uint32_t a0[4][4], a1[4][4];
+  decode(0, a0);
+  for (int k = 0; k < steps; k += 2) {  // (steps is even)
+    step(k, a0, a1);
+    step(k + 1, a1, a0);
+  }
+#pragma unroll
+  for (int i = 0; i < 4 * NT; ++i) wg::pin(d[i]);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = n0 + 8 * nt + 2 * t + (e & 1), m = m0 + r0 + (e >> 1) * 8;
+      Y[size_t(n) * M + m] = __float2half(d[4 * nt + e]);
+    }
+#endif
+}
+
+// A 2-D tensor map (cuTensorMapEncodeTiled through the runtime's driver entry point: no -lcuda).
+static CUtensorMap tensor_map(const void* base, CUtensorMapDataType type, int elem_bytes, uint64_t cols, uint64_t rows,
+                              uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swizzle) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
+                                         cudaEnableDefault, &q));
+  }
+  CUtensorMap tm;
+  const cuuint64_t dims[2] = {cols, rows}, strides[1] = {cols * elem_bytes};
+  const cuuint32_t box[2] = {box_cols, box_rows}, estr[2] = {1, 1};
+  const CUresult e = encode(&tm, type, 2, const_cast<void*>(base), dims, strides, box, estr,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (e != CUDA_SUCCESS) {
+    std::printf("cuTensorMapEncodeTiled failed: %d\n", int(e));
+    std::exit(1);
+  }
+  return tm;
+}
+
 struct Set {
   uint8_t *q, *z;
   float* s;
 };
 
-template <int BN, int P, bool DECODE = true>
-void run(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const std::vector<uint8_t>& hq,
-         const std::vector<uint8_t>& hz, const std::vector<float>& hs, const std::vector<__half>& hx) {
-  if (N % BN) return;
-  const int smem = smem_bytes<BN, P>();
-  CK(cudaFuncSetAttribute(prefill<BN, P, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  auto launch = [&](const Set& st) { prefill<BN, P, DECODE><<<dim3(M / BM, N / BN), 256, smem>>>(x, st.q, st.s, st.z, y, N, M, K); };
+// Checks one kernel's output at 3000 sampled points against float64 (decode: the int4 product;
+// else A = 1, the sums of X) and times it cold (weights rotated, GPU spin before, median of 15).
+template <class Launch>
+void check_and_time(const char* name, bool decode, int M, int K, int N, const std::vector<Set>& sets, __half* y,
+                    const std::vector<uint8_t>& hq, const std::vector<uint8_t>& hz, const std::vector<float>& hs,
+                    const std::vector<__half>& hx, Launch launch) {
+  const bool DECODE = decode;
   CK(cudaMemset(y, 0, size_t(N) * M * 2));
   launch(sets[0]);
   CK(cudaDeviceSynchronize());
@@ -305,8 +667,55 @@ void run(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __h
   CK(cudaGetLastError());
   std::sort(cold.begin(), cold.end());
   const double us = cold[cold.size() / 2];
-  std::printf("BN=%d P=%d %s %5dx%-5d N=%5d  %8.1f us  %6.1f TFLOP/s  max|err|/max|y| %.2e\n", BN, P, DECODE ? "decode" : "no-dec", M, K, N, us,
+  std::printf("%-22s %5dx%-5d N=%5d  %8.1f us  %6.1f TFLOP/s  max|err|/max|y| %.2e\n", name, M, K, N, us,
               2.0 * M * K * N / us * 1e-6, err / mx);
+}
+
+template <int BN, int P, bool DECODE = true>
+void run(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const std::vector<uint8_t>& hq,
+         const std::vector<uint8_t>& hz, const std::vector<float>& hs, const std::vector<__half>& hx) {
+  if (N % BN) return;
+  const int smem = smem_bytes<BN, P>();
+  CK(cudaFuncSetAttribute(prefill<BN, P, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  char name[64];
+  std::snprintf(name, sizeof name, "BN=%d P=%d %s", BN, P, DECODE ? "decode" : "no-dec");
+  check_and_time(name, DECODE, M, K, N, sets, y, hq, hz, hs, hx, [&](const Set& st) {
+    prefill<BN, P, DECODE><<<dim3(M / BM, N / BN), 256, smem>>>(x, st.q, st.s, st.z, y, N, M, K);
+  });
+}
+
+template <int BN, int S, int D = 1, bool DECODE = true>
+void run_ws(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const std::vector<uint8_t>& hq,
+            const std::vector<uint8_t>& hz, const std::vector<float>& hs, const std::vector<__half>& hx) {
+  if (N % BN) return;
+  const int smem = ws_smem_bytes<BN, S>();
+  CK(cudaFuncSetAttribute(prefill_ws<BN, S, D, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const CUtensorMap tx = tensor_map(x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, K, N, 64, BN, CU_TENSOR_MAP_SWIZZLE_128B);
+  std::vector<CUtensorMap> tw;
+  for (const Set& st : sets)
+    tw.push_back(tensor_map(st.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, K / 2, M, 32, 128, CU_TENSOR_MAP_SWIZZLE_NONE));
+  char name[64];
+  std::snprintf(name, sizeof name, "ws BN=%d S=%d D=%d%s", BN, S, D, DECODE ? "" : " no-dec");
+  check_and_time(name, DECODE, M, K, N, sets, y, hq, hz, hs, hx, [&](const Set& st) {
+    prefill_ws<BN, S, D, DECODE><<<dim3(M / 128, N / BN), 128 * (D + 2) + 32, smem>>>(tx, tw[&st - sets.data()], st.s, st.z, y, N, M, K);
+  });
+}
+
+template <int BN, int S, bool DECODE = true>
+void run_rt(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const std::vector<uint8_t>& hq,
+            const std::vector<uint8_t>& hz, const std::vector<float>& hs, const std::vector<__half>& hx) {
+  if (N % BN) return;
+  const int smem = rt_smem_bytes<BN, S>();
+  CK(cudaFuncSetAttribute(prefill_rt<BN, S, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const CUtensorMap tx = tensor_map(x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, K, N, 64, BN, CU_TENSOR_MAP_SWIZZLE_128B);
+  std::vector<CUtensorMap> tw;
+  for (const Set& st : sets)
+    tw.push_back(tensor_map(st.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, K / 2, M, 32, 128, CU_TENSOR_MAP_SWIZZLE_NONE));
+  char name[64];
+  std::snprintf(name, sizeof name, "rt BN=%d S=%d%s", BN, S, DECODE ? "" : " no-dec");
+  check_and_time(name, DECODE, M, K, N, sets, y, hq, hz, hs, hx, [&](const Set& st) {
+    prefill_rt<BN, S, DECODE><<<dim3(M / 128, N / BN), 288, smem>>>(tx, tw[&st - sets.data()], st.s, st.z, y, N, M, K);
+  });
 }
 
 int main() {
@@ -345,8 +754,10 @@ int main() {
     CK(cudaMalloc(&y, size_t(NMAX) * M * 2));
     CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
     for (int N : Ns) {
-      run<128, 4>(M, K, N, sets, x, y, hq, hz, hs, hx);
-      run<128, 4, false>(M, K, N, sets, x, y, hq, hz, hs, hx);
+      run_rt<128, 6>(M, K, N, sets, x, y, hq, hz, hs, hx);
+      run_rt<128, 6, false>(M, K, N, sets, x, y, hq, hz, hs, hx);
+      run_ws<128, 4>(M, K, N, sets, x, y, hq, hz, hs, hx);
+      run_ws<128, 4, 1, false>(M, K, N, sets, x, y, hq, hz, hs, hx);
       run<256, 4>(M, K, N, sets, x, y, hq, hz, hs, hx);
       run<256, 4, false>(M, K, N, sets, x, y, hq, hz, hs, hx);
     }

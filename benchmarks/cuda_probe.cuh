@@ -1,12 +1,16 @@
 // What the standalone CUDA probes of benchmarks/ (mma_peak.cu, read_patterns.cu,
-// gemv_bulk_probe.cu) share: an error check that exits, and a kernel that keeps the GPU busy for
-// a number of cycles before a timed launch (so that the launch, not the host, is timed).
+// gemv_bulk_probe.cu, prefill_probe.cu) share: an error check that exits, a kernel that keeps the
+// GPU busy for a number of cycles before a timed launch (so that the launch, not the host, is
+// timed), and the int4 probes' random operands.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CK(x)                                                               \
   do {                                                                      \
@@ -21,4 +25,126 @@ __global__ void spin(int64_t cycles) {
   const int64_t t0 = clock64();
   while (clock64() - t0 < cycles) {
   }
+}
+
+// Median time in us of `iters` launches (after `warmup` more, not counted), each after a GPU spin
+// of spin_cycles (~1 ms) so that the launch itself is timed, with CUDA events: prepare(i) runs
+// before the spin (untimed), launch(i) between the events.
+template <class Prepare, class Launch>
+double median_cold_us(int iters, Prepare prepare, Launch launch, int64_t spin_cycles = 2000000, int warmup = 0) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> us;
+  for (int i = 0; i < warmup + iters; ++i) {
+    prepare(i);
+    spin<<<1, 1>>>(spin_cycles);
+    CK(cudaEventRecord(a));
+    launch(i);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    if (i >= warmup) us.push_back(ms * 1000);
+  }
+  CK(cudaGetLastError());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+// Device helpers of the int4 probes: shared-memory addresses, mbarriers (init, arrive with the
+// bytes a copy will bring, plain arrive, wait on a phase's parity), and the fp16 decode steps.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n" ::"r"(
+                   smem_u32(b)),
+               "r"(parity)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t lop3_or(uint32_t w, uint32_t mask) {  // (w & mask) | 0x64006400
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
+  return r;
+}
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+// Random int4 g128 weights [M, K] in qformats.int4's layout (codes two per byte, low nibble first;
+// zero points 0..15 and float32 scales per group of 128) and fp16 activations [x_rows, K] in
+// [-1, 1], from one xorshift stream.
+struct Int4Host {
+  std::vector<uint8_t> q, z;
+  std::vector<float> s;
+  std::vector<__half> x;
+};
+inline Int4Host random_int4(int M, int K, size_t x_rows) {
+  const size_t groups = size_t(M) * (K / 128);
+  Int4Host h{std::vector<uint8_t>(size_t(M) * K / 2), std::vector<uint8_t>(groups), std::vector<float>(groups),
+             std::vector<__half>(x_rows * K)};
+  uint64_t r = 88172645463325252ull;
+  auto rnd = [&]() {
+    r ^= r << 13;
+    r ^= r >> 7;
+    r ^= r << 17;
+    return r;
+  };
+  for (auto& v : h.q) v = uint8_t(rnd());
+  for (auto& v : h.z) v = uint8_t(rnd() % 16);
+  for (auto& v : h.s) v = 0.001f + 0.01f * float(rnd() % 1000) / 1000.f;
+  for (auto& v : h.x) v = __float2half(float(int(rnd() % 2001) - 1000) / 1000.f);
+  return h;
+}
+
+// Device copies of the weight, enough of them (>= 240 MB in all, at least 2) that a timed call
+// rotating through them reads its weight from DRAM, not L2.
+struct Int4Set {
+  uint8_t *q, *z;
+  float* s;
+};
+inline std::vector<Int4Set> device_sets(const Int4Host& h) {
+  const size_t bytes = h.q.size() + h.z.size() * 5;
+  std::vector<Int4Set> sets(std::max<size_t>(2, (4 * 60ull << 20) / bytes + 1));
+  for (auto& st : sets) {
+    CK(cudaMalloc(&st.q, h.q.size()));
+    CK(cudaMalloc(&st.z, h.z.size()));
+    CK(cudaMalloc(&st.s, h.s.size() * 4));
+    CK(cudaMemcpy(st.q, h.q.data(), h.q.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(st.z, h.z.data(), h.z.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(st.s, h.s.data(), h.s.size() * 4, cudaMemcpyHostToDevice));
+  }
+  return sets;
+}
+inline void free_sets(std::vector<Int4Set>& sets) {
+  for (auto& st : sets) {
+    CK(cudaFree(st.q));
+    CK(cudaFree(st.z));
+    CK(cudaFree(st.s));
+  }
+  sets.clear();
 }

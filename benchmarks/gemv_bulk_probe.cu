@@ -46,21 +46,6 @@ enum Mode {
   kEarly = 4,        // kInterleaved, and the slot refilled as soon as its words are in registers
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void bar_expect(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
-  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n" ::"r"(
-                   smem_u32(b)),
-               "r"(parity)
-               : "memory");
-}
 // bytes (a multiple of 16, 16-byte aligned at both ends) from global to shared memory, counted
 // on mbarrier b
 __device__ __forceinline__ void bulk(void* dst, const void* src, uint32_t bytes, uint64_t* b) {
@@ -68,21 +53,6 @@ __device__ __forceinline__ void bulk(void* dst, const void* src, uint32_t bytes,
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(b))
       : "memory");
-}
-__device__ __forceinline__ uint32_t lop3_or(uint32_t w, uint32_t mask) {  // (w & mask) | 0x64006400
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
-  return r;
-}
-__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t r;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-  return r;
 }
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -144,8 +114,8 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
   uint8_t* myring = ring + size_t(warp) * P * C::kStage;
   const int gw0 = sw0 * G;
   if (threadIdx.x == 0) {
-    bar_init(meta, 1);
-    for (int i = 0; i < W * P; ++i) bar_init(bars + 1 + i, 1);
+    mbar_init(meta, 1);
+    for (int i = 0; i < W * P; ++i) mbar_init(bars + 1 + i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -154,12 +124,12 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
   const uint8_t* const qrow = q + (m0 + (lane & 15)) * (K / 2) + int64_t(gw0) * 64;
   auto issue = [&](int s) {
     uint64_t* b = full + s % P;
-    if (lane == 0) bar_expect(b, 16 * G * 64);
+    if (lane == 0) mbar_expect(b, 16 * G * 64);
     __syncwarp();
     if (lane < 16) bulk(myring + (s % P) * C::kStage + lane * C::kRowBytes, qrow + int64_t(s) * G * 64, G * 64, b);
   };
   if (warp == 0) {
-    if (lane == 0) bar_expect(meta, 16 * KG * 5);
+    if (lane == 0) mbar_expect(meta, 16 * KG * 5);
     __syncwarp();
     if (lane < 16) {
       bulk(ssc + lane * KG, sc + (m0 + lane) * KG, KG * 4, meta);
@@ -180,11 +150,11 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
     }
   }
   __syncthreads();
-  bar_wait(meta, 0);
+  mbar_wait(meta, 0);
   float acc_a = 0.f, acc_b = 0.f;
   uint32_t sink = 0;
   for (int s = 0; s < stages; ++s) {
-    bar_wait(full + s % P, (s / P) & 1);
+    mbar_wait(full + s % P, (s / P) & 1);
     const uint8_t* st = myring + (s % P) * C::kStage;
     if constexpr (MODE == kStreamOnly) {
       sink ^= *reinterpret_cast<const uint32_t*>(st + g * C::kRowBytes + t * 16);
@@ -285,10 +255,7 @@ __launch_bounds__(W * 32) gemv(const uint8_t* __restrict__ q, const float* __res
   }
 }
 
-struct Set {
-  uint8_t *q, *z;
-  float* s;
-};
+using Set = Int4Set;
 
 static const char* only = nullptr;
 template <int W, int G, int P, int MODE = kGroups, bool PAD = true, int KS = 1>
@@ -316,21 +283,15 @@ void run(const char* name, int M, int K, const std::vector<Set>& sets, const __h
     err = std::max(err, std::fabs((KS > 1 ? double(h32[m]) : double(__half2float(h[m]))) - ref[m]));
     mx = std::max(mx, std::fabs(ref[m]));
   }
+  const double cold = median_cold_us(
+      15, [&](int) {
+        if (KS > 1) CK(cudaMemsetAsync(y32, 0, M * 4));
+      },
+      [&](int i) { launch(sets[i % sets.size()]); });
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  std::vector<float> cold, hot;
-  for (int i = 0; i < 15; ++i) {
-    if (KS > 1) CK(cudaMemsetAsync(y32, 0, M * 4));  // (before the spin: not timed)
-    spin<<<1, 1>>>(2000000);
-    CK(cudaEventRecord(a));
-    launch(sets[i % sets.size()]);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    cold.push_back(ms * 1000);
-  }
+  std::vector<float> hot;
   for (int r = 0; r < 5; ++r) {  // resident: one weight, 200 back-to-back launches
     CK(cudaEventRecord(a));
     for (int i = 0; i < 200; ++i) launch(sets[0]);
@@ -341,10 +302,9 @@ void run(const char* name, int M, int K, const std::vector<Set>& sets, const __h
     hot.push_back(ms * 1000 / 200);
   }
   CK(cudaGetLastError());
-  std::sort(cold.begin(), cold.end());
   std::sort(hot.begin(), hot.end());
   std::printf("%-22s %5dx%-5d  CTAs/SM %d  smem %6zu  cold %6.1f us  resident %6.1f us  max|err|/max|y| %.2e\n", name,
-              M, K, per_sm, smem, cold[cold.size() / 2], hot[hot.size() / 2], err / mx);
+              M, K, per_sm, smem, cold, hot[hot.size() / 2], err / mx);
 }
 
 int main(int argc, char** argv) {
@@ -352,21 +312,10 @@ int main(int argc, char** argv) {
   const int shapes[2][2] = {{4096, 14336}, {14336, 4096}};
   for (auto& sh : shapes) {
     const int M = sh[0], K = sh[1], KG = K / 128;
-    const size_t qb = size_t(M) * K / 2, nb = size_t(M) * KG;
-    std::vector<uint8_t> hq(qb), hz(nb);
-    std::vector<float> hs(nb);
-    std::vector<__half> hx(K);
-    uint64_t r = 88172645463325252ull;
-    auto rnd = [&]() {
-      r ^= r << 13;
-      r ^= r >> 7;
-      r ^= r << 17;
-      return r;
-    };
-    for (auto& v : hq) v = uint8_t(rnd());
-    for (auto& v : hz) v = uint8_t(rnd() % 16);
-    for (auto& v : hs) v = 0.001f + 0.01f * float(rnd() % 1000) / 1000.f;
-    for (auto& v : hx) v = __float2half(float(int(rnd() % 2001) - 1000) / 1000.f);
+    const Int4Host h = random_int4(M, K, 1);
+    const std::vector<uint8_t>&hq = h.q, &hz = h.z;
+    const std::vector<float>& hs = h.s;
+    const std::vector<__half>& hx = h.x;
     std::vector<double> ref(M, 0.0);
     for (int m = 0; m < M; ++m) {
       double acc = 0;
@@ -376,17 +325,9 @@ int main(int argc, char** argv) {
       }
       ref[m] = acc;
     }
-    const size_t bytes = qb + nb * 5;
-    const int nsets = int(std::max<size_t>(2, (4 * 60ull << 20) / bytes + 1));
-    std::vector<Set> sets(nsets);
-    for (auto& st : sets) {
-      CK(cudaMalloc(&st.q, qb));
-      CK(cudaMalloc(&st.z, nb));
-      CK(cudaMalloc(&st.s, nb * 4));
-      CK(cudaMemcpy(st.q, hq.data(), qb, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(st.z, hz.data(), nb, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(st.s, hs.data(), nb * 4, cudaMemcpyHostToDevice));
-    }
+    std::vector<Set> sets = device_sets(h);
+    const size_t bytes = hq.size() + hz.size() * 5;
+    const int nsets = int(sets.size());
     __half *x, *y;
     float* y32;
     CK(cudaMalloc(&y32, M * 4));
@@ -414,11 +355,7 @@ int main(int argc, char** argv) {
     run<4, 2, 2, kInterleaved, true, 4>("W4 G2 P2 ilv, K over 4 CTAs", M, K, sets, x, y, y32, ref);
     run<4, 4, 2, kStreamOnly, true, 4>("W4 G4 P2 stream-only, K over 4 CTAs", M, K, sets, x, y, y32, ref);
     run<2, 8, 2, kEarly>("W2 G8 P2 early", M, K, sets, x, y, y32, ref);
-    for (auto& st : sets) {
-      cudaFree(st.q);
-      cudaFree(st.z);
-      cudaFree(st.s);
-    }
+    free_sets(sets);
     cudaFree(x);
     cudaFree(y);
     cudaFree(y32);

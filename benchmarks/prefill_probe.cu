@@ -46,9 +46,6 @@
 
 namespace wg = qf::gemm::cuda_wo::wg;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
@@ -60,129 +57,97 @@ template <int N>
 __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-__device__ __forceinline__ uint32_t lop3_or(uint32_t w, uint32_t mask) {  // (w & mask) | 0x64006400
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));
-  return r;
-}
-__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
 __device__ __forceinline__ uint32_t pair(uint32_t word, uint32_t sel, uint32_t zoff, uint32_t s2) {
   return hmul2(hsub2(lop3_or(__byte_perm(word, 0u, sel), 0x00F0000Fu), zoff), s2);
 }
 
-// D [64, 128] += A [64, 16] (registers) . B (descriptor): wgmma m64n128k16, fp16 in, fp32 out.
-__device__ __forceinline__ void wgmma_n(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
-      "%57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-#endif
+// (s, s / 16) and (1024 + z, 1024 + 16 z) as fp16 pairs: what pair() takes for a group
+__device__ __forceinline__ uint32_t scale_pair(float s) {
+  return uint32_t(__half_as_ushort(__float2half(s))) | (uint32_t(__half_as_ushort(__float2half(s * 0.0625f))) << 16);
+}
+__device__ __forceinline__ uint32_t zero_pair(uint32_t z) { return (0x6400u + z) | ((0x6400u + 16 * z) << 16); }
+// The A fragments of one step (4 k16 slices) for rows r0 and r0 + 8 from the step's packed weights
+// (32 bytes a row at wrow + row * 32); sel picks byte t of a word (lane (g, t)).
+__device__ __forceinline__ void decode_step(const uint8_t* wrow, int r0, uint32_t sel, uint32_t zo0, uint32_t zo1,
+                                            uint32_t sa, uint32_t sb, uint32_t (&a)[4][4]) {
+  const uint4 u0 = *reinterpret_cast<const uint4*>(wrow + r0 * 32);
+  const uint4 u1 = *reinterpret_cast<const uint4*>(wrow + r0 * 32 + 16);
+  const uint4 v0 = *reinterpret_cast<const uint4*>(wrow + (r0 + 8) * 32);
+  const uint4 v1 = *reinterpret_cast<const uint4*>(wrow + (r0 + 8) * 32 + 16);
+  const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+  const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    a[j][0] = pair(w0[2 * j], sel, zo0, sa);
+    a[j][1] = pair(w1[2 * j], sel, zo1, sb);
+    a[j][2] = pair(w0[2 * j + 1], sel, zo0, sa);
+    a[j][3] = pair(w1[2 * j + 1], sel, zo1, sb);
+  }
 }
 
-// D [64, 256] += A [64, 16] (registers) . B (descriptor): wgmma m64n256k16.
-__device__ __forceinline__ void wgmma_n(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+// The wgmma instructions of the three kernels, 64 or 128 float32 accumulators per thread (d[4 nt + e]:
+// row g (+ 8 for e >= 2) of the warp's 16, column 8 nt + 2 t + (e & 1)); "RS": A from registers (the
+// m16n8k16 A fragment layout per warp), "SS": A from a descriptor. The predicate operand (1)
+// keeps the accumulators' values (scale-d).
+#define QF_ACC64                                                                                                   \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define QF_ACC128                                                                                                \
+  QF_ACC64                                                                                                       \
+  ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, "  \
+  "%85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, "    \
+  "%105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, " \
+  "%123, %124, %125, %126, %127"
+#define QF_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define QF_D16(i) QF_D4(i), QF_D4(i + 4), QF_D4(i + 8), QF_D4(i + 12)
+#define QF_D64(i) QF_D16(i), QF_D16(i + 16), QF_D16(i + 32), QF_D16(i + 48)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
-      "%57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "
-      "%79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, "
-      "%101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, "
-      "%119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
-        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
-        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
-        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
-        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
-        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),
-        "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
-        "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#define QF_WGMMA(SHAPE, ACC, OPS, PRED, ...)                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE \
+               ".f32.f16.f16 {" ACC "}, " OPS ";\n}\n"                                              \
+               : __VA_ARGS__)
+#else
+#define QF_WGMMA(...) ((void)0)
 #endif
+__device__ __forceinline__ void wgmma_n(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {  // RS m64n128k16
+  QF_WGMMA("m64n128k16", QF_ACC64, "{%64, %65, %66, %67}, %68, p, 1, 1, 0", "%69", QF_D64(0) : "r"(a[0]), "r"(a[1]),
+           "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
-
-// D [64, 128] += A (descriptor) . B (descriptor): wgmma m64n128k16 with both operands in shared memory.
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
-      "%57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(1));
-#endif
+__device__ __forceinline__ void wgmma_n(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {  // RS m64n256k16
+  QF_WGMMA("m64n256k16", QF_ACC128, "{%128, %129, %130, %131}, %132, p, 1, 1, 0", "%133", QF_D64(0),
+           QF_D64(64) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db) {  // SS m64n128k16
+  QF_WGMMA("m64n128k16", QF_ACC64, "%64, %65, p, 1, 1, 0, 0", "%66", QF_D64(0) : "l"(da), "l"(db), "r"(1));
+}
+#undef QF_WGMMA
 
-// D [64, 256] += A (descriptor) . B (descriptor): wgmma m64n256k16 with both operands in shared memory.
-__device__ __forceinline__ void wgmma_ss(float (&d)[128], uint64_t da, uint64_t db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
-      "%57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "
-      "%79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, "
-      "%101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, "
-      "%119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
-        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
-        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
-        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
-        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
-        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),
-        "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
-        "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(1));
-#endif
+// Dynamic shared memory from its first 1024-byte boundary (the 128-byte swizzle's atom: TMA and
+// the wgmma descriptors need it); the kernels ask for 1024 bytes more.
+__device__ __forceinline__ uint8_t* smem_1024() {
+  extern __shared__ uint8_t smem_raw[];
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+}
+// n mbarriers expecting `count` arrivals each.
+__device__ __forceinline__ void init_bars(uint64_t* b, int n, int count) {
+  for (int i = 0; i < n; ++i) mbar_init(b + i, count);
+}
+// This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (else it
+// serializes the wgmma of the branches that depend on it: C7518).
+__device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0); }
+
+// Y [N, M] fp16 from a warp's accumulators d[4 nt + e]: row r0 (+ 8 for e >= 2) of the tile, column
+// 8 nt + 2 t + (e & 1) (the wgmma D fragment layout).
+template <int NT>
+__device__ __forceinline__ void store_tile(const float (&d)[4 * NT], __half* Y, int M, int n0, int m0, int r0, int t) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = n0 + 8 * nt + 2 * t + (e & 1), m = m0 + r0 + (e >> 1) * 8;
+      Y[size_t(n) * M + m] = __float2half(d[4 * nt + e]);
+    }
 }
 
 constexpr int BM = 128, BK = 64;  // weight rows, k per step
@@ -201,8 +166,7 @@ __launch_bounds__(256, 1)
     prefill(const __half* __restrict__ X, const uint8_t* __restrict__ qw, const float* __restrict__ sc,
             const uint8_t* __restrict__ zr, __half* __restrict__ Y, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* sm = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* sm = smem_1024();
   constexpr int kXStage = BN * 128, NT = BN / 8;
   uint8_t* xs = sm;                  // [P][BN rows x 128 B], swizzled
   uint8_t* ws = xs + P * kXStage;    // [P][128 rows x 32 B]
@@ -239,26 +203,11 @@ __launch_bounds__(256, 1)
     }
     const int slot = s % P;
     const uint8_t* wrow = ws + slot * kWStage;
-    const uint4 u0 = *reinterpret_cast<const uint4*>(wrow + r0 * 32);
-    const uint4 u1 = *reinterpret_cast<const uint4*>(wrow + r0 * 32 + 16);
-    const uint4 v0 = *reinterpret_cast<const uint4*>(wrow + (r0 + 8) * 32);
-    const uint4 v1 = *reinterpret_cast<const uint4*>(wrow + (r0 + 8) * 32 + 16);
     const uint8_t* sz = szs + slot * kSZStage;
     const size_t gi0 = size_t(m0 + r0) * G + (s >> 1), gi1 = gi0 + size_t(8) * G;
     const float s0 = *reinterpret_cast<const float*>(sz + r0 * 8), s1 = *reinterpret_cast<const float*>(sz + (r0 + 8) * 8);
     const uint32_t z0 = sz[r0 * 8 + 4 + (gi0 & 3)], z1 = sz[(r0 + 8) * 8 + 4 + (gi1 & 3)];
-    const uint32_t zo0 = (0x6400u + z0) | ((0x6400u + 16 * z0) << 16), zo1 = (0x6400u + z1) | ((0x6400u + 16 * z1) << 16);
-    const uint32_t sa = uint32_t(__half_as_ushort(__float2half(s0))) | (uint32_t(__half_as_ushort(__float2half(s0 * 0.0625f))) << 16);
-    const uint32_t sb = uint32_t(__half_as_ushort(__float2half(s1))) | (uint32_t(__half_as_ushort(__float2half(s1 * 0.0625f))) << 16);
-    const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-    const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      a[j][0] = pair(w0[2 * j], sel, zo0, sa);
-      a[j][1] = pair(w1[2 * j], sel, zo1, sb);
-      a[j][2] = pair(w0[2 * j + 1], sel, zo0, sa);
-      a[j][3] = pair(w1[2 * j + 1], sel, zo1, sb);
-    }
+    decode_step(wrow, r0, sel, zero_pair(z0), zero_pair(z1), scale_pair(s0), scale_pair(s1), a);
   };
   float d[4 * NT];
 #pragma unroll
@@ -305,14 +254,7 @@ __launch_bounds__(256, 1)
   wg::wait<0>();  // (already done by the last step)
 #pragma unroll
   for (int i = 0; i < 4 * NT; ++i) wg::pin(d[i]);
-  // d[4 nt + e]: row r0 (+ 8 for e >= 2), column 8 nt + 2 t + (e & 1)
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int n = n0 + 8 * nt + 2 * t + (e & 1), m = m0 + r0 + (e >> 1) * 8;
-      Y[size_t(n) * M + m] = __float2half(d[4 * nt + e]);
-    }
+  store_tile<NT>(d, Y, M, n0, m0, r0, t);
 #endif
 }
 
@@ -323,27 +265,28 @@ __launch_bounds__(256, 1)
 // memory, K-major with the 128-byte swizzle); warpgroups 1 and 2 take 64 weight rows each and only issue wgmma with
 // both operands in shared memory. Stage st: full[st] (the copies' bytes), ready[st] (128 decoding
 // threads), empty[st] (both consumer warpgroups done with it).
-__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n" ::"r"(smem_u32(b)),
-      "r"(parity)
-      : "memory");
-}
 __device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* tm, int c0, int c1, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
           smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
+}
+
+// The copies of every step of a CTA (one thread): step k's X tile [rows n0.., 64 values] and packed
+// weights [rows m0.., 32 bytes] into stage k % S on full[k % S], once both consumer warpgroups
+// have released that stage's previous step on empty.
+template <int S>
+__device__ __forceinline__ void copy_steps(const CUtensorMap* tmX, const CUtensorMap* tmW, uint8_t* xs, int kX,
+                                           uint8_t* wsm, int kW, uint64_t* full, uint64_t* empty, int steps, int n0,
+                                           int m0) {
+  for (int k = 0; k < steps; ++k) {
+    const int st = k % S;
+    if (k >= S) mbar_wait(&empty[st], ((k / S) - 1) & 1);
+    mbar_expect(&full[st], kX + kW);
+    tma2d(xs + st * kX, tmX, k * 64, n0, &full[st]);
+    tma2d(wsm + st * kW, tmW, k * 32, m0, &full[st]);
+  }
 }
 
 template <int BN, int S>
@@ -359,35 +302,23 @@ __global__ void __launch_bounds__(128 * (D + 2) + 32, 1)
                const float* __restrict__ sc, const uint8_t* __restrict__ zr, __half* __restrict__ Y, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NT = BN / 8, kX = BN * 128, kA = 128 * 128, kW = 128 * 32;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* xs = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* xs = smem_1024();
   uint8_t* as = xs + S * kX;
   uint8_t* wsm = as + S * kA;
   uint64_t* full = reinterpret_cast<uint64_t*>(wsm + S * kW);
   uint64_t* ready = full + S;
   uint64_t* empty = ready + S;
-  // (the warpgroup index through a shuffle, so that ptxas sees it warp-uniform: else it serializes
-  // the wgmma, C7518)
-  const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int tid = threadIdx.x, wgi = warpgroup();
   const int m0 = blockIdx.x * 128, n0 = blockIdx.y * BN, steps = K / 64, G = K / 128;
   if (tid == 0) {
-    for (int st = 0; st < S; ++st) {
-      mbar_init(&full[st], 1);
-      mbar_init(&ready[st], 128 * D);
-      mbar_init(&empty[st], 2);
-    }
+    init_bars(full, S, 1);
+    init_bars(ready, S, 128 * D);
+    init_bars(empty, S, 2);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (wgi == D + 2) {  // the copies, S steps ahead: one lane of the last warp
-    if ((tid & 31) == 0)
-      for (int k = 0; k < steps; ++k) {
-        const int st = k % S;
-        if (k >= S) mbar_wait(&empty[st], ((k / S) - 1) & 1);
-        mbar_expect(&full[st], kX + kW);
-        tma2d(xs + st * kX, &tmX, k * 64, n0, &full[st]);
-        tma2d(wsm + st * kW, &tmW, k * 32, m0, &full[st]);
-      }
+    if ((tid & 31) == 0) copy_steps<S>(&tmX, &tmW, xs, kX, wsm, kW, full, empty, steps, n0, m0);
   } else if (wgi < D) {  // the decode: thread r takes weight row r (D = 2: half h of it)
     const int r = tid % 128, h = D == 2 ? tid / 128 : 0;
     uint8_t* arow = as + (r >> 6) * (kA / 2) + (r & 63) * 128;
@@ -403,9 +334,7 @@ __global__ void __launch_bounds__(128 * (D + 2) + 32, 1)
         s_next = __ldg(srow + ((k + 1) >> 1));
         z_next = __ldg(zrow + ((k + 1) >> 1));
       }
-      const uint32_t zo = (0x6400u + z) | ((0x6400u + 16 * z) << 16);
-      const uint32_t s2 =
-          uint32_t(__half_as_ushort(__float2half(s0))) | (uint32_t(__half_as_ushort(__float2half(s0 * 0.0625f))) << 16);
+      const uint32_t zo = zero_pair(z), s2 = scale_pair(s0);
       mbar_wait(&full[st], (k / S) & 1);
       if constexpr (DECODE) {
         constexpr int C = 8 / D;  // chunks (words) per thread
@@ -459,13 +388,7 @@ __global__ void __launch_bounds__(128 * (D + 2) + 32, 1)
 #pragma unroll
     for (int i = 0; i < 4 * NT; ++i) wg::pin(d[i]);
     const int r0 = cw * 64 + warp * 16 + g;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = n0 + 8 * nt + 2 * t + (e & 1), m = m0 + r0 + (e >> 1) * 8;
-        Y[size_t(n) * M + m] = __float2half(d[4 * nt + e]);
-      }
+    store_tile<NT>(d, Y, M, n0, m0, r0, t);
   }
 #endif
 }
@@ -484,30 +407,20 @@ __global__ void __launch_bounds__(288, 1)
                const float* __restrict__ sc, const uint8_t* __restrict__ zr, __half* __restrict__ Y, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NT = BN / 8, kX = BN * 128, kW = 128 * 32;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* xs = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* xs = smem_1024();
   uint8_t* wsm = xs + S * kX;
   uint64_t* full = reinterpret_cast<uint64_t*>(wsm + S * kW);
   uint64_t* empty = full + S;
-  const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int tid = threadIdx.x, wgi = warpgroup();
   const int m0 = blockIdx.x * 128, n0 = blockIdx.y * BN, steps = K / 64, G = K / 128;
   if (tid == 0) {
-    for (int st = 0; st < S; ++st) {
-      mbar_init(&full[st], 1);
-      mbar_init(&empty[st], 2);
-    }
+    init_bars(full, S, 1);
+    init_bars(empty, S, 2);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (wgi == 2) {
-    if ((tid & 31) == 0)
-      for (int k = 0; k < steps; ++k) {
-        const int st = k % S;
-        if (k >= S) mbar_wait(&empty[st], ((k / S) - 1) & 1);
-        mbar_expect(&full[st], kX + kW);
-        tma2d(xs + st * kX, &tmX, k * 64, n0, &full[st]);
-        tma2d(wsm + st * kW, &tmW, k * 32, m0, &full[st]);
-      }
+    if ((tid & 31) == 0) copy_steps<S>(&tmX, &tmW, xs, kX, wsm, kW, full, empty, steps, n0, m0);
     return;
   }
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -530,11 +443,6 @@ __global__ void __launch_bounds__(288, 1)
         s0n = __ldg(s0p + gn), s1n = __ldg(s1p + gn), z0n = __ldg(z0p + gn), z1n = __ldg(z1p + gn);
       }
     }
-    const uint32_t zo0 = (0x6400u + z0) | ((0x6400u + 16 * z0) << 16), zo1 = (0x6400u + z1) | ((0x6400u + 16 * z1) << 16);
-    const uint32_t sa =
-        uint32_t(__half_as_ushort(__float2half(s0))) | (uint32_t(__half_as_ushort(__float2half(s0 * 0.0625f))) << 16);
-    const uint32_t sb =
-        uint32_t(__half_as_ushort(__float2half(s1))) | (uint32_t(__half_as_ushort(__float2half(s1 * 0.0625f))) << 16);
     mbar_wait(&full[st], (k / S) & 1);
     if constexpr (!DECODE) {  // (A = 1.0: the pipeline without the decode)
 #pragma unroll
@@ -543,20 +451,7 @@ __global__ void __launch_bounds__(288, 1)
         for (int e = 0; e < 4; ++e) a[j][e] = 0x3C003C00u;
       return;
     }
-    const uint8_t* wrow = wsm + st * kW;
-    const uint4 u0 = *reinterpret_cast<const uint4*>(wrow + r0 * 32);
-    const uint4 u1 = *reinterpret_cast<const uint4*>(wrow + r0 * 32 + 16);
-    const uint4 v0 = *reinterpret_cast<const uint4*>(wrow + (r0 + 8) * 32);
-    const uint4 v1 = *reinterpret_cast<const uint4*>(wrow + (r0 + 8) * 32 + 16);
-    const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-    const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      a[j][0] = pair(w0[2 * j], sel, zo0, sa);
-      a[j][1] = pair(w1[2 * j], sel, zo1, sb);
-      a[j][2] = pair(w0[2 * j + 1], sel, zo0, sa);
-      a[j][3] = pair(w1[2 * j + 1], sel, zo1, sb);
-    }
+    decode_step(wsm + st * kW, r0, sel, zero_pair(z0), zero_pair(z1), scale_pair(s0), scale_pair(s1), a);
   };
   float d[4 * NT];
 #pragma unroll
@@ -586,13 +481,7 @@ __global__ void __launch_bounds__(288, 1)
   }
 #pragma unroll
   for (int i = 0; i < 4 * NT; ++i) wg::pin(d[i]);
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int n = n0 + 8 * nt + 2 * t + (e & 1), m = m0 + r0 + (e >> 1) * 8;
-      Y[size_t(n) * M + m] = __float2half(d[4 * nt + e]);
-    }
+  store_tile<NT>(d, Y, M, n0, m0, r0, t);
 #endif
 }
 
@@ -618,23 +507,22 @@ static CUtensorMap tensor_map(const void* base, CUtensorMapDataType type, int el
   return tm;
 }
 
-struct Set {
-  uint8_t *q, *z;
-  float* s;
-};
+using Set = Int4Set;
 
 // Checks one kernel's output at 3000 sampled points against float64 (decode: the int4 product;
 // else A = 1, the sums of X) and times it cold (weights rotated, GPU spin before, median of 15).
 template <class Launch>
 void check_and_time(const char* name, bool decode, int M, int K, int N, const std::vector<Set>& sets, __half* y,
-                    const std::vector<uint8_t>& hq, const std::vector<uint8_t>& hz, const std::vector<float>& hs,
-                    const std::vector<__half>& hx, Launch launch) {
+                    const Int4Host& h, Launch launch) {
   const bool DECODE = decode;
+  const std::vector<uint8_t>&hq = h.q, &hz = h.z;
+  const std::vector<float>& hs = h.s;
+  const std::vector<__half>& hx = h.x;
   CK(cudaMemset(y, 0, size_t(N) * M * 2));
   launch(sets[0]);
   CK(cudaDeviceSynchronize());
-  std::vector<__half> h(size_t(N) * M);
-  CK(cudaMemcpy(h.data(), y, h.size() * 2, cudaMemcpyDeviceToHost));
+  std::vector<__half> got(size_t(N) * M);
+  CK(cudaMemcpy(got.data(), y, got.size() * 2, cudaMemcpyDeviceToHost));
   const int G = K / 128;
   double err = 0, mx = 0;
   uint64_t r = 12345;
@@ -647,46 +535,28 @@ void check_and_time(const char* name, bool decode, int M, int K, int N, const st
       const size_t gi = size_t(m) * G + k / 128;
       acc += double(__half2float(hx[size_t(n) * K + k])) * (DECODE ? hs[gi] * (qv - hz[gi]) : 1.0);  // (A = 1: the sum of x)
     }
-    err = std::max(err, std::fabs(double(__half2float(h[size_t(n) * M + m])) - acc));
+    err = std::max(err, std::fabs(double(__half2float(got[size_t(n) * M + m])) - acc));
     mx = std::max(mx, std::fabs(acc));
   }
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> cold;
-  for (int i = 0; i < 15; ++i) {
-    spin<<<1, 1>>>(2000000);
-    CK(cudaEventRecord(a));
-    launch(sets[i % sets.size()]);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    cold.push_back(ms * 1000);
-  }
-  CK(cudaGetLastError());
-  std::sort(cold.begin(), cold.end());
-  const double us = cold[cold.size() / 2];
+  const double us = median_cold_us(15, [](int) {}, [&](int i) { launch(sets[i % sets.size()]); });
   std::printf("%-22s %5dx%-5d N=%5d  %8.1f us  %6.1f TFLOP/s  max|err|/max|y| %.2e\n", name, M, K, N, us,
               2.0 * M * K * N / us * 1e-6, err / mx);
 }
 
 template <int BN, int P, bool DECODE = true>
-void run(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const std::vector<uint8_t>& hq,
-         const std::vector<uint8_t>& hz, const std::vector<float>& hs, const std::vector<__half>& hx) {
+void run(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const Int4Host& h) {
   if (N % BN) return;
   const int smem = smem_bytes<BN, P>();
   CK(cudaFuncSetAttribute(prefill<BN, P, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   char name[64];
   std::snprintf(name, sizeof name, "BN=%d P=%d %s", BN, P, DECODE ? "decode" : "no-dec");
-  check_and_time(name, DECODE, M, K, N, sets, y, hq, hz, hs, hx, [&](const Set& st) {
+  check_and_time(name, DECODE, M, K, N, sets, y, h, [&](const Set& st) {
     prefill<BN, P, DECODE><<<dim3(M / BM, N / BN), 256, smem>>>(x, st.q, st.s, st.z, y, N, M, K);
   });
 }
 
 template <int BN, int S, int D = 1, bool DECODE = true>
-void run_ws(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const std::vector<uint8_t>& hq,
-            const std::vector<uint8_t>& hz, const std::vector<float>& hs, const std::vector<__half>& hx) {
+void run_ws(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const Int4Host& h) {
   if (N % BN) return;
   const int smem = ws_smem_bytes<BN, S>();
   CK(cudaFuncSetAttribute(prefill_ws<BN, S, D, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -696,14 +566,13 @@ void run_ws(int M, int K, int N, const std::vector<Set>& sets, const __half* x, 
     tw.push_back(tensor_map(st.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, K / 2, M, 32, 128, CU_TENSOR_MAP_SWIZZLE_NONE));
   char name[64];
   std::snprintf(name, sizeof name, "ws BN=%d S=%d D=%d%s", BN, S, D, DECODE ? "" : " no-dec");
-  check_and_time(name, DECODE, M, K, N, sets, y, hq, hz, hs, hx, [&](const Set& st) {
+  check_and_time(name, DECODE, M, K, N, sets, y, h, [&](const Set& st) {
     prefill_ws<BN, S, D, DECODE><<<dim3(M / 128, N / BN), 128 * (D + 2) + 32, smem>>>(tx, tw[&st - sets.data()], st.s, st.z, y, N, M, K);
   });
 }
 
 template <int BN, int S, bool DECODE = true>
-void run_rt(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const std::vector<uint8_t>& hq,
-            const std::vector<uint8_t>& hz, const std::vector<float>& hs, const std::vector<__half>& hx) {
+void run_rt(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const Int4Host& h) {
   if (N % BN) return;
   const int smem = rt_smem_bytes<BN, S>();
   CK(cudaFuncSetAttribute(prefill_rt<BN, S, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -713,7 +582,7 @@ void run_rt(int M, int K, int N, const std::vector<Set>& sets, const __half* x, 
     tw.push_back(tensor_map(st.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, K / 2, M, 32, 128, CU_TENSOR_MAP_SWIZZLE_NONE));
   char name[64];
   std::snprintf(name, sizeof name, "rt BN=%d S=%d%s", BN, S, DECODE ? "" : " no-dec");
-  check_and_time(name, DECODE, M, K, N, sets, y, hq, hz, hs, hx, [&](const Set& st) {
+  check_and_time(name, DECODE, M, K, N, sets, y, h, [&](const Set& st) {
     prefill_rt<BN, S, DECODE><<<dim3(M / 128, N / BN), 288, smem>>>(tx, tw[&st - sets.data()], st.s, st.z, y, N, M, K);
   });
 }
@@ -722,50 +591,22 @@ int main() {
   const int shapes[2][2] = {{4096, 14336}, {14336, 4096}};
   const int Ns[] = {256, 512, 1024, 2048};
   for (auto& sh : shapes) {
-    const int M = sh[0], K = sh[1], G = K / 128, NMAX = 2048;
-    const size_t qb = size_t(M) * K / 2, nb = size_t(M) * G;
-    std::vector<uint8_t> hq(qb), hz(nb);
-    std::vector<float> hs(nb);
-    std::vector<__half> hx(size_t(NMAX) * K);
-    uint64_t r = 88172645463325252ull;
-    auto rnd = [&]() {
-      r ^= r << 13;
-      r ^= r >> 7;
-      r ^= r << 17;
-      return r;
-    };
-    for (auto& v : hq) v = uint8_t(rnd());
-    for (auto& v : hz) v = uint8_t(rnd() % 16);
-    for (auto& v : hs) v = 0.001f + 0.01f * float(rnd() % 1000) / 1000.f;
-    for (auto& v : hx) v = __float2half(float(int(rnd() % 2001) - 1000) / 1000.f);
-    const size_t bytes = qb + nb * 5;
-    const int nsets = int(std::max<size_t>(2, (4 * 60ull << 20) / bytes + 1));
-    std::vector<Set> sets(nsets);
-    for (auto& st : sets) {
-      CK(cudaMalloc(&st.q, qb));
-      CK(cudaMalloc(&st.z, nb));
-      CK(cudaMalloc(&st.s, nb * 4));
-      CK(cudaMemcpy(st.q, hq.data(), qb, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(st.z, hz.data(), nb, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(st.s, hs.data(), nb * 4, cudaMemcpyHostToDevice));
-    }
+    const int M = sh[0], K = sh[1], NMAX = 2048;
+    const Int4Host h = random_int4(M, K, NMAX);
+    std::vector<Set> sets = device_sets(h);
     __half *x, *y;
-    CK(cudaMalloc(&x, hx.size() * 2));
+    CK(cudaMalloc(&x, h.x.size() * 2));
     CK(cudaMalloc(&y, size_t(NMAX) * M * 2));
-    CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(x, h.x.data(), h.x.size() * 2, cudaMemcpyHostToDevice));
     for (int N : Ns) {
-      run_rt<128, 6>(M, K, N, sets, x, y, hq, hz, hs, hx);
-      run_rt<128, 6, false>(M, K, N, sets, x, y, hq, hz, hs, hx);
-      run_ws<128, 4>(M, K, N, sets, x, y, hq, hz, hs, hx);
-      run_ws<128, 4, 1, false>(M, K, N, sets, x, y, hq, hz, hs, hx);
-      run<256, 4>(M, K, N, sets, x, y, hq, hz, hs, hx);
-      run<256, 4, false>(M, K, N, sets, x, y, hq, hz, hs, hx);
+      run_rt<128, 6>(M, K, N, sets, x, y, h);
+      run_rt<128, 6, false>(M, K, N, sets, x, y, h);
+      run_ws<128, 4>(M, K, N, sets, x, y, h);
+      run_ws<128, 4, 1, false>(M, K, N, sets, x, y, h);
+      run<256, 4>(M, K, N, sets, x, y, h);
+      run<256, 4, false>(M, K, N, sets, x, y, h);
     }
-    for (auto& st : sets) {
-      CK(cudaFree(st.q));
-      CK(cudaFree(st.z));
-      CK(cudaFree(st.s));
-    }
+    free_sets(sets);
     CK(cudaFree(x));
     CK(cudaFree(y));
   }

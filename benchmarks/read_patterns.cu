@@ -125,7 +125,6 @@ __global__ void rowwarp(const uint8_t* __restrict__ p, int64_t rows, int64_t rb,
 struct Bench {
   std::vector<uint8_t*> bufs;
   int64_t bytes;
-  cudaEvent_t e0, e1;
   int64_t spin_cycles;
   int which = 0;
   Bench(int64_t b, int nbuf) : bytes(b) {
@@ -135,29 +134,13 @@ struct Bench {
       CK(cudaMemset(d, i + 1, b));
       bufs.push_back(d);
     }
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     int clk;
     CK(cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, 0));
     spin_cycles = int64_t(clk) * 1000 / 1000;  // ~1 ms: the launch is queued behind it
   }
   template <class F>
   float time(F&& launch, int reps = 21) {
-    std::vector<float> ts;
-    for (int r = 0; r < reps + 2; ++r) {
-      uint8_t* b = bufs[which++ % bufs.size()];
-      spin<<<1, 1>>>(spin_cycles);
-      CK(cudaEventRecord(e0));
-      launch(b);
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      if (r >= 2) ts.push_back(ms * 1000.0f);
-    }
-    CK(cudaGetLastError());
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
+    return float(median_cold_us(reps, [](int) {}, [&](int) { launch(bufs[which++ % bufs.size()]); }, spin_cycles, 2));
   }
 };
 

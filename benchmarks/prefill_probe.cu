@@ -397,29 +397,31 @@ __global__ void __launch_bounds__(128 * (D + 2) + 32, 1)
 // (wgmma with A from registers, as in prefill above): no fp16 A tile in shared memory, whose
 // writes and reads the decoding variant above pays for. A CTA of two warpgroups and a warp (the
 // copies); stage st: full[st] (bytes), empty[st] (both warpgroups done with it).
-template <int BN, int S>
+template <int BN, int S, int C>
 constexpr int rt_smem_bytes() {
-  return S * (BN * 128 + 128 * 32) + 2 * S * 8 + 1024;
+  return S * (BN * 128 + 64 * C * 32) + 2 * S * 8 + 1024;
 }
-template <int BN, int S, bool DECODE = true>
-__global__ void __launch_bounds__(288, 1)
+// C consumer warpgroups (64 weight rows each: BM = 64 C); C = 1 runs two CTAs per SM, for grids
+// that 128-row tiles leave short of the SMs (4096 rows at 256 activation rows: 64 CTAs).
+template <int BN, int S, bool DECODE = true, int C = 2>
+__global__ void __launch_bounds__(128 * C + 32, C == 1 ? 2 : 1)
     prefill_rt(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmW,
                const float* __restrict__ sc, const uint8_t* __restrict__ zr, __half* __restrict__ Y, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int NT = BN / 8, kX = BN * 128, kW = 128 * 32;
+  constexpr int NT = BN / 8, kX = BN * 128, kW = 64 * C * 32;
   uint8_t* xs = smem_1024();
   uint8_t* wsm = xs + S * kX;
   uint64_t* full = reinterpret_cast<uint64_t*>(wsm + S * kW);
   uint64_t* empty = full + S;
   const int tid = threadIdx.x, wgi = warpgroup();
-  const int m0 = blockIdx.x * 128, n0 = blockIdx.y * BN, steps = K / 64, G = K / 128;
+  const int m0 = blockIdx.x * 64 * C, n0 = blockIdx.y * BN, steps = K / 64, G = K / 128;
   if (tid == 0) {
     init_bars(full, S, 1);
-    init_bars(empty, S, 2);
+    init_bars(empty, S, C);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (wgi == 2) {
+  if (wgi == C) {
     if ((tid & 31) == 0) copy_steps<S>(&tmX, &tmW, xs, kX, wsm, kW, full, empty, steps, n0, m0);
     return;
   }
@@ -571,19 +573,21 @@ void run_ws(int M, int K, int N, const std::vector<Set>& sets, const __half* x, 
   });
 }
 
-template <int BN, int S, bool DECODE = true>
+template <int BN, int S, bool DECODE = true, int C = 2>
 void run_rt(int M, int K, int N, const std::vector<Set>& sets, const __half* x, __half* y, const Int4Host& h) {
-  if (N % BN) return;
-  const int smem = rt_smem_bytes<BN, S>();
-  CK(cudaFuncSetAttribute(prefill_rt<BN, S, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  constexpr int BM = 64 * C;
+  if (N % BN || M % BM) return;
+  const int smem = rt_smem_bytes<BN, S, C>();
+  CK(cudaFuncSetAttribute(prefill_rt<BN, S, DECODE, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const CUtensorMap tx = tensor_map(x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, K, N, 64, BN, CU_TENSOR_MAP_SWIZZLE_128B);
   std::vector<CUtensorMap> tw;
   for (const Set& st : sets)
-    tw.push_back(tensor_map(st.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, K / 2, M, 32, 128, CU_TENSOR_MAP_SWIZZLE_NONE));
+    tw.push_back(tensor_map(st.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, K / 2, M, 32, BM, CU_TENSOR_MAP_SWIZZLE_NONE));
   char name[64];
-  std::snprintf(name, sizeof name, "rt BN=%d S=%d%s", BN, S, DECODE ? "" : " no-dec");
+  std::snprintf(name, sizeof name, "rt BN=%d S=%d BM=%d%s", BN, S, BM, DECODE ? "" : " no-dec");
   check_and_time(name, DECODE, M, K, N, sets, y, h, [&](const Set& st) {
-    prefill_rt<BN, S, DECODE><<<dim3(M / 128, N / BN), 288, smem>>>(tx, tw[&st - sets.data()], st.s, st.z, y, N, M, K);
+    prefill_rt<BN, S, DECODE, C>
+        <<<dim3(M / BM, N / BN), 128 * C + 32, smem>>>(tx, tw[&st - sets.data()], st.s, st.z, y, N, M, K);
   });
 }
 
@@ -601,6 +605,8 @@ int main() {
     for (int N : Ns) {
       run_rt<128, 6>(M, K, N, sets, x, y, h);
       run_rt<128, 6, false>(M, K, N, sets, x, y, h);
+      run_rt<128, 6, true, 1>(M, K, N, sets, x, y, h);
+      run_rt<128, 4, true, 1>(M, K, N, sets, x, y, h);
       run_ws<128, 4>(M, K, N, sets, x, y, h);
       run_ws<128, 4, 1, false>(M, K, N, sets, x, y, h);
       run<256, 4>(M, K, N, sets, x, y, h);

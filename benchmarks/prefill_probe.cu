@@ -21,7 +21,8 @@
 //   warps decode step s + 1.
 // - prefill_ws: TMA copies on mbarriers from a warp of their own, a producer warpgroup decoding
 //   into an fp16 A tile in shared memory, consumers issuing wgmma with both operands there.
-// - prefill_rt: the TMA warp and mbarriers, consumers decoding their own A into registers.
+// - prefill_rt: the TMA warp and mbarriers, consumers decoding their own A into registers; 64 or
+//   128 weight rows and 128 or 256 activation rows per CTA.
 // No permutation of X: the decode builds A in the natural k order. Lane (g, t) needs, per k16
 // slice j, byte t of the row's words 2j and 2j + 1 (values 2t, 2t + 1 and 2t + 8, 2t + 9); a PRMT
 // copies that byte into both halves of a register, one LOP3 puts its low nibble into the low half's
@@ -402,9 +403,11 @@ constexpr int rt_smem_bytes() {
   return S * (BN * 128 + 64 * C * 32) + 2 * S * 8 + 1024;
 }
 // C consumer warpgroups (64 weight rows each: BM = 64 C); C = 1 runs two CTAs per SM, for grids
-// that 128-row tiles leave short of the SMs (4096 rows at 256 activation rows: 64 CTAs).
+// that 128-row tiles leave short of the SMs (4096 rows at 256 activation rows: 64 CTAs). BN = 256
+// (128 accumulators per thread) needs more registers than 288 threads may have: the copies then
+// get a whole warpgroup, which gives registers to the consumers with setmaxnreg.
 template <int BN, int S, bool DECODE = true, int C = 2>
-__global__ void __launch_bounds__(128 * C + 32, C == 1 ? 2 : 1)
+__global__ void __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
     prefill_rt(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmW,
                const float* __restrict__ sc, const uint8_t* __restrict__ zr, __half* __restrict__ Y, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -422,9 +425,11 @@ __global__ void __launch_bounds__(128 * C + 32, C == 1 ? 2 : 1)
   }
   __syncthreads();
   if (wgi == C) {
-    if ((tid & 31) == 0) copy_steps<S>(&tmX, &tmW, xs, kX, wsm, kW, full, empty, steps, n0, m0);
+    if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if ((tid & 127) == 0) copy_steps<S>(&tmX, &tmW, xs, kX, wsm, kW, full, empty, steps, n0, m0);
     return;
   }
+  if constexpr (BN > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r0 = wgi * 64 + warp * 16 + g;
   const uint32_t sel = 0x4040u | uint32_t(t) | (uint32_t(t) << 8);
@@ -587,7 +592,7 @@ void run_rt(int M, int K, int N, const std::vector<Set>& sets, const __half* x, 
   std::snprintf(name, sizeof name, "rt BN=%d S=%d BM=%d%s", BN, S, BM, DECODE ? "" : " no-dec");
   check_and_time(name, DECODE, M, K, N, sets, y, h, [&](const Set& st) {
     prefill_rt<BN, S, DECODE, C>
-        <<<dim3(M / BM, N / BN), 128 * C + 32, smem>>>(tx, tw[&st - sets.data()], st.s, st.z, y, N, M, K);
+        <<<dim3(M / BM, N / BN), 128 * C + (BN > 128 ? 128 : 32), smem>>>(tx, tw[&st - sets.data()], st.s, st.z, y, N, M, K);
   });
 }
 
@@ -605,8 +610,9 @@ int main() {
     for (int N : Ns) {
       run_rt<128, 6>(M, K, N, sets, x, y, h);
       run_rt<128, 6, false>(M, K, N, sets, x, y, h);
-      run_rt<128, 6, true, 1>(M, K, N, sets, x, y, h);
       run_rt<128, 4, true, 1>(M, K, N, sets, x, y, h);
+      run_rt<256, 4>(M, K, N, sets, x, y, h);
+      run_rt<256, 4, false>(M, K, N, sets, x, y, h);
       run_ws<128, 4>(M, K, N, sets, x, y, h);
       run_ws<128, 4, 1, false>(M, K, N, sets, x, y, h);
       run<256, 4>(M, K, N, sets, x, y, h);

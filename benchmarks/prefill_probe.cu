@@ -407,7 +407,7 @@ constexpr int rt_smem_bytes() {
 // (128 accumulators per thread) needs more registers than 288 threads may have: the copies then
 // get a whole warpgroup, which gives registers to the consumers with setmaxnreg.
 template <int BN, int S, bool DECODE = true, int C = 2>
-__global__ void __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
+__global__ void __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 && BN == 128 ? 2 : 1)
     prefill_rt(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmW,
                const float* __restrict__ sc, const uint8_t* __restrict__ zr, __half* __restrict__ Y, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -425,11 +425,11 @@ __global__ void __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 
   }
   __syncthreads();
   if (wgi == C) {
-    if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if constexpr (BN > 128 && C > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if ((tid & 127) == 0) copy_steps<S>(&tmX, &tmW, xs, kX, wsm, kW, full, empty, steps, n0, m0);
     return;
   }
-  if constexpr (BN > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  if constexpr (BN > 128 && C > 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r0 = wgi * 64 + warp * 16 + g;
   const uint32_t sel = 0x4040u | uint32_t(t) | (uint32_t(t) << 8);
@@ -613,6 +613,7 @@ int main() {
       run_rt<128, 4, true, 1>(M, K, N, sets, x, y, h);
       run_rt<256, 4>(M, K, N, sets, x, y, h);
       run_rt<256, 4, false>(M, K, N, sets, x, y, h);
+      run_rt<256, 3, true, 1>(M, K, N, sets, x, y, h);
       run_ws<128, 4>(M, K, N, sets, x, y, h);
       run_ws<128, 4, 1, false>(M, K, N, sets, x, y, h);
       run<256, 4>(M, K, N, sets, x, y, h);

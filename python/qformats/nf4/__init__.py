@@ -191,7 +191,8 @@ def quantize(x: Any, blocksize: int = 64, compress_statistics: bool = False) -> 
             compress_statistics not a bool.
         ValueError: a scalar, non-contiguous, NaN or Inf, bad blocksize; with
             compress_statistics, values so large (~1e38) that the float32 sum of the absmax
-            values overflows (bitsandbytes would store offset = inf and decode NaN).
+            values or a decoded absmax overflows (bitsandbytes would store these statistics and
+            decode inf and NaN).
     """
     blocksize = _check_blocksize(blocksize)
     if not isinstance(compress_statistics, bool):
@@ -204,13 +205,18 @@ def quantize(x: Any, blocksize: int = 64, compress_statistics: bool = False) -> 
         q = A.empty(x, (nb,), "uint8")
         absmax2 = A.empty(x, (_n_blocks(nb, DOUBLE_QUANT_BLOCK),), "float32")
         offset = A.empty(x, (1,), "float32")
+        decoded = A.empty(x, (nb,), "float32")
         with A.stream_for(x) as stream:
             _native.double_quant(absmax, q, absmax2, offset, stream)
-        if nb and not (_all_finite(offset) and _all_finite(absmax2)):
+            _native.dequantize_absmax(q, absmax2, offset, decoded, stream)
+        if nb and not (_all_finite(offset) and _all_finite(absmax2) and _all_finite(decoded)):
             # bitsandbytes stores these bytes too (offset = inf once the float32 sum of absmax
-            # overflows), but such a tensor decodes to NaN: refuse it instead.
-            raise ValueError("x: with compress_statistics=True the float32 sum of the block absmax "
-                             "values overflows (|x| too large, ~1e38); use compress_statistics=False")
+            # overflows; or a decoded absmax DYNAMIC_MAP[q] * absmax2 + offset that rounds past
+            # FLT_MAX, as for one block of ~3.4e38 among zero blocks), but such a tensor decodes
+            # to inf and NaN: refuse it instead.
+            raise ValueError("x: with compress_statistics=True a float32 statistic of the block absmax "
+                             "values (their sum, or a decoded absmax) overflows (|x| too large, ~1e38); "
+                             "use compress_statistics=False")
         buffers.update(absmax=q, absmax2=absmax2, offset=offset)
     else:
         buffers["absmax"] = absmax

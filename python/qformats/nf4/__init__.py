@@ -209,11 +209,12 @@ def quantize(x: Any, blocksize: int = 64, compress_statistics: bool = False) -> 
         with A.stream_for(x) as stream:
             _native.double_quant(absmax, q, absmax2, offset, stream)
             _native.dequantize_absmax(q, absmax2, offset, decoded, stream)
-        if nb and not (_all_finite(offset) and _all_finite(absmax2) and _all_finite(decoded)):
-            # bitsandbytes stores these bytes too (offset = inf once the float32 sum of absmax
-            # overflows; or a decoded absmax DYNAMIC_MAP[q] * absmax2 + offset that rounds past
-            # FLT_MAX, as for one block of ~3.4e38 among zero blocks), but such a tensor decodes
-            # to inf and NaN: refuse it instead.
+        # bitsandbytes stores these bytes too (offset = inf once the float32 sum of absmax
+        # overflows; or a decoded absmax DYNAMIC_MAP[q] * absmax2 + offset that rounds past
+        # FLT_MAX, as for one block of ~3.4e38 among zero blocks), but such a tensor decodes to
+        # inf and NaN: refuse it instead. A non-finite offset or absmax2 makes the decoded absmax
+        # of its blocks non-finite too, so one check (one host sync on a GPU) covers all three.
+        if nb and not _all_finite(decoded):
             raise ValueError("x: with compress_statistics=True a float32 statistic of the block absmax "
                              "values (their sum, or a decoded absmax) overflows (|x| too large, ~1e38); "
                              "use compress_statistics=False")

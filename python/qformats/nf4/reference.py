@@ -244,3 +244,13 @@ def dequantize_absmax(q: np.ndarray, absmax2: np.ndarray, offset: np.ndarray) ->
     scale = absmax2[np.arange(q.size) // DOUBLE_QUANT_BLOCK]
     with np.errstate(invalid="ignore", over="ignore"):  # inf statistics decode to NaN/inf
         return ((DYNAMIC_MAP[q] * scale).astype(np.float32) + off).astype(np.float32)
+
+
+def stats_overflow(q: np.ndarray, absmax2: np.ndarray, offset: np.ndarray) -> bool:
+    """Whether compressed statistics (:func:`double_quant`'s output) overflow float32: a
+    non-finite offset (the float32 sum of the absmax values overflowed) or absmax2, or a decoded
+    absmax (:func:`dequantize_absmax`) past FLT_MAX. bitsandbytes stores such statistics and
+    decodes inf and NaN; ``qformats.nf4.quantize`` refuses them."""
+    if np.asarray(q).size == 0:
+        return False
+    return not np.isfinite(dequantize_absmax(q, absmax2, offset)).all()

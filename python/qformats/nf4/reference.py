@@ -247,10 +247,23 @@ def dequantize_absmax(q: np.ndarray, absmax2: np.ndarray, offset: np.ndarray) ->
 
 
 def stats_overflow(q: np.ndarray, absmax2: np.ndarray, offset: np.ndarray) -> bool:
-    """Whether compressed statistics (:func:`double_quant`'s output) overflow float32: a
-    non-finite offset (the float32 sum of the absmax values overflowed) or absmax2, or a decoded
-    absmax (:func:`dequantize_absmax`) past FLT_MAX. bitsandbytes stores such statistics and
-    decodes inf and NaN; ``qformats.nf4.quantize`` refuses them."""
+    """Whether compressed statistics overflow float32 (the rule ``qformats.nf4.quantize`` refuses
+    by).
+
+    Args:
+        q: uint8 [nb], the 8-bit codes of the block absmax values (:func:`double_quant`).
+        absmax2: float32 [ceil(nb / 256)], one scale per 256 codes.
+        offset: float32 [1], the mean of the absmax values that the codes are relative to.
+    Returns:
+        True when a decoded absmax (:func:`dequantize_absmax`, unitless like the weights) is not
+        finite: a non-finite offset (the float32 sum of the absmax values overflowed) or absmax2
+        makes its blocks' decoded absmax non-finite, and a finite pair can still decode past
+        FLT_MAX (one block of ~3.4e38 among zero blocks). False for nb = 0. Raises nothing beyond
+        numpy's own errors for arrays of other shapes.
+    Source: bitsandbytes' nested (double) quantization, ``bitsandbytes.functional.quantize_4bit``
+    with ``compress_statistics=True`` (0.45-0.50), which stores such statistics and decodes inf
+    and NaN.
+    """
     if np.asarray(q).size == 0:
         return False
     return not np.isfinite(dequantize_absmax(q, absmax2, offset)).all()

@@ -8,7 +8,9 @@ kernel wins up to ~32 rows on 14336x4096, nf4's only up to ~16; benchmarks/READM
 layer measures it: the first call with a new (weight description, activation dtype, device,
 bias or not, row bucket) times both paths on that call's input with CUDA events (each run
 once to warm up, then three times, twice, alternating) and every later call of that key takes
-the faster one. Row buckets are multiples of 8 (17-24, 25-32, ...).
+the faster one. Row buckets are multiples of 8 up to 128 (17-24, 25-32, ...), then powers of two
+(129-256, 257-512, ...): prompts of every length above 128 rows cost a few decisions per shape,
+not one per 8 rows.
 
 What a decision changes is the order of float32 sums (both paths compute the same products),
 so results can differ in the last bits between processes whose measurements went differently;
@@ -31,8 +33,12 @@ _DECIDED: dict = {}
 
 
 def bucket(rows: int) -> int:
-    """The row bucket of ``rows`` (rounded up to a multiple of 8)."""
-    return (int(rows) + 7) // 8 * 8
+    """The row bucket of ``rows``: rounded up to a multiple of 8 up to 128, above that to a power
+    of two."""
+    rows = int(rows)
+    if rows <= 128:
+        return (rows + 7) // 8 * 8
+    return 1 << (rows - 1).bit_length()
 
 
 def _enabled() -> bool:

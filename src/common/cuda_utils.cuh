@@ -133,6 +133,14 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t c
   return r;
 }
 
+// (a & mask) ^ c in one LOP3; equals and_or where c has no bit of mask, and with bits of mask in
+// c it also flips those bits of a (int4's symmetric codes: two's complement to q + 8, for free).
+__device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t mask, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(mask), "r"(c));
+  return r;
+}
+
 // The CTA copies nbytes from src to dst, 16 bytes per thread per step when both ends are
 // 16-byte aligned (whole sectors per warp instruction), bytewise otherwise. One side is
 // shared memory (always 16-byte aligned here), the other a CTA's contiguous slice of a global

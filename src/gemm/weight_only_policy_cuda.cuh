@@ -17,6 +17,7 @@
 #include "common/cuda_utils.cuh"
 #include "gemm/weight_only_cuda.cuh"
 #include "gemm/weight_only_mma_cuda.cuh"
+#include "gemm/weight_only_prefill_cuda.cuh"
 #include "gemm/weight_only_wgmma_cuda.cuh"
 #include "gemm/weight_only_wide_cuda.cuh"
 
@@ -72,6 +73,7 @@ void launch_weight_only_any(const Fmt& f, const T* X, int64_t N, int64_t K, int6
   if constexpr (!std::is_same_v<T, float>) {
     if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma()) {
       if constexpr (Fmt::kUnit == 32) {  // (the wide kernel's unit)
+        if (launch_weight_only_prefill(f, X, N, K, M, Y, bias, stream)) return;
         if (launch_weight_only_wgmma(f, X, N, K, M, Y, bias, stream)) return;
         if (launch_weight_only_wide(f, X, N, K, M, Y, bias, stream)) return;
       }

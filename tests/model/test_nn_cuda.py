@@ -97,7 +97,7 @@ def test_cuda_measured_crossover(fmt, params, monkeypatch):
     q = QuantizedLinear.from_linear(torch.nn.Linear(1024, 512).half().cuda(), fmt, **params)
     spec = format_spec(fmt)
     lo, hi = spec.linear_rows["cuda"], spec.tune_rows["cuda"]
-    for rows in (lo + 1, 32, 40, hi):  # four row buckets: 24, 32, 40, 64
+    for rows in (lo + 1, 32, 40, hi):  # four row buckets: 24, 32, 40 and hi's
         x = torch.randn(rows, 1024, device="cuda", dtype=torch.float16)
         kernel = spec.gemm(x, q.quantized_weight) + q.bias
         deq = F.linear(x, q.dequantize_weight(torch.float16), q.bias)
@@ -155,8 +155,8 @@ def test_cuda_bound_dense_path(fmt, params, monkeypatch):
         with pytest.raises(ValueError, match="no CUDA weight-only kernel"):
             run(x, torch.empty(2, 512, device="cuda", dtype=torch.float16), None,
                 torch.cuda.current_stream().cuda_stream)
-    for rows, dtype in ((format_spec(fmt).tune_rows.get("cuda", 64) + 1, torch.float16), (300, torch.bfloat16),
-                        (2048, torch.float16)):
+    hi = format_spec(fmt).tune_rows.get("cuda", 64)
+    for rows, dtype in ((hi + 1, torch.float16), (hi + 300, torch.bfloat16), (max(2048, 2 * hi), torch.float16)):
         x = torch.randn(rows, 1024, device="cuda", dtype=dtype)
         with torch.no_grad():
             ref = q._operator(x)

@@ -17,6 +17,7 @@ using cuda_wo::lo_lo;
 using cuda_wo::magic_u4;
 using cuda_wo::nibbles_lo_first;
 using cuda_wo::NoShared;
+using cuda_wo::PairOps;
 using cuda_wo::word_of;
 using cuda_wo::xpair_lo_first;
 
@@ -91,6 +92,54 @@ struct Int4 {
   __device__ void pairs_in_pair(const Pair& pr, int i, int j, uint32_t (&p)[4]) const {
     pairs<Ops>(nullptr, 0, Unit{pr.q[i], pr.scale, pr.zero}, j, p);
   }
+  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 activations): a step of 64 codes
+  // is 32 bytes of a row, so the packed rows are its TMA tiles as stored; groups of >= 64 values
+  // hold whole steps.
+  static constexpr bool kPrefill = true;
+// (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
+#pragma nv_diag_suppress 177
+  static constexpr int kPrefillStepBytes = 32;
+  bool prefill_ok() const { return gshift >= 1; }
+  const void* prefill_codes() const { return qweight; }
+  __device__ int prefill_group_steps() const { return 1 << (gshift - 1); }
+  struct PrefillMeta {
+    float scale;
+    uint32_t zero;  // the stored zero point; 8 for symmetric codes
+  };
+  __device__ PrefillMeta prefill_meta(int m, int group) const {
+    const int64_t g = int64_t(m) * (K >> (gshift + 5)) + group;
+    return {__ldg(scales + g), zeros ? uint32_t(__ldg(zeros + g)) : 8u};
+  }
+  // In k16 slice j, lane (g, t) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and r + 8:
+  // byte t of words 2j and 2j + 1 (low nibble first). A PRMT copies that byte into both halves,
+  // one LOP3 puts its low nibble into the low half's mantissa of 1024 and its high nibble, times
+  // 16, into the high half's (and for symmetric codes flips bit 3 of both: q + 8), HSUB2 takes off
+  // (1024 + z, 1024 + 16 z) and HMUL2 multiplies by (s, s / 16): four instructions per pair, each
+  // weight (q - z) s rounded once to fp16 from an fp16 s.
+  __device__ void prefill_decode(const uint8_t* tile, int r, int t, const PrefillMeta& ma, const PrefillMeta& mb,
+                                 uint32_t (&a)[4][4]) const {
+    using Ops = PairOps<half_t>;
+    const uint32_t flip = zeros ? 0x64006400u : 0x64806408u, sel = 0x4040u | uint32_t(t) | (uint32_t(t) << 8);
+    const uint32_t za = (0x6400u + ma.zero) | ((0x6400u + 16 * ma.zero) << 16);
+    const uint32_t zb = (0x6400u + mb.zero) | ((0x6400u + 16 * mb.zero) << 16);
+    const uint32_t sa = Ops::pack(ma.scale, ma.scale * 0.0625f), sb = Ops::pack(mb.scale, mb.scale * 0.0625f);
+    auto pair = [&](uint32_t w, uint32_t z, uint32_t s) {
+      return Ops::mul(Ops::sub(cuda::and_xor(__byte_perm(w, 0u, sel), 0x00F0000Fu, flip), z), s);
+    };
+    const uint4* ra = reinterpret_cast<const uint4*>(tile + r * kPrefillStepBytes);
+    const uint4* rb = reinterpret_cast<const uint4*>(tile + (r + 8) * kPrefillStepBytes);
+    const uint4 u0 = ra[0], u1 = ra[1], v0 = rb[0], v1 = rb[1];
+    const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      a[j][0] = pair(w0[2 * j], za, sa);
+      a[j][1] = pair(w1[2 * j], zb, sb);
+      a[j][2] = pair(w0[2 * j + 1], za, sa);
+      a[j][3] = pair(w1[2 * j + 1], zb, sb);
+    }
+  }
+#pragma nv_diag_default 177
 };
 
 }  // namespace

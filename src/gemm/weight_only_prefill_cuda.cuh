@@ -1,0 +1,204 @@
+// Weight-only GEMM for many activation rows (prefill) on sm_90a: Y [N, M] = X [N, K] . W^T with
+// fp16 X, the packed weight decoded inside a Hopper wgmma main loop (no fp16 copy of W). Where
+// the wgmma kernel of weight_only_wgmma_cuda.cuh permutes X into the A fragments' k order at
+// every step and decodes the weight again for every 128 activation rows, here
+// - X tiles land by TMA as they are in memory (K-major, 128-byte swizzle, which wgmma reads as
+//   B directly): the format's decode builds A in the natural k order instead;
+// - a CTA owns BM = 64 C weight rows and BN = 128 or 256 activation rows, so a weight value is
+//   decoded once per BN rows;
+// - warp specialization: one thread of the copy warp (or warpgroup) issues each step's TMA copies
+//   (X tile [BN, 64], packed weights [BM rows, one step]) into an S-stage ring as soon as a stage
+//   is released; C consumer warpgroups wait on the stage's mbarrier, decode their 64 rows into A
+//   registers (wgmma m64nBNk16, A from registers) and release the stage when its batch is done.
+//   While step k's batch runs on the tensor cores, the warps decode step k + 1.
+// A format opts in with Fmt::kPrefill and supplies (int4_gemm_cuda.cu has the one user):
+//   kPrefillStepBytes           bytes of one weight row per 64 values (the TMA box's width);
+//   prefill_ok()                host: this weight can take the kernel;
+//   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
+//   prefill_group_steps()       64-value steps per group of per-row metadata;
+//   PrefillMeta, prefill_meta(m, g)   row m's metadata of group g (loaded a group ahead);
+//   prefill_decode(tile, r, t, ma, mb, a)   lane (g, t)'s A fragments of one step for tile rows
+//                               r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout).
+// Measurements and the tile choice: benchmarks/README.md, "A GEMM that decodes int4 in its main
+// loop, for prefill".
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/cuda_utils.cuh"
+#include "common/tma_cuda.cuh"
+#include "gemm/weight_only_cuda.cuh"
+#include "gemm/weight_only_wgmma_cuda.cuh"
+#include "gemm/wgmma_cuda.cuh"
+
+namespace qf::gemm::cuda_wo {
+
+// Whether Fmt has the hooks above (Fmt::kPrefill true); the other formats need not mention them.
+template <class Fmt, class = void>
+struct has_prefill : std::false_type {};
+template <class Fmt>
+struct has_prefill<Fmt, std::void_t<decltype(Fmt::kPrefill)>> : std::bool_constant<Fmt::kPrefill> {};
+
+// Above the wgmma kernel's 128 activation rows per CTA (which decodes the weight again for every
+// further 128 rows) the prefill kernel takes the product.
+constexpr int kPrefillMinRows = 129;
+
+// Dynamic shared memory: S stages of an X tile (BN rows of 128 bytes) and BM rows of packed
+// weights, 2 S mbarriers, and the 1 KB that aligning the ring to the swizzle atom may skip.
+template <int BN, int S, int C, int kStepBytes>
+constexpr int prefill_smem_bytes() {
+  return S * (BN * wg::kRowBytes + 64 * C * kStepBytes) + 2 * S * 8 + 1024;
+}
+
+// This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
+// serializes the wgmma of the branches that depend on it: C7518).
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0); }
+
+// C consumer warpgroups of 64 weight rows; BN activation rows; S stages. BN = 256 (128 float32
+// accumulators a thread) needs more registers than a CTA of 288 threads may have: the copies then
+// get a whole warpgroup, which hands its registers to the consumers (setmaxnreg 40 / 232; without
+// it ptxas spills and serializes the wgmma, C7512). C = 1 runs two CTAs per SM.
+template <class Fmt, int BN, int S, int C>
+__global__ void
+__launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
+    weight_only_prefill_kernel(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmW,
+                               const Fmt f, half_t* __restrict__ Y, const half_t* __restrict__ bias, int N, int M,
+                               int K) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(BN == 128 || BN == 256, "wgmma n128 / n256");
+  constexpr int NT = BN / 8, kX = BN * wg::kRowBytes, kW = 64 * C * Fmt::kPrefillStepBytes;
+  extern __shared__ uint8_t prefill_smem[];
+  uint8_t* const xs = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(prefill_smem) + 1023) & ~uintptr_t(1023));
+  uint8_t* const wsm = xs + S * kX;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(wsm + S * kW);  // stage's bytes landed
+  uint64_t* const empty = full + S;                                  // every consumer done with it
+  const int tid = threadIdx.x, wgi = warpgroup_index();
+  const int m0 = blockIdx.x * 64 * C, n0 = blockIdx.y * BN, steps = K / 64;
+  if (tid == 0) {
+    for (int i = 0; i < S; ++i) cuda::mbar_init(full + i, 1), cuda::mbar_init(empty + i, C);
+    cuda::mbar_init_fence();
+  }
+  __syncthreads();
+  if (wgi == C) {  // the copies, up to S steps ahead of the consumers
+    if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if ((tid & 127) == 0)
+      for (int k = 0; k < steps; ++k) {
+        const int st = k % S;
+        if (k >= S) cuda::mbar_wait(&empty[st], ((k / S) - 1) & 1);
+        cuda::mbar_expect(&full[st], kX + kW);
+        cuda::tma_load_2d(xs + st * kX, &tmX, k * 64, n0, &full[st]);
+        cuda::tma_load_2d(wsm + st * kW, &tmW, k * Fmt::kPrefillStepBytes, m0, &full[st]);
+      }
+    return;
+  }
+  if constexpr (BN > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r0 = wgi * 64 + warp * 16 + g;  // this lane's tile rows r0 and r0 + 8
+  // (rows past M read row M - 1's metadata; the TMA brings zeros for their codes and their
+  // outputs are not stored)
+  const int ma = min(m0 + r0, M - 1), mb = min(m0 + r0 + 8, M - 1);
+  const int gsteps = f.prefill_group_steps();
+  // The metadata of the next group is loaded while the current group's steps run (its latency
+  // would otherwise sit between a step's wait and its decode).
+  typename Fmt::PrefillMeta na = f.prefill_meta(ma, 0), nb = f.prefill_meta(mb, 0), ca = na, cb = nb;
+  int group = 0, left = 0;
+  auto decode = [&](int k, uint32_t (&a)[4][4]) {
+    if (left == 0) {
+      ca = na, cb = nb, left = gsteps, ++group;
+      if (group * gsteps < steps) na = f.prefill_meta(ma, group), nb = f.prefill_meta(mb, group);
+    }
+    --left;
+    const int st = k % S;
+    cuda::mbar_wait(&full[st], (k / S) & 1);
+    f.prefill_decode(wsm + st * kW, r0, t, ca, cb, a);
+  };
+  float d[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      d[i][e] = 0.f;
+      wg::pin(d[i][e]);  // (zeroed in the loop's sight, else ptxas serializes the wgmma: C7514)
+    }
+  const uint32_t xa = cuda::smem_u32(xs);
+  auto step = [&](int k, const uint32_t (&acur)[4][4], uint32_t (&anext)[4][4]) {
+    const uint64_t db = wg::sw128_desc(xa + (k % S) * kX);
+    wg::fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wg::WgmmaRS<NT>::template run<false>(d, acur[j], db + 2 * j);  // + 32 B per k16
+    wg::commit();
+    // The last step waits for everything: with wait<1> here and wait<0> after the loop, ptxas
+    // (CUDA 13.0) put the epilogue's reads of the accumulators before the final wait (SASS: F2FP
+    // of the results with the last batch in flight).
+    if (k + 1 == steps) wg::wait<0>();
+    else wg::wait<1>();  // step k - 1's batch is done: its stage and A registers are free
+    if (k > 0 && (tid & 127) == 0) cuda::mbar_arrive(&empty[(k - 1) % S]);
+    if (k + 1 < steps) decode(k + 1, anext);
+  };
+  uint32_t a0[4][4], a1[4][4];
+  decode(0, a0);
+  // Two steps per trip with the A sets swapped by name (an indexed swap would put them in local
+  // memory); steps is even (the launcher's K % 128 == 0).
+  for (int k = 0; k < steps; k += 2) {
+    step(k, a0, a1);
+    step(k + 1, a1, a0);
+  }
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      wg::pin(d[i][e]);
+      // the wgmma D layout: row r0 (+ 8 for e >= 2) of the tile, activation column 8 i + 2 t + (e & 1)
+      const int n = n0 + 8 * i + 2 * t + (e & 1), m = m0 + r0 + (e >> 1) * 8;
+      if (n < N && m < M) store_out(d[i][e], bias, m, &Y[int64_t(n) * M + m]);
+    }
+#else
+  __trap();  // never launched: the host takes this kernel only from a build with sm_90a code
+#endif
+}
+
+// Launches the prefill kernel on `stream` when it applies: a format with the hooks, fp16
+// activations, more than 128 rows, compute capability 9.0 and sm_90a code in the build, K a
+// multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(); returns
+// false (nothing launched) otherwise. The tile: 128 x 256 (weight x activation rows) when that
+// grid has at least 3/4 of a CTA per SM, else 128 x 128 by the same rule, else 64 x 128 (two CTAs
+// per SM); measured per shape in benchmarks/README.md ("A GEMM that decodes int4 in its main
+// loop, for prefill": the best of the three at 256-2048 rows on 4096x14336 and 14336x4096).
+template <class Fmt, class H>
+bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, const H* bias,
+                                void* stream) {
+  if constexpr (!has_prefill<Fmt>::value || !std::is_same_v<H, half_t>) {
+    return false;
+  } else {
+    if (!wgmma_built() || N < kPrefillMinRows || M <= 0 || K <= 0 || K % 128 || N >= (int64_t(1) << 31) ||
+        M >= (int64_t(1) << 31) || K >= (int64_t(1) << 31) || !cuda::aligned16(X) || !f.prefill_ok() ||
+        cuda::cc_major() != 9)
+      return false;
+    constexpr int kSB = Fmt::kPrefillStepBytes;
+    const int64_t fill = 3 * int64_t(cuda::sm_count()) / 4;
+    auto ctas = [&](int bm, int bn) { return int64_t(cuda::grid_for(M, bm)) * cuda::grid_for(N, bn); };
+    const int bm = ctas(128, 256) >= fill || ctas(128, 128) >= fill ? 128 : 64;
+    const int bn = bm == 128 && ctas(128, 256) >= fill ? 256 : 128;
+    CUtensorMap tx, tw;
+    if (!cuda::tensor_map_2d(&tx, X, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, uint64_t(K), uint64_t(N), 64, bn,
+                             CU_TENSOR_MAP_SWIZZLE_128B) ||
+        !cuda::tensor_map_2d(&tw, f.prefill_codes(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(K / 64 * kSB),
+                             uint64_t(M), kSB, bm, CU_TENSOR_MAP_SWIZZLE_NONE))
+      return false;
+    auto launch = [&](auto kernel, int threads, int smem) {
+      cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
+      kernel<<<dim3(cuda::grid_for(M, bm), cuda::grid_for(N, bn)), threads, smem, cuda::stream(stream)>>>(
+          tx, tw, f, Y, bias, int(N), int(M), int(K));
+    };
+    if (bn == 256) launch(weight_only_prefill_kernel<Fmt, 256, 4, 2>, 384, prefill_smem_bytes<256, 4, 2, kSB>());
+    else if (bm == 128) launch(weight_only_prefill_kernel<Fmt, 128, 6, 2>, 288, prefill_smem_bytes<128, 6, 2, kSB>());
+    else launch(weight_only_prefill_kernel<Fmt, 128, 4, 1>, 160, prefill_smem_bytes<128, 4, 1, kSB>());
+    cuda::check_launch("weight-only GEMM (prefill)");
+    return true;
+  }
+}
+
+}  // namespace qf::gemm::cuda_wo

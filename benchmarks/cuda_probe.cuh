@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "common/tma_cuda.cuh"
+
 #define CK(x)                                                               \
   do {                                                                      \
     cudaError_t e = (x);                                                    \
@@ -54,26 +56,13 @@ double median_cold_us(int iters, Prepare prepare, Launch launch, int64_t spin_cy
   return us[us.size() / 2];
 }
 
-// Device helpers of the int4 probes: shared-memory addresses, mbarriers (init, arrive with the
-// bytes a copy will bring, plain arrive, wait on a phase's parity), and the fp16 decode steps.
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
-  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n" ::"r"(
-                   smem_u32(b)),
-               "r"(parity)
-               : "memory");
-}
+// Device helpers of the int4 probes: shared-memory addresses and mbarriers (the library's, in
+// common/tma_cuda.cuh), and the fp16 decode steps.
+using qf::cuda::mbar_arrive;
+using qf::cuda::mbar_expect;
+using qf::cuda::mbar_init;
+using qf::cuda::mbar_wait;
+using qf::cuda::smem_u32;
 __device__ __forceinline__ uint32_t lop3_or(uint32_t w, uint32_t mask) {  // (w & mask) | 0x64006400
   uint32_t r;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(w), "r"(mask), "r"(0x64006400u));

@@ -266,13 +266,7 @@ __launch_bounds__(256, 1)
 // memory, K-major with the 128-byte swizzle); warpgroups 1 and 2 take 64 weight rows each and only issue wgmma with
 // both operands in shared memory. Stage st: full[st] (the copies' bytes), ready[st] (128 decoding
 // threads), empty[st] (both consumer warpgroups done with it).
-__device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* tm, int c0, int c1, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
-      : "memory");
-}
+using qf::cuda::tma_load_2d;
 
 // The copies of every step of a CTA (one thread): step k's X tile [rows n0.., 64 values] and packed
 // weights [rows m0.., 32 bytes] into stage k % S on full[k % S], once both consumer warpgroups
@@ -285,8 +279,8 @@ __device__ __forceinline__ void copy_steps(const CUtensorMap* tmX, const CUtenso
     const int st = k % S;
     if (k >= S) mbar_wait(&empty[st], ((k / S) - 1) & 1);
     mbar_expect(&full[st], kX + kW);
-    tma2d(xs + st * kX, tmX, k * 64, n0, &full[st]);
-    tma2d(wsm + st * kW, tmW, k * 32, m0, &full[st]);
+    tma_load_2d(xs + st * kX, tmX, k * 64, n0, &full[st]);
+    tma_load_2d(wsm + st * kW, tmW, k * 32, m0, &full[st]);
   }
 }
 
@@ -492,23 +486,12 @@ __global__ void __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 && BN 
 #endif
 }
 
-// A 2-D tensor map (cuTensorMapEncodeTiled through the runtime's driver entry point: no -lcuda).
+// A 2-D tensor map (the library's encoder; exits if the driver refuses it).
 static CUtensorMap tensor_map(const void* base, CUtensorMapDataType type, int elem_bytes, uint64_t cols, uint64_t rows,
                               uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swizzle) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (!encode) {
-    cudaDriverEntryPointQueryResult q;
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
-                                         cudaEnableDefault, &q));
-  }
   CUtensorMap tm;
-  const cuuint64_t dims[2] = {cols, rows}, strides[1] = {cols * elem_bytes};
-  const cuuint32_t box[2] = {box_cols, box_rows}, estr[2] = {1, 1};
-  const CUresult e = encode(&tm, type, 2, const_cast<void*>(base), dims, strides, box, estr,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (e != CUDA_SUCCESS) {
-    std::printf("cuTensorMapEncodeTiled failed: %d\n", int(e));
+  if (!qf::cuda::tensor_map_2d(&tm, base, type, elem_bytes, cols, rows, box_cols, box_rows, swizzle)) {
+    std::printf("cuTensorMapEncodeTiled failed\n");
     std::exit(1);
   }
   return tm;

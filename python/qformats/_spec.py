@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["FormatSpec", "LinearKernel", "WEIGHT_ONLY_ROWS", "TUNE_ROWS", "fixed_blocks"]
+__all__ = ["FormatSpec", "LinearKernel", "WEIGHT_ONLY_ROWS", "TUNE_ROWS", "PREFILL_TUNE_ROWS", "fixed_blocks"]
 
 #: The ``linear_rows`` of the formats whose weight-only kernels run in QuantizedLinear: up to 16
 #: activation rows on CUDA and 32 on the CPU: where the kernels measured faster than dequantize +
@@ -24,6 +24,13 @@ WEIGHT_ONLY_ROWS = MappingProxyType({"cuda": 16, "cpu": 32})
 #: on the H200 the sm_90a kernels of int4, nf4 and q4_0 won up to 128 rows on Llama-7B-sized
 #: weights, and every kernel measured slower from 256 rows (benchmarks/README.md).
 TUNE_ROWS = MappingProxyType({"cuda": 128})
+
+#: The ``tune_rows`` of the formats with a CUDA prefill kernel (int4, nf4): from 129 fp16 rows on an
+#: sm_90a build their kernel decodes the packed weight inside a Hopper wgmma main loop, which on the
+#: H200 beat dequantize + cuBLAS at some of 256-1024 rows on Llama-7B-sized weights and lost by
+#: 4-15% elsewhere (benchmarks/README.md, "The prefill kernel in the library"), so QuantizedLinear
+#: measures it up to 4096 rows; past that the dequantizing path decodes once for more products.
+PREFILL_TUNE_ROWS = MappingProxyType({"cuda": 4096})
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
 //   prefill_group_steps()       64-value steps per group of per-row metadata;
 //   PrefillMeta, prefill_meta(m, g)   row m's metadata of group g (loaded a group ahead);
-//   prefill_decode(tile, r, t, ma, mb, a)   lane (g, t)'s A fragments of one step for tile rows
-//                               r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout).
+//   kPrefillTableBytes, prefill_table(table)   optional: a per-CTA table in shared memory that
+//                               the CTA's threads fill together before the main loop;
+//   prefill_decode(tile, r, lane, table, ma, mb, a)   lane (g, t)'s A fragments of one step for
+//                               tile rows r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout).
 // Measurements and the tile choice: benchmarks/README.md, "A GEMM that decodes int4 in its main
 // loop, for prefill".
 #pragma once
@@ -36,21 +38,30 @@
 
 namespace qf::gemm::cuda_wo {
 
+// Above the wgmma kernel's 128 activation rows per CTA (which decodes the weight again for every
+// further 128 rows) the prefill kernel takes the product.
+constexpr int kPrefillMinRows = 129;
+
 // Whether Fmt has the hooks above (Fmt::kPrefill true); the other formats need not mention them.
 template <class Fmt, class = void>
 struct has_prefill : std::false_type {};
 template <class Fmt>
 struct has_prefill<Fmt, std::void_t<decltype(Fmt::kPrefill)>> : std::bool_constant<Fmt::kPrefill> {};
 
-// Above the wgmma kernel's 128 activation rows per CTA (which decodes the weight again for every
-// further 128 rows) the prefill kernel takes the product.
-constexpr int kPrefillMinRows = 129;
+// Bytes of Fmt's per-CTA table (0: none).
+template <class Fmt, class = void>
+struct prefill_table_bytes : std::integral_constant<int, 0> {};
+template <class Fmt>
+struct prefill_table_bytes<Fmt, std::void_t<decltype(Fmt::kPrefillTableBytes)>>
+    : std::integral_constant<int, Fmt::kPrefillTableBytes> {};
 
 // Dynamic shared memory: S stages of an X tile (BN rows of 128 bytes) and BM rows of packed
-// weights, 2 S mbarriers, and the 1 KB that aligning the ring to the swizzle atom may skip.
-template <int BN, int S, int C, int kStepBytes>
+// weights, 2 S mbarriers, the format's table, and the 1 KB that aligning the ring to the swizzle
+// atom may skip.
+template <class Fmt, int BN, int S, int C>
 constexpr int prefill_smem_bytes() {
-  return S * (BN * wg::kRowBytes + 64 * C * kStepBytes) + 2 * S * 8 + 1024;
+  return S * (BN * wg::kRowBytes + 64 * C * Fmt::kPrefillStepBytes) + 2 * S * 8 + prefill_table_bytes<Fmt>::value +
+         1024;
 }
 
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
@@ -75,12 +86,14 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
   uint8_t* const wsm = xs + S * kX;
   uint64_t* const full = reinterpret_cast<uint64_t*>(wsm + S * kW);  // stage's bytes landed
   uint64_t* const empty = full + S;                                  // every consumer done with it
+  uint32_t* const table = reinterpret_cast<uint32_t*>(empty + S);
   const int tid = threadIdx.x, wgi = warpgroup_index();
   const int m0 = blockIdx.x * 64 * C, n0 = blockIdx.y * BN, steps = K / 64;
   if (tid == 0) {
     for (int i = 0; i < S; ++i) cuda::mbar_init(full + i, 1), cuda::mbar_init(empty + i, C);
     cuda::mbar_init_fence();
   }
+  if constexpr (prefill_table_bytes<Fmt>::value > 0) f.prefill_table(table);
   __syncthreads();
   if (wgi == C) {  // the copies, up to S steps ahead of the consumers
     if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -113,7 +126,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
     --left;
     const int st = k % S;
     cuda::mbar_wait(&full[st], (k / S) & 1);
-    f.prefill_decode(wsm + st * kW, r0, t, ca, cb, a);
+    f.prefill_decode(wsm + st * kW, r0, lane, table, ca, cb, a);
   };
   float d[NT][4];
 #pragma unroll
@@ -193,9 +206,9 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       kernel<<<dim3(cuda::grid_for(M, bm), cuda::grid_for(N, bn)), threads, smem, cuda::stream(stream)>>>(
           tx, tw, f, Y, bias, int(N), int(M), int(K));
     };
-    if (bn == 256) launch(weight_only_prefill_kernel<Fmt, 256, 4, 2>, 384, prefill_smem_bytes<256, 4, 2, kSB>());
-    else if (bm == 128) launch(weight_only_prefill_kernel<Fmt, 128, 6, 2>, 288, prefill_smem_bytes<128, 6, 2, kSB>());
-    else launch(weight_only_prefill_kernel<Fmt, 128, 4, 1>, 160, prefill_smem_bytes<128, 4, 1, kSB>());
+    if (bn == 256) launch(weight_only_prefill_kernel<Fmt, 256, 4, 2>, 384, prefill_smem_bytes<Fmt, 256, 4, 2>());
+    else if (bm == 128) launch(weight_only_prefill_kernel<Fmt, 128, 6, 2>, 288, prefill_smem_bytes<Fmt, 128, 6, 2>());
+    else launch(weight_only_prefill_kernel<Fmt, 128, 4, 1>, 160, prefill_smem_bytes<Fmt, 128, 4, 1>());
     cuda::check_launch("weight-only GEMM (prefill)");
     return true;
   }

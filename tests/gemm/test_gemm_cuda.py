@@ -186,37 +186,42 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
-# int4 with fp16 activations from 129 rows on an sm_90a build: the kernel that decodes in its wgmma
-# main loop (gemm/weight_only_prefill_cuda.cuh). The shapes take each of its tiles on a GPU of
-# ~132 SMs: 64 x 128 (few CTAs), 128 x 128 and 128 x 256 (weight x activation rows); M and N leave
-# partial tiles; K = 448 with groups of 64 is not a multiple of 128 (the wgmma kernel takes it).
+# int4 and nf4 with fp16 activations from 129 rows on an sm_90a build: the kernel that decodes in
+# its wgmma main loop (gemm/weight_only_prefill_cuda.cuh). The shapes take each of its tiles on a
+# GPU of ~132 SMs: 64 x 128 (few CTAs), 128 x 128 and 128 x 256 (weight x activation rows); M and N
+# leave partial tiles; K = 448 is not a multiple of 128, and nf4 blocks of 32 (or of 256 with
+# K = 448) are not whole steps (the wgmma kernel takes those).
 PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (200, 520, 8192), (2048, 77, 512),
                   (160, 100, 448)]
 
 
-@pytest.mark.parametrize("params", [{"group_size": 128}, {"group_size": 64, "symmetric": True},
-                                    {"group_size": 256}], ids=str)
+@pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),
+                                        ("int4", {"group_size": 256}), ("nf4", {}),
+                                        ("nf4", {"blocksize": 256, "compress_statistics": True}),
+                                        ("nf4", {"blocksize": 32})], ids=str)
 @pytest.mark.parametrize("n,m,k", PREFILL_SHAPES, ids=str)
-def test_int4_prefill_rows(params, n, m, k):
-    """Many fp16 activation rows of int4 against float64; NaN-filled outputs all overwritten."""
-    if k % params["group_size"]:
+def test_prefill_rows(fmt, params, n, m, k):
+    """Many fp16 activation rows of int4 and nf4 against float64; NaN-filled outputs all
+    overwritten."""
+    if fmt == "int4" and k % params["group_size"]:
         pytest.skip("K not a multiple of the group")
-    mod, q, qc, w64 = weight("int4", m, k, k + n + m, **params)
+    mod, q, qc, w64 = weight(fmt, m, k, k + n + m, **params)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).half().cuda()
-    assert_close(native_gemm_into_nan("int4", mod, q, qc, x, m), x, w64, TOL["float16"])
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL["float16"])
 
 
+@pytest.mark.parametrize("fmt", ["int4", "nf4"])
 @pytest.mark.parametrize("n,m", [(300, 14333), (129, 300)])
-def test_int4_prefill_bias_and_streams(n, m):
+def test_prefill_bias_and_streams(fmt, n, m):
     """The prefill kernel's bias is bitwise the product rounded to fp16 plus the bias in fp16, and
     a call on a side stream gives the same bits as on the default stream."""
     from qformats import format_spec
 
     k = 1024
-    _, _, qc, _ = weight("int4", m, k, n, group_size=128)
+    _, _, qc, _ = weight(fmt, m, k, n)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).half().cuda()
     bias = torch.randn(m, generator=torch.Generator().manual_seed(m)).half().cuda()
-    run = format_spec("int4").make_linear(qc).run
+    run = format_spec(fmt).make_linear(qc).run
     y, y0, y1 = (torch.full((n, m), float("nan"), device="cuda", dtype=torch.float16) for _ in range(3))
     run(x, y, bias, torch.cuda.current_stream().cuda_stream)
     run(x, y0, None, torch.cuda.current_stream().cuda_stream)

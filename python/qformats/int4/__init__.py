@@ -22,12 +22,11 @@ decode can overflow to +-inf only when a group's values come within s/2 of FLT_M
 """
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Any
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
+from .._spec import PREFILL_TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from . import _native, reference
 
 FORMAT = "int4"
@@ -296,14 +295,6 @@ def _rounding(weight, params, sensitivity=None):
     return for_layer(weight, params, sensitivity)
 
 
-#: The rows up to which QuantizedLinear measures the native kernel against dequantize + cuBLAS on
-#: CUDA (``FormatSpec.tune_rows``). From 129 fp16 rows on an sm_90a build the kernel is one that
-#: decodes the packed weight inside its wgmma main loop; on the H200 it beat dequantize + cuBLAS at
-#: 256-512 rows on Llama-7B-sized weights, and at 1024-2048 rows on 4096x14336, not 14336x4096
-#: (benchmarks/README.md, "A GEMM that decodes int4 in its main loop, for prefill"); past 4096 rows
-#: the dequantizing path decodes once for more products, so it is not measured there.
-TUNE_ROWS = MappingProxyType({"cuda": 4096})
-
 SPEC = FormatSpec(
     name=FORMAT,
     summary="4-bit integer codes, two per byte, float32 scale (+ uint8 zero point) per group",
@@ -316,7 +307,7 @@ SPEC = FormatSpec(
     expected_buffers=expected_buffers,
     gemm=gemm,
     linear_rows=WEIGHT_ONLY_ROWS,
-    tune_rows=TUNE_ROWS,
+    tune_rows=PREFILL_TUNE_ROWS,
     make_linear=_make_linear,
     trainable=lambda p: not p.get("symmetric", False),
     rounding=_rounding,

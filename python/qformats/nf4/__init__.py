@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._core import QuantizedTensor, check_quantized, output_dtype
-from .._spec import TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
+from .._spec import PREFILL_TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel
 from .._core import float_dtype as _float_dtype
 from . import _native, reference
 
@@ -323,6 +323,6 @@ SPEC = FormatSpec(
     expected_buffers=expected_buffers,
     gemm=gemm,
     linear_rows=WEIGHT_ONLY_ROWS,
-    tune_rows=TUNE_ROWS,
+    tune_rows=PREFILL_TUNE_ROWS,
     make_linear=_make_linear,
 )

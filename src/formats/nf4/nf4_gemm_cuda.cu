@@ -82,6 +82,49 @@ struct Nf4 {
   static constexpr int kMaxRowGroups = 4;    // benchmarks/README.md, "Row groups"
   static constexpr int kStagedXMinRows = 4;  // benchmarks/README.md, "Activations through shared memory"
   static constexpr int kTableXMaxRows = 1;   // (the pair table leaves no room for it)
+  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 activations): a step of 64 codes
+  // is 32 bytes of a row; blocks of >= 64 values that start at every row's start (K a multiple of
+  // the blocksize) hold whole steps.
+  static constexpr bool kPrefill = true;
+  static constexpr int kPrefillStepBytes = 32;
+  // lut[byte][lane]: the byte's pair (code of the high nibble, code of the low nibble) as fp16,
+  // once per lane so that a warp's 32 lookups of any bytes hit 32 distinct banks.
+  static constexpr int kPrefillTableBytes = 256 * 32 * 4;
+  bool prefill_ok() const { return log2_bs >= 6 && K % (int64_t(1) << log2_bs) == 0; }
+  const void* prefill_codes() const { return packed; }
+// (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
+#pragma nv_diag_suppress 177
+  __device__ int prefill_group_steps() const { return 1 << (log2_bs - 6); }
+  struct PrefillMeta {
+    float absmax;
+  };
+  __device__ PrefillMeta prefill_meta(int m, int block) const {
+    return {__ldg(absmax + ((int64_t(m) * K) >> log2_bs) + block)};
+  }
+  __device__ void prefill_table(uint32_t* lut) const {
+    for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) lut[i] = lut_entry<cuda_wo::PairOps<half_t>>(i >> 5);
+  }
+  // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and
+  // r + 8: byte t of words 2j and 2j + 1, one lookup each, times the block's absmax.
+  __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t* lut, const PrefillMeta& ma,
+                                 const PrefillMeta& mb, uint32_t (&a)[4][4]) const {
+    using Ops = cuda_wo::PairOps<half_t>;
+    const uint32_t sel = 0x4440u | uint32_t(lane & 3), sa = Ops::splat(ma.absmax), sb = Ops::splat(mb.absmax);
+    auto pair = [&](uint32_t w, uint32_t s) { return Ops::mul(lut[(__byte_perm(w, 0u, sel) << 5) | lane], s); };
+    const uint4* ra = reinterpret_cast<const uint4*>(tile + r * kPrefillStepBytes);
+    const uint4* rb = reinterpret_cast<const uint4*>(tile + (r + 8) * kPrefillStepBytes);
+    const uint4 u0 = ra[0], u1 = ra[1], v0 = rb[0], v1 = rb[1];
+    const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      a[j][0] = pair(w0[2 * j], sa);
+      a[j][1] = pair(w1[2 * j], sb);
+      a[j][2] = pair(w0[2 * j + 1], sa);
+      a[j][3] = pair(w1[2 * j + 1], sb);
+    }
+  }
+#pragma nv_diag_default 177
 };
 
 }  // namespace

@@ -12,7 +12,9 @@
 //   registers (wgmma m64nBNk16, A from registers) and release the stage when its batch is done.
 //   While step k's batch runs on the tensor cores, the warps decode step k + 1.
 // A format opts in with Fmt::kPrefill and supplies (int4_gemm_cuda.cu has the one user):
-//   kPrefillStepBytes           bytes of one weight row per 64 values (the TMA box's width);
+//   kPrefillStepBytes           bytes of one weight row per 64 values;
+//   kPrefillBoxBytes            optional: the TMA box's width per row, a multiple of 16 that holds
+//                               a step (default kPrefillStepBytes; the shared-memory row pitch);
 //   prefill_ok()                host: this weight can take the kernel;
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
 //   prefill_group_steps()       64-value steps per group of per-row metadata;
@@ -48,6 +50,13 @@ struct has_prefill : std::false_type {};
 template <class Fmt>
 struct has_prefill<Fmt, std::void_t<decltype(Fmt::kPrefill)>> : std::bool_constant<Fmt::kPrefill> {};
 
+// The TMA box's bytes per weight row (Fmt::kPrefillBoxBytes, else a step's bytes).
+template <class Fmt, class = void>
+struct prefill_box_bytes : std::integral_constant<int, Fmt::kPrefillStepBytes> {};
+template <class Fmt>
+struct prefill_box_bytes<Fmt, std::void_t<decltype(Fmt::kPrefillBoxBytes)>>
+    : std::integral_constant<int, Fmt::kPrefillBoxBytes> {};
+
 // Bytes of Fmt's per-CTA table (0: none).
 template <class Fmt, class = void>
 struct prefill_table_bytes : std::integral_constant<int, 0> {};
@@ -60,8 +69,8 @@ struct prefill_table_bytes<Fmt, std::void_t<decltype(Fmt::kPrefillTableBytes)>>
 // atom may skip.
 template <class Fmt, int BN, int S, int C>
 constexpr int prefill_smem_bytes() {
-  return S * (BN * wg::kRowBytes + 64 * C * Fmt::kPrefillStepBytes) + 2 * S * 8 + prefill_table_bytes<Fmt>::value +
-         1024;
+  return S * (BN * wg::kRowBytes + 64 * C * prefill_box_bytes<Fmt>::value) + 2 * S * 8 +
+         prefill_table_bytes<Fmt>::value + 1024;
 }
 
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
@@ -80,7 +89,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
                                int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 128 || BN == 256, "wgmma n128 / n256");
-  constexpr int NT = BN / 8, kX = BN * wg::kRowBytes, kW = 64 * C * Fmt::kPrefillStepBytes;
+  constexpr int NT = BN / 8, kX = BN * wg::kRowBytes, kW = 64 * C * prefill_box_bytes<Fmt>::value;
   extern __shared__ uint8_t prefill_smem[];
   uint8_t* const xs = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(prefill_smem) + 1023) & ~uintptr_t(1023));
   uint8_t* const wsm = xs + S * kX;
@@ -190,7 +199,7 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
         M >= (int64_t(1) << 31) || K >= (int64_t(1) << 31) || !cuda::aligned16(X) || !f.prefill_ok() ||
         cuda::cc_major() != 9)
       return false;
-    constexpr int kSB = Fmt::kPrefillStepBytes;
+    constexpr int kSB = Fmt::kPrefillStepBytes, kBox = prefill_box_bytes<Fmt>::value;
     const int64_t fill = 3 * int64_t(cuda::sm_count()) / 4;
     auto ctas = [&](int bm, int bn) { return int64_t(cuda::grid_for(M, bm)) * cuda::grid_for(N, bn); };
     const int bm = ctas(128, 256) >= fill || ctas(128, 128) >= fill ? 128 : 64;
@@ -199,7 +208,7 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     if (!cuda::tensor_map_2d(&tx, X, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, uint64_t(K), uint64_t(N), 64, bn,
                              CU_TENSOR_MAP_SWIZZLE_128B) ||
         !cuda::tensor_map_2d(&tw, f.prefill_codes(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(K / 64 * kSB),
-                             uint64_t(M), kSB, bm, CU_TENSOR_MAP_SWIZZLE_NONE))
+                             uint64_t(M), kBox, bm, CU_TENSOR_MAP_SWIZZLE_NONE))
       return false;
     auto launch = [&](auto kernel, int threads, int smem) {
       cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));

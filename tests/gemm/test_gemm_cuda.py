@@ -186,11 +186,11 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
-# int4 and nf4 with fp16 activations from 129 rows on an sm_90a build: the kernel that decodes in
-# its wgmma main loop (gemm/weight_only_prefill_cuda.cuh). The shapes take each of its tiles on a
-# GPU of ~132 SMs: 64 x 128 (few CTAs), 128 x 128 and 128 x 256 (weight x activation rows); M and N
-# leave partial tiles; K = 448 is not a multiple of 128, and nf4 blocks of 32 (or of 256 with
-# K = 448) are not whole steps (the wgmma kernel takes those).
+# int4, nf4 and q4_0 with fp16 activations from 129 rows on an sm_90a build: the kernel that
+# decodes in its wgmma main loop (gemm/weight_only_prefill_cuda.cuh). The shapes take each of its
+# tiles on a GPU of ~132 SMs: 64 x 128 (few CTAs), 128 x 128 and 128 x 256 (weight x activation
+# rows); M and N leave partial tiles; K = 448 is not a multiple of 128 (nor q4_0's 256), and nf4
+# blocks of 32 are not whole steps (the wgmma kernel takes those).
 PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (200, 520, 8192), (2048, 77, 512),
                   (160, 100, 448)]
 
@@ -198,10 +198,10 @@ PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (200, 5
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),
                                         ("int4", {"group_size": 256}), ("nf4", {}),
                                         ("nf4", {"blocksize": 256, "compress_statistics": True}),
-                                        ("nf4", {"blocksize": 32})], ids=str)
+                                        ("nf4", {"blocksize": 32}), ("q4_0", {})], ids=str)
 @pytest.mark.parametrize("n,m,k", PREFILL_SHAPES, ids=str)
 def test_prefill_rows(fmt, params, n, m, k):
-    """Many fp16 activation rows of int4 and nf4 against float64; NaN-filled outputs all
+    """Many fp16 activation rows of int4, nf4 and q4_0 against float64; NaN-filled outputs all
     overwritten."""
     if fmt == "int4" and k % params["group_size"]:
         pytest.skip("K not a multiple of the group")
@@ -210,7 +210,7 @@ def test_prefill_rows(fmt, params, n, m, k):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL["float16"])
 
 
-@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+@pytest.mark.parametrize("fmt", ["int4", "nf4", "q4_0"])
 @pytest.mark.parametrize("n,m", [(300, 14333), (129, 300)])
 def test_prefill_bias_and_streams(fmt, n, m):
     """The prefill kernel's bias is bitwise the product rounded to fp16 plus the bias in fp16, and

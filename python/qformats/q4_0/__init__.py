@@ -16,7 +16,7 @@ import numpy as np
 from .. import _arrays as A
 from .._blockwise import BlockCodec
 from .._core import QuantizedTensor, check_quantized
-from .._spec import TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel, fixed_blocks
+from .._spec import PREFILL_TUNE_ROWS, WEIGHT_ONLY_ROWS, FormatSpec, LinearKernel, fixed_blocks
 from . import _native, reference
 
 FORMAT = "q4_0"
@@ -259,7 +259,7 @@ SPEC = FormatSpec(
     expected_buffers=expected_buffers,
     gemm=gemm,
     linear_rows=WEIGHT_ONLY_ROWS,
-    tune_rows=TUNE_ROWS,
+    tune_rows=PREFILL_TUNE_ROWS,
     make_linear=_make_linear,
     ggml_type="Q4_0",
 )

@@ -110,19 +110,20 @@ struct Int4 {
     const int64_t g = int64_t(m) * (K >> (gshift + 5)) + group;
     return {__ldg(scales + g), zeros ? uint32_t(__ldg(zeros + g)) : 8u};
   }
-  // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and r + 8:
-  // byte t of words 2j and 2j + 1 (low nibble first). A PRMT copies that byte into both halves,
-  // one LOP3 puts its low nibble into the low half's mantissa of 1024 and its high nibble, times
-  // 16, into the high half's (and for symmetric codes flips bit 3 of both: q + 8), HSUB2 takes off
-  // (1024 + z, 1024 + 16 z) and HMUL2 multiplies by (s, s / 16): four instructions per pair, each
+  // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and
+  // r + 8: byte t of words 2j and 2j + 1 (low nibble first). A PRMT copies that byte into both
+  // halves; one LOP3 keeps the low nibble in the low half and the high nibble (bits 4-7) in the
+  // high half, ORs in 1024 and 64 (fp16 0x6400: mantissa unit 1; 0x5400: unit 1/16, so bits 4-7
+  // count whole units: 64 + q) and for symmetric codes flips bit 3 of both nibbles (q + 8); HSUB2
+  // takes off (1024 + z, 64 + z) and HMUL2 multiplies by (s, s): four instructions per pair, each
   // weight (q - z) s rounded once to fp16 from an fp16 s.
   __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const PrefillMeta& ma,
                                  const PrefillMeta& mb, uint32_t (&a)[4][4]) const {
     using Ops = PairOps<half_t>;
-    const uint32_t t = lane & 3, flip = zeros ? 0x64006400u : 0x64806408u, sel = 0x4040u | t | (t << 8);
-    const uint32_t za = (0x6400u + ma.zero) | ((0x6400u + 16 * ma.zero) << 16);
-    const uint32_t zb = (0x6400u + mb.zero) | ((0x6400u + 16 * mb.zero) << 16);
-    const uint32_t sa = Ops::pack(ma.scale, ma.scale * 0.0625f), sb = Ops::pack(mb.scale, mb.scale * 0.0625f);
+    const uint32_t t = lane & 3, flip = zeros ? 0x54006400u : 0x54806408u, sel = 0x4040u | t | (t << 8);
+    const uint32_t za = (0x6400u + ma.zero) | ((0x5400u + 16 * ma.zero) << 16);
+    const uint32_t zb = (0x6400u + mb.zero) | ((0x5400u + 16 * mb.zero) << 16);
+    const uint32_t sa = Ops::splat(ma.scale), sb = Ops::splat(mb.scale);
     auto pair = [&](uint32_t w, uint32_t z, uint32_t s) {
       return Ops::mul(Ops::sub(cuda::and_xor(__byte_perm(w, 0u, sel), 0x00F0000Fu, flip), z), s);
     };

@@ -137,6 +137,47 @@ struct Q4_0 {
     const uint32_t d = i == 0 ? word(0) : word(4) >> 16;
     Ops::nibble_pairs(w, Ops::nibble_consts(8.0f, Ops::scale_fp16(d & 0xFFFFu)), p);
   }
+  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 activations): a step of 64 values
+  // is two blocks, 36 bytes of a row, copied as a 48-byte TMA box (the box's width must be a
+  // multiple of 16; the row's bytes must be too, hence K % 256). d comes with the codes, so there
+  // is no separate metadata.
+  static constexpr bool kPrefill = true;
+  static constexpr int kPrefillStepBytes = 36;
+  static constexpr int kPrefillBoxBytes = 48;
+  bool prefill_ok() const { return nb % 8 == 0 && cuda::aligned16(blocks); }
+  const void* prefill_codes() const { return blocks; }
+  struct PrefillMeta {};
+// (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
+#pragma nv_diag_suppress 177
+  __device__ int prefill_group_steps() const { return 1 << 30; }
+  __device__ PrefillMeta prefill_meta(int, int) const { return {}; }
+  // In k16 slice 2b + h (block b of the step, nibble h), lane (g, t = lane & 3) needs values 2t,
+  // 2t + 1 and 2t + 8, 2t + 9 of rows r and r + 8: nibble h of qs[2t], qs[2t + 1] and of qs[2t + 8],
+  // qs[2t + 9], two halfword loads per block and row. A PRMT spreads a halfword's bytes over the
+  // two halves; one LOP3 keeps the low nibbles and ORs in 1024 (fp16 0x6400, mantissa unit 1), or
+  // keeps the high nibbles (bits 4-7) and ORs in 64 (0x5400, unit 1/16: bits 4-7 count whole
+  // units); HSUB2 takes off 1024 + 8 or 64 + 8, HMUL2 multiplies by (d, d): 3.5 instructions per
+  // pair, each weight (q - 8) d rounded once.
+  __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const PrefillMeta&,
+                                 const PrefillMeta&, uint32_t (&a)[4][4]) const {
+    using Ops = cuda_wo::PairOps<half_t>;
+    const int t = lane & 3;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const uint16_t* ba = reinterpret_cast<const uint16_t*>(tile + r * kPrefillBoxBytes + 18 * b);
+      const uint16_t* bb = reinterpret_cast<const uint16_t*>(tile + (r + 8) * kPrefillBoxBytes + 18 * b);
+      const uint32_t da = __byte_perm(ba[0], 0u, 0x1010u), db = __byte_perm(bb[0], 0u, 0x1010u);
+      const uint32_t q[4] = {__byte_perm(ba[1 + t], 0u, 0x4140u), __byte_perm(bb[1 + t], 0u, 0x4140u),
+                             __byte_perm(ba[5 + t], 0u, 0x4140u), __byte_perm(bb[5 + t], 0u, 0x4140u)};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t d = e & 1 ? db : da;
+        a[2 * b][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], 0x000F000Fu, 0x64006400u), 0x64086408u), d);
+        a[2 * b + 1][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], 0x00F000F0u, 0x54005400u), 0x54805480u), d);
+      }
+    }
+  }
+#pragma nv_diag_default 177
 };
 
 }  // namespace

@@ -210,6 +210,21 @@ def test_prefill_rows(fmt, params, n, m, k):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL["float16"])
 
 
+@pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),
+                                        ("nf4", {}), ("q4_0", {})], ids=str)
+def test_prefill_small_scales(fmt, params):
+    """Weights of magnitude ~1e-4 (int4 scales ~1e-5: a scale / 16 would be an fp16 subnormal)
+    decode as precisely as the format's dequantize to fp16 allows: within the fp16 tolerance."""
+    m, k, n = 300, 1024, 200
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((m, k)) * 1e-4).astype(np.float32)
+    mod = {"int4": int4, "nf4": nf4, "q4_0": q4_0}[fmt]
+    q = mod.quantize(w, **params)
+    w64 = np.asarray(mod.dequantize(q, dtype="float32"), dtype=np.float64)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(3)).half().cuda()
+    assert_close(native_gemm_into_nan(fmt, mod, q, q.to("cuda"), x, m), x, w64, TOL["float16"])
+
+
 @pytest.mark.parametrize("fmt", ["int4", "nf4", "q4_0"])
 @pytest.mark.parametrize("n,m", [(300, 14333), (129, 300)])
 def test_prefill_bias_and_streams(fmt, n, m):

@@ -213,11 +213,11 @@ def test_prefill_rows(fmt, params, n, m, k):
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),
                                         ("nf4", {}), ("q4_0", {})], ids=str)
 def test_prefill_small_scales(fmt, params):
-    """Weights of magnitude ~1e-4 (int4 scales ~1e-5: a scale / 16 would be an fp16 subnormal)
+    """Weights of magnitude ~1e-5 (int4 scales ~4e-6: a scale / 16 would be a deep fp16 subnormal)
     decode as precisely as the format's dequantize to fp16 allows: within the fp16 tolerance."""
     m, k, n = 300, 1024, 200
     rng = np.random.default_rng(5)
-    w = (rng.standard_normal((m, k)) * 1e-4).astype(np.float32)
+    w = (rng.standard_normal((m, k)) * 1e-5).astype(np.float32)
     mod = {"int4": int4, "nf4": nf4, "q4_0": q4_0}[fmt]
     q = mod.quantize(w, **params)
     w64 = np.asarray(mod.dequantize(q, dtype="float32"), dtype=np.float64)

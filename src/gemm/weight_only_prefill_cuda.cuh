@@ -13,8 +13,11 @@
 //   While step k's batch runs on the tensor cores, the warps decode step k + 1.
 // A format opts in with Fmt::kPrefill and supplies (int4_gemm_cuda.cu has the one user):
 //   kPrefillStepBytes           bytes of one weight row per 64 values;
-//   kPrefillBoxBytes            optional: the TMA box's width per row, a multiple of 16 that holds
-//                               a step (default kPrefillStepBytes; the shared-memory row pitch);
+//   kPrefillBoxBytes            optional: the TMA box's width per row (the shared-memory row pitch),
+//                               a multiple of 16 that holds a step from the 16-byte boundary at or
+//                               below its start: a box starts on such a boundary (a TMA rule), and
+//                               the decode gets the tile from the step's offset past it (default
+//                               kPrefillStepBytes, for steps that are whole 16-byte chunks);
 //   prefill_ok()                host: this weight can take the kernel;
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
 //   prefill_group_steps()       64-value steps per group of per-row metadata;
@@ -22,7 +25,8 @@
 //   kPrefillTableBytes, prefill_table(table)   optional: a per-CTA table in shared memory that
 //                               the CTA's threads fill together before the main loop;
 //   prefill_decode(tile, r, lane, table, ma, mb, a)   lane (g, t)'s A fragments of one step for
-//                               tile rows r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout).
+//                               tile rows r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout); the
+//                               step's bytes of row r start at tile + r * kPrefillBoxBytes.
 // Measurements and the tile choice: benchmarks/README.md, "A GEMM that decodes int4 in its main
 // loop, for prefill".
 #pragma once
@@ -112,7 +116,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
         if (k >= S) cuda::mbar_wait(&empty[st], ((k / S) - 1) & 1);
         cuda::mbar_expect(&full[st], kX + kW);
         cuda::tma_load_2d(xs + st * kX, &tmX, k * 64, n0, &full[st]);
-        cuda::tma_load_2d(wsm + st * kW, &tmW, k * Fmt::kPrefillStepBytes, m0, &full[st]);
+        cuda::tma_load_2d(wsm + st * kW, &tmW, (k * Fmt::kPrefillStepBytes) & ~15, m0, &full[st]);
       }
     return;
   }
@@ -135,7 +139,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
     --left;
     const int st = k % S;
     cuda::mbar_wait(&full[st], (k / S) & 1);
-    f.prefill_decode(wsm + st * kW, r0, lane, table, ca, cb, a);
+    f.prefill_decode(wsm + st * kW + ((k * Fmt::kPrefillStepBytes) & 15), r0, lane, table, ca, cb, a);
   };
   float d[NT][4];
 #pragma unroll

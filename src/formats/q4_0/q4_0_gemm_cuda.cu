@@ -138,9 +138,9 @@ struct Q4_0 {
     Ops::nibble_pairs(w, Ops::nibble_consts(8.0f, Ops::scale_fp16(d & 0xFFFFu)), p);
   }
   // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 activations): a step of 64 values
-  // is two blocks, 36 bytes of a row, copied as a 48-byte TMA box (the box's width must be a
-  // multiple of 16; the row's bytes must be too, hence K % 256). d comes with the codes, so there
-  // is no separate metadata.
+  // is two blocks, 36 bytes of a row, 4 (k % 4) bytes past a 16-byte boundary, so a 48-byte TMA box
+  // from that boundary holds it (boxes start on 16-byte boundaries; the row's bytes must be a
+  // multiple of 16 too, hence K % 256). d comes with the codes: no separate metadata.
   static constexpr bool kPrefill = true;
   static constexpr int kPrefillStepBytes = 36;
   static constexpr int kPrefillBoxBytes = 48;

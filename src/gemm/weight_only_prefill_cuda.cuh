@@ -11,7 +11,7 @@
 //   is released; C consumer warpgroups wait on the stage's mbarrier, decode their 64 rows into A
 //   registers (wgmma m64nBNk16, A from registers) and release the stage when its batch is done.
 //   While step k's batch runs on the tensor cores, the warps decode step k + 1.
-// A format opts in with Fmt::kPrefill and supplies (int4_gemm_cuda.cu has the one user):
+// A format opts in with Fmt::kPrefill and supplies (int4, nf4 and q4_0 do, in their *_gemm_cuda.cu):
 //   kPrefillStepBytes           bytes of one weight row per 64 values;
 //   kPrefillBoxBytes            optional: the TMA box's width per row (the shared-memory row pitch),
 //                               a multiple of 16 that holds a step from the 16-byte boundary at or
@@ -28,7 +28,7 @@
 //                               tile rows r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout); the
 //                               step's bytes of row r start at tile + r * kPrefillBoxBytes.
 // Measurements and the tile choice: benchmarks/README.md, "A GEMM that decodes int4 in its main
-// loop, for prefill".
+// loop, for prefill" and "The prefill kernel in the library".
 #pragma once
 #include <cuda_runtime.h>
 

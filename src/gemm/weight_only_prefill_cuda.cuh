@@ -44,6 +44,26 @@
 
 namespace qf::gemm::cuda_wo {
 
+// prefill_decode's loop for steps stored as 32 bytes per row, 8 words of two codes per byte
+// (int4, nf4): lane (g, t) takes byte t of words 2j and 2j + 1 of rows r and r + 8 for k16 slice j
+// (values 2t, 2t + 1 and 2t + 8, 2t + 9); pair(word, h) decodes that byte of a word of row r + 8 h
+// into an fp16 pair.
+template <class Pair>
+__device__ __forceinline__ void byte_pair_fragments(const uint8_t* tile, int r, Pair pair, uint32_t (&a)[4][4]) {
+  const uint4* ra = reinterpret_cast<const uint4*>(tile + r * 32);
+  const uint4* rb = reinterpret_cast<const uint4*>(tile + (r + 8) * 32);
+  const uint4 u0 = ra[0], u1 = ra[1], v0 = rb[0], v1 = rb[1];
+  const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+  const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    a[j][0] = pair(w0[2 * j], 0);
+    a[j][1] = pair(w1[2 * j], 1);
+    a[j][2] = pair(w0[2 * j + 1], 0);
+    a[j][3] = pair(w1[2 * j + 1], 1);
+  }
+}
+
 // Above the wgmma kernel's 128 activation rows per CTA (which decodes the weight again for every
 // further 128 rows) the prefill kernel takes the product.
 constexpr int kPrefillMinRows = 129;

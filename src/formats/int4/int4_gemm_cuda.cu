@@ -124,21 +124,13 @@ struct Int4 {
     const uint32_t za = (0x6400u + ma.zero) | ((0x5400u + 16 * ma.zero) << 16);
     const uint32_t zb = (0x6400u + mb.zero) | ((0x5400u + 16 * mb.zero) << 16);
     const uint32_t sa = Ops::splat(ma.scale), sb = Ops::splat(mb.scale);
-    auto pair = [&](uint32_t w, uint32_t z, uint32_t s) {
-      return Ops::mul(Ops::sub(cuda::and_xor(__byte_perm(w, 0u, sel), 0x00F0000Fu, flip), z), s);
-    };
-    const uint4* ra = reinterpret_cast<const uint4*>(tile + r * kPrefillStepBytes);
-    const uint4* rb = reinterpret_cast<const uint4*>(tile + (r + 8) * kPrefillStepBytes);
-    const uint4 u0 = ra[0], u1 = ra[1], v0 = rb[0], v1 = rb[1];
-    const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-    const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      a[j][0] = pair(w0[2 * j], za, sa);
-      a[j][1] = pair(w1[2 * j], zb, sb);
-      a[j][2] = pair(w0[2 * j + 1], za, sa);
-      a[j][3] = pair(w1[2 * j + 1], zb, sb);
-    }
+    cuda_wo::byte_pair_fragments(
+        tile, r,
+        [&](uint32_t w, int h) {
+          return Ops::mul(Ops::sub(cuda::and_xor(__byte_perm(w, 0u, sel), 0x00F0000Fu, flip), h ? zb : za),
+                          h ? sb : sa);
+        },
+        a);
   }
 #pragma nv_diag_default 177
 };

@@ -110,19 +110,9 @@ struct Nf4 {
                                  const PrefillMeta& mb, uint32_t (&a)[4][4]) const {
     using Ops = cuda_wo::PairOps<half_t>;
     const uint32_t sel = 0x4440u | uint32_t(lane & 3), sa = Ops::splat(ma.absmax), sb = Ops::splat(mb.absmax);
-    auto pair = [&](uint32_t w, uint32_t s) { return Ops::mul(lut[(__byte_perm(w, 0u, sel) << 5) | lane], s); };
-    const uint4* ra = reinterpret_cast<const uint4*>(tile + r * kPrefillStepBytes);
-    const uint4* rb = reinterpret_cast<const uint4*>(tile + (r + 8) * kPrefillStepBytes);
-    const uint4 u0 = ra[0], u1 = ra[1], v0 = rb[0], v1 = rb[1];
-    const uint32_t w0[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-    const uint32_t w1[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      a[j][0] = pair(w0[2 * j], sa);
-      a[j][1] = pair(w1[2 * j], sb);
-      a[j][2] = pair(w0[2 * j + 1], sa);
-      a[j][3] = pair(w1[2 * j + 1], sb);
-    }
+    cuda_wo::byte_pair_fragments(
+        tile, r, [&](uint32_t w, int h) { return Ops::mul(lut[(__byte_perm(w, 0u, sel) << 5) | lane], h ? sb : sa); },
+        a);
   }
 #pragma nv_diag_default 177
 };

@@ -8,6 +8,9 @@
 # bench:    benchmarks/codecs.py (median of CUDA events, rotated buffers, % of copy bandwidth)
 # gemm:     benchmarks/gemm.py (GEMV/GEMM table against cuBLAS fp16, _int_mm, bitsandbytes)
 # generate: benchmarks/generate.py (decode tokens/s of a Llama-shaped 7B, fp16 vs each format)
+# prefill:  the prefill kernels (gemm/weight_only_prefill_cuda.cuh) in one go: their GPU tests, memcheck and
+#           racecheck over them, gemm.py at 256-2048 rows (each format's kernel against its dequantize +
+#           cuBLAS), benchmarks/prefill.py (a 16-layer 7B-shaped HF forward over 256-2048-token prompts)
 # sanitize: compute-sanitizer memcheck and racecheck over the GPU tests (PATTERN below)
 # profile:  Nsight Compute (clocks left alone) on one format's quantize, dequantize and one-row GEMV:
 #           PROFILE_FMT (mixed2bit), PROFILE_PARAMS ("layout=tiled"), PROFILE_SHAPE ("4096 14336")
@@ -43,6 +46,18 @@ for stage in $stages; do
       python3 benchmarks/gemm.py --csv "$OUT/gemm.csv" ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.txt" | tail -80 ;;
     generate)
       python3 benchmarks/generate.py ${GENERATE_ARGS:-} 2>&1 | tee "$OUT/generate.txt" | tail -30 ;;
+    prefill)
+      python3 -m pytest -q -p no:cacheprovider tests/gemm/test_gemm_cuda.py tests/model/test_nn_cuda.py \
+        -k "prefill or many_rows or crossover or dense_path" 2>&1 | tee "$OUT/prefill-tests.log" | tail -3
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 python3 -m pytest -q -p no:cacheprovider \
+          tests/gemm/test_gemm_cuda.py -k prefill >"$OUT/prefill-$tool.log" 2>&1 || status=1
+        echo "$tool: $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/prefill-$tool.log" | tail -2 | tr '\n' ' ')"
+      done
+      python3 benchmarks/gemm.py --shapes 4096x14336,14336x4096 --n 256,512,1024,2048 \
+        --kernels int4,int4+cuBLAS,nf4,nf4+cuBLAS,q4_0,q4_0+cuBLAS 2>&1 | tee "$OUT/prefill-gemm.txt" | grep -E "^\|"
+      python3 benchmarks/prefill.py ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill.txt" | tail -30 ;;
     profile)
       fmt=${PROFILE_FMT:-mixed2bit} params=${PROFILE_PARAMS-layout=tiled} shape=${PROFILE_SHAPE:-"4096 14336"}
       ncu_run() {  # ncu_run NAME KERNEL-REGEX SKIP COMMAND...: one launch, its sections to $OUT/ncu-NAME.txt

@@ -354,3 +354,25 @@ def test_fake_implementations():
         w = torch.ops.qformats.dequantize(q._meta, bufs, torch.float16)
     assert y.shape == (7, 3, 96) and y.dtype == torch.bfloat16
     assert w.shape == (96, 256) and w.dtype == torch.float16
+
+
+def test_crossover_row_buckets():
+    """The measured-crossover buckets: multiples of 8 up to 128 rows, powers of two above (a prompt
+    of any length above 128 rows shares a decision with the others of its octave); every count
+    lies in its bucket, and the buckets only grow."""
+    from qformats.crossover import bucket
+
+    assert [bucket(r) for r in (1, 8, 9, 17, 127, 128)] == [8, 8, 16, 24, 128, 128]
+    assert [bucket(r) for r in (129, 256, 257, 1000, 2048, 2049, 4096)] == [256, 256, 512, 1024, 2048, 4096, 4096]
+    b = [bucket(r) for r in range(1, 5000)]
+    assert all(r <= v for r, v in zip(range(1, 5000), b)) and b == sorted(b)
+
+
+def test_formats_with_a_prefill_kernel_measure_up_to_4096_rows():
+    """int4, nf4 and q4_0 (whose CUDA kernels decode inside a wgmma main loop from 129 fp16 rows)
+    let QuantizedLinear measure kernel against dequantize + cuBLAS up to 4096 rows on CUDA; the
+    other formats with CUDA weight-only kernels up to 128."""
+    from qformats import format_spec
+
+    assert {f: format_spec(f).tune_rows.get("cuda") for f in ("int4", "nf4", "q4_0", "mixed2bit")} == {
+        "int4": 4096, "nf4": 4096, "q4_0": 4096, "mixed2bit": 128}

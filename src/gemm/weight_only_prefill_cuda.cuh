@@ -44,6 +44,16 @@
 
 namespace qf::gemm::cuda_wo {
 
+// The fp16 magic numbers of the nibble decodes (int4, q4_0): a nibble in bits 0-3 ORed into 0x6400
+// (1024, mantissa unit 1) reads 1024 + q; a nibble in bits 4-7 ORed into 0x5400 (64, mantissa unit
+// 1/16, so bits 4-7 count whole units) reads 64 + q. High nibbles then need no shift and no scale
+// / 16 (an fp16 subnormal for scales below 2^-10). HSUB2 of the *_minus(z) values leaves q - z.
+constexpr uint32_t kLoNibbleMagic = 0x6400u, kHiNibbleMagic = 0x5400u;
+__host__ __device__ constexpr uint32_t lo_nibble_minus(uint32_t z) { return kLoNibbleMagic + z; }
+__host__ __device__ constexpr uint32_t hi_nibble_minus(uint32_t z) { return kHiNibbleMagic + 16 * z; }
+// (lo, hi) as the low and high halves of a 32-bit register
+__host__ __device__ constexpr uint32_t halves(uint32_t lo, uint32_t hi) { return lo | (hi << 16); }
+
 // prefill_decode's loop for steps stored as 32 bytes per row, 8 words of two codes per byte
 // (int4, nf4): lane (g, t) takes byte t of words 2j and 2j + 1 of rows r and r + 8 for k16 slice j
 // (values 2t, 2t + 1 and 2t + 8, 2t + 9); pair(word, h) decodes that byte of a word of row r + 8 h

@@ -113,18 +113,20 @@ struct Int4 {
   // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and
   // r + 8: byte t of words 2j and 2j + 1 (low nibble first). A PRMT copies that byte into both
   // halves; one LOP3 keeps the low nibble in the low half and the high nibble (bits 4-7) in the
-  // high half, ORs in 1024 and 64 (fp16 0x6400: mantissa unit 1; 0x5400: unit 1/16, so bits 4-7
-  // count whole units: 64 + q) and for symmetric codes flips bit 3 of both nibbles (q + 8); HSUB2
-  // takes off (1024 + z, 64 + z) and HMUL2 multiplies by (s, s): four instructions per pair, each
-  // weight (q - z) s rounded once to fp16 from an fp16 s.
+  // high half, ORs in the magic numbers of weight_only_prefill_cuda.cuh (1024 + q, 64 + q) and
+  // for symmetric codes flips bit 3 of both nibbles (q + 8); HSUB2 takes off (1024 + z, 64 + z)
+  // and HMUL2 multiplies by (s, s): four instructions per pair, each weight (q - z) s rounded once
+  // to fp16 from an fp16 s.
   __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const PrefillMeta& ma,
                                  const PrefillMeta& mb, uint32_t (&a)[4][4]) const {
+    using namespace cuda_wo;
     using Ops = PairOps<half_t>;
-    const uint32_t t = lane & 3, flip = zeros ? 0x54006400u : 0x54806408u, sel = 0x4040u | t | (t << 8);
-    const uint32_t za = (0x6400u + ma.zero) | ((0x5400u + 16 * ma.zero) << 16);
-    const uint32_t zb = (0x6400u + mb.zero) | ((0x5400u + 16 * mb.zero) << 16);
+    constexpr uint32_t kMagic2 = halves(kLoNibbleMagic, kHiNibbleMagic);
+    const uint32_t t = lane & 3, flip = zeros ? kMagic2 : kMagic2 ^ 0x00800008u, sel = 0x4040u | t | (t << 8);
+    const uint32_t za = halves(lo_nibble_minus(ma.zero), hi_nibble_minus(ma.zero));
+    const uint32_t zb = halves(lo_nibble_minus(mb.zero), hi_nibble_minus(mb.zero));
     const uint32_t sa = Ops::splat(ma.scale), sb = Ops::splat(mb.scale);
-    cuda_wo::byte_pair_fragments(
+    byte_pair_fragments(
         tile, r,
         [&](uint32_t w, int h) {
           return Ops::mul(Ops::sub(cuda::and_xor(__byte_perm(w, 0u, sel), 0x00F0000Fu, flip), h ? zb : za),

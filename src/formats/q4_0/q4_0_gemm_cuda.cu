@@ -154,13 +154,17 @@ struct Q4_0 {
   // In k16 slice 2b + h (block b of the step, nibble h), lane (g, t = lane & 3) needs values 2t,
   // 2t + 1 and 2t + 8, 2t + 9 of rows r and r + 8: nibble h of qs[2t], qs[2t + 1] and of qs[2t + 8],
   // qs[2t + 9], two halfword loads per block and row. A PRMT spreads a halfword's bytes over the
-  // two halves; one LOP3 keeps the low nibbles and ORs in 1024 (fp16 0x6400, mantissa unit 1), or
-  // keeps the high nibbles (bits 4-7) and ORs in 64 (0x5400, unit 1/16: bits 4-7 count whole
-  // units); HSUB2 takes off 1024 + 8 or 64 + 8, HMUL2 multiplies by (d, d): 3.5 instructions per
-  // pair, each weight (q - 8) d rounded once.
+  // two halves; one LOP3 keeps the low nibbles and ORs in 1024, or keeps the high nibbles (bits
+  // 4-7) and ORs in 64 (the magic numbers of weight_only_prefill_cuda.cuh: 1024 + q, 64 + q);
+  // HSUB2 takes off 1024 + 8 or 64 + 8, HMUL2 multiplies by (d, d): 3.5 instructions per pair,
+  // each weight (q - 8) d rounded once.
   __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const PrefillMeta&,
                                  const PrefillMeta&, uint32_t (&a)[4][4]) const {
-    using Ops = cuda_wo::PairOps<half_t>;
+    using namespace cuda_wo;
+    using Ops = PairOps<half_t>;
+    constexpr uint32_t kLo = halves(kLoNibbleMagic, kLoNibbleMagic), kHi = halves(kHiNibbleMagic, kHiNibbleMagic);
+    constexpr uint32_t kLo8 = halves(lo_nibble_minus(8), lo_nibble_minus(8));
+    constexpr uint32_t kHi8 = halves(hi_nibble_minus(8), hi_nibble_minus(8));
     const int t = lane & 3;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
@@ -172,8 +176,8 @@ struct Q4_0 {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const uint32_t d = e & 1 ? db : da;
-        a[2 * b][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], 0x000F000Fu, 0x64006400u), 0x64086408u), d);
-        a[2 * b + 1][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], 0x00F000F0u, 0x54005400u), 0x54805480u), d);
+        a[2 * b][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], 0x000F000Fu, kLo), kLo8), d);
+        a[2 * b + 1][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], 0x00F000F0u, kHi), kHi8), d);
       }
     }
   }

@@ -33,8 +33,9 @@ _DECIDED: dict = {}
 
 
 def bucket(rows: int) -> int:
-    """The row bucket of ``rows``: rounded up to a multiple of 8 up to 128, above that to a power
-    of two."""
+    """The row bucket of ``rows`` (an int >= 1: activation rows of one call, i.e. the product
+    of x's leading dimensions): ``rows`` rounded up to a multiple of 8 up to 128, above that to
+    a power of two; an int. Raises nothing for ints (``int(rows)`` errors for other types)."""
     rows = int(rows)
     if rows <= 128:
         return (rows + 7) // 8 * 8

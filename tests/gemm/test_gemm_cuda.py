@@ -190,9 +190,15 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
 # decodes in its wgmma main loop (gemm/weight_only_prefill_cuda.cuh). The shapes take each of its
 # tiles on a GPU of ~132 SMs: 64 x 128 (few CTAs), 128 x 128 and 128 x 256 (weight x activation
 # rows); M and N leave partial tiles; K = 448 is not a multiple of 128 (nor q4_0's 256), and nf4
-# blocks of 32 are not whole steps (the wgmma kernel takes those).
-PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (200, 520, 8192), (2048, 77, 512),
-                  (160, 100, 448)]
+# blocks of 32 are not whole steps (the wgmma kernel takes those). 300 x 14333 (224 tiles of
+# 128 x 256) and 600 x 4000 (160 of 128 x 128) have more tiles than the GPU holds CTAs, so CTAs
+# take a second tile, partial ones included. K split over clusters (on an H200, which runs 30
+# clusters of 4 such CTAs at once): 300 x 4000 x 2304, 64 tiles of 128 x 256 in clusters of 2 (the
+# second span starting inside a group of 256); 250 x 3150 x 4096, 25 tiles of 128 x 256 in
+# clusters of 4; 200 x 4050 x 4096, 32 tiles of 128 x 256 do not fit clusters of 4 in one wave, so
+# 64 tiles of 128 x 128 in clusters of 2.
+PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (600, 4000, 512), (300, 4000, 2304),
+                  (250, 3150, 4096), (200, 4050, 4096), (200, 520, 8192), (2048, 77, 512), (160, 100, 448)]
 
 
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),
@@ -226,13 +232,12 @@ def test_prefill_small_scales(fmt, params):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nf4", "q4_0"])
-@pytest.mark.parametrize("n,m", [(300, 14333), (129, 300)])
-def test_prefill_bias_and_streams(fmt, n, m):
-    """The prefill kernel's bias is bitwise the product rounded to fp16 plus the bias in fp16, and
-    a call on a side stream gives the same bits as on the default stream."""
+@pytest.mark.parametrize("n,m,k", [(300, 14333, 1024), (129, 300, 1024), (300, 4000, 2304), (200, 4050, 4096)])
+def test_prefill_bias_and_streams(fmt, n, m, k):
+    """The prefill kernel's bias is bitwise the product rounded to fp16 plus the bias in fp16 (K
+    split or not), and a call on a side stream gives the same bits as on the default stream."""
     from qformats import format_spec
 
-    k = 1024
     _, _, qc, _ = weight(fmt, m, k, n)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).half().cuda()
     bias = torch.randn(m, generator=torch.Generator().manual_seed(m)).half().cuda()

@@ -46,9 +46,10 @@ class TinyGemmInt4(nn.Module):
         q = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(M, K)
         q = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two codes a byte, even element high
         self.group_size = group_size
-        self.packed = torch.ops.aten._convert_weight_to_int4pack(q, inner_k_tiles)
+        # buffers, so that a model's buffers count these bytes (prefill.py's memory column)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(q, inner_k_tiles), persistent=False)
         sz = torch.stack([scale.reshape(M, -1), zero.reshape(M, -1)], -1)
-        self.sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.register_buffer("sz", sz.transpose(0, 1).contiguous().to(torch.bfloat16), persistent=False)
         self.bias = None if lin.bias is None else lin.bias.detach().to(torch.bfloat16)
         self.out_features = M
 

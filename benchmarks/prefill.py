@@ -9,9 +9,13 @@ quantized at the format's defaults). A variant's time is the median over ``round
 of ``calls`` forwards (synchronized, wall clock, under ``torch.inference_mode``); the rounds
 alternate over the variants, so a drift of the clocks or of the host reaches all of them alike.
 Before timing, one forward per prompt length warms up (and lets ``QuantizedLinear`` make its
-measured kernel-or-dequantize decisions, ``qformats.crossover``). ``--dequantize-only 1`` adds, for
-each quantized variant, the same model with ``QFORMATS_TUNE=0``: above 16 rows every layer
-decodes its weight and calls cuBLAS (what a layer without a prefill kernel does).
+measured kernel-or-dequantize decisions, ``qformats.crossover``). Memory per variant: the model's
+weights and buffers (GB), and the forward's peak above what was allocated before it (``peak
+over``, MB: activations, workspaces, and a dequantized weight on the dequantizing path).
+``--dequantize-only 1`` adds, for each qformats variant, the same model with ``QFORMATS_TUNE=0``:
+above 16 rows every layer decodes its weight and calls cuBLAS (what a layer without a prefill
+kernel does). The peers of ``generate_hf.py`` run too: ``bnb-nf4`` (bitsandbytes, fp16) and
+``tinygemm-int4`` (torch's int4 kernel, a bf16 model).
 """
 from __future__ import annotations
 
@@ -26,6 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from generate_hf import build_model, variant  # noqa: E402
+
+
+def model_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers (packed codes and scales for quantized layers)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def main() -> int:
@@ -46,12 +55,13 @@ def main() -> int:
     models = {}
     for name in args.variants.split(","):
         models[name] = (variant(base, name, "cuda"), "1")
-        if args.dequantize_only and name not in ("fp16", "fp32"):
+        if args.dequantize_only and name not in ("fp16", "fp32", "bnb-nf4", "tinygemm-int4"):
             models[f"{name}, QFORMATS_TUNE=0"] = (models[name][0], "0")
     prompts = [int(p) for p in args.prompt.split(",")]
     g = torch.Generator().manual_seed(1)
     ids = {p: torch.randint(3, vocab, (1, p), generator=g).cuda() for p in prompts}
     times = {(p, name): [] for p in prompts for name in models}
+    over = {(p, name): 0 for p in prompts for name in models}
 
     def forward(model, p, tune):
         os.environ["QFORMATS_TUNE"] = tune
@@ -61,6 +71,12 @@ def main() -> int:
         for p in prompts:
             for name, (model, tune) in models.items():
                 forward(model, p, tune)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                forward(model, p, tune)
+                torch.cuda.synchronize()
+                over[(p, name)] = torch.cuda.max_memory_allocated() - before
         for _ in range(args.rounds):
             for p in prompts:
                 for name, (model, tune) in models.items():
@@ -72,14 +88,15 @@ def main() -> int:
                     times[(p, name)].append((time.perf_counter() - t0) / args.calls * 1e3)
     os.environ.pop("QFORMATS_TUNE", None)
     print(f"\n{args.size}, {args.layers or 'all'} layers, batch 1, {torch.cuda.get_device_name()}")
-    print("| prompt | variant | ms | prompt tokens/s | x fp16 | min-max ms |")
-    print("|---:|---|---:|---:|---:|---|")
+    print("| prompt | variant | ms | prompt tokens/s | x fp16 | min-max ms | weights GB | peak over MB |")
+    print("|---:|---|---:|---:|---:|---|---:|---:|")
     for p in prompts:
         ref = statistics.median(times[(p, next(iter(models)))])
         for name in models:
             t = times[(p, name)]
             ms = statistics.median(t)
-            print(f"| {p} | {name} | {ms:.2f} | {p / ms * 1e3:.0f} | {ref / ms:.2f} | {min(t):.2f}-{max(t):.2f} |")
+            print(f"| {p} | {name} | {ms:.2f} | {p / ms * 1e3:.0f} | {ref / ms:.2f} | {min(t):.2f}-{max(t):.2f} "
+                  f"| {model_bytes(models[name][0]) / 1e9:.2f} | {over[(p, name)] / 1e6:.0f} |")
     return 0
 
 

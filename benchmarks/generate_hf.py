@@ -94,9 +94,14 @@ class EmptyLinear(nn.Module):
         return x.new_empty((*x.shape[:-1], self.out_features))
 
 
+# Variant names that are not qformats formats: the float models and the other libraries' kernels.
+FLOATS = ("fp16", "fp32")
+PEERS = ("bnb-nf4", "tinygemm-int4")
+
+
 def variant(base, name: str, device: str):
     """A copy of the float model as variant ``name`` (the base is left as it is)."""
-    if name in ("fp16", "fp32"):
+    if name in FLOATS:
         return base
     if name == "empty-linear":
         model = copy.deepcopy(base)
@@ -169,7 +174,7 @@ def main(argv=None) -> int:
     fdtype = torch.float16 if dev == "cuda" else torch.float32
     base_name = "fp16" if dev == "cuda" else "fp32"
     kernels = [f for f in qformats.FORMATS if format_spec(f).linear_rows.get(dev)]
-    default_variants = [base_name, *kernels] + (["bnb-nf4", "tinygemm-int4", "empty-linear"] if dev == "cuda" else [])
+    default_variants = [base_name, *kernels] + ([*PEERS, "empty-linear"] if dev == "cuda" else [])
     variants = [v for v in (args.variants.split(",") if args.variants else default_variants) if v]
     modes = [m for m in args.modes.split(",") if m]
     batches = [int(b) for b in args.batch.split(",")]
@@ -211,7 +216,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     ref = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["variant"] == base_name}
     peers = {(r["mode"], r["batch"], r["variant"]): r["tokens_per_s"] for r in rows
-             if r["variant"] in ("bnb-nf4", "tinygemm-int4")}
+             if r["variant"] in PEERS}
     print(f"\n| variant | mode | batch | tokens/s | x {base_name} | x bnb-nf4 | x tinygemm-int4 | peak GB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

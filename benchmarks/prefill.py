@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generate_hf import build_model, variant  # noqa: E402
+from generate_hf import FLOATS, PEERS, build_model, variant  # noqa: E402
 
 
 def model_bytes(model) -> int:
@@ -55,7 +55,7 @@ def main() -> int:
     models = {}
     for name in args.variants.split(","):
         models[name] = (variant(base, name, "cuda"), "1")
-        if args.dequantize_only and name not in ("fp16", "fp32", "bnb-nf4", "tinygemm-int4"):
+        if args.dequantize_only and name not in (*FLOATS, *PEERS):
             models[f"{name}, QFORMATS_TUNE=0"] = (models[name][0], "0")
     prompts = [int(p) for p in args.prompt.split(",")]
     g = torch.Generator().manual_seed(1)

@@ -1,5 +1,5 @@
 // Weight-only GEMM for many activation rows (prefill) on sm_90a: Y [N, M] = X [N, K] . W^T with
-// fp16 X, the packed weight decoded inside a Hopper wgmma main loop (no fp16 copy of W). Where
+// fp16 or bf16 X, the packed weight decoded inside a Hopper wgmma main loop (no fp16 copy of W). Where
 // the wgmma kernel of weight_only_wgmma_cuda.cuh permutes X into the A fragments' k order at
 // every step and decodes the weight again for every 128 activation rows, here
 // - X tiles land by TMA as they are in memory (K-major, 128-byte swizzle, which wgmma reads as
@@ -22,11 +22,12 @@
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
 //   prefill_group_steps()       64-value steps per group of per-row metadata;
 //   PrefillMeta, prefill_meta(m, g)   row m's metadata of group g (loaded a group ahead);
-//   kPrefillTableBytes, prefill_table(table)   optional: a per-CTA table in shared memory that
+//   kPrefillTableBytes, prefill_table<H>(table)   optional: a per-CTA table in shared memory that
 //                               the CTA's threads fill together before the main loop;
-//   prefill_decode(tile, r, lane, table, ma, mb, a)   lane (g, t)'s A fragments of one step for
-//                               tile rows r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout); the
-//                               step's bytes of row r start at tile + r * kPrefillBoxBytes.
+//   prefill_decode<H>(tile, r, lane, table, ma, mb, a)   lane (g, t)'s A fragments of one step for
+//                               tile rows r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout), as
+//                               pairs of H (half_t or bf16_t, the activations' type); the step's
+//                               bytes of row r start at tile + r * kPrefillBoxBytes.
 // Measurements and the tile choice: benchmarks/README.md, "A GEMM that decodes int4 in its main
 // loop, for prefill" and "The prefill kernel in the library".
 #pragma once
@@ -45,13 +46,47 @@
 
 namespace qf::gemm::cuda_wo {
 
-// The fp16 magic numbers of the nibble decodes (int4, q4_0): a nibble in bits 0-3 ORed into 0x6400
-// (1024, mantissa unit 1) reads 1024 + q; a nibble in bits 4-7 ORed into 0x5400 (64, mantissa unit
-// 1/16, so bits 4-7 count whole units) reads 64 + q. High nibbles then need no shift and no scale
-// / 16 (an fp16 subnormal for scales below 2^-10). HSUB2 of the *_minus(z) values leaves q - z.
-constexpr uint32_t kLoNibbleMagic = 0x6400u, kHiNibbleMagic = 0x5400u;
-__host__ __device__ constexpr uint32_t lo_nibble_minus(uint32_t z) { return kLoNibbleMagic + z; }
-__host__ __device__ constexpr uint32_t hi_nibble_minus(uint32_t z) { return kHiNibbleMagic + 16 * z; }
+// The nibble decodes of int4 and q4_0 into A fragments of H (fp16 or bf16): a nibble ORed into the
+// mantissa of a magic number, so that HSUB2 of (magic + z) leaves q - z exactly.
+// - fp16: a nibble in bits 0-3 ORed into 0x6400 (1024, mantissa unit 1) reads 1024 + q; a nibble in
+//   bits 4-7 ORed into 0x5400 (64, mantissa unit 1/16, so bits 4-7 count whole units) reads 64 + q.
+//   High nibbles then need no shift and no scale / 16 (an fp16 subnormal for scales below 2^-10).
+// - bf16: 7 mantissa bits, and bit 7 is the exponent's lowest: both nibbles are ORed into bits 0-3 of
+//   0x4300 (128, mantissa unit 1), the high one shifted down first (a shift more per pair, as in
+//   Marlin's bf16 decode, marlin/dequant.h).
+// Members: kLo / kHi, the magic numbers' bits; kLoMask / kHiMask, where lo_src(x) / hi_src(x) leave
+// the nibbles of a 16-bit half; lo_minus(z) / hi_minus(z), the bits of magic + z; byte_both(w, t),
+// byte t of w in both halves with its low nibble where the low half's mask takes it and its high
+// nibble where the high half's takes it; kFlip, bit 3 of both of byte_both's nibbles (a
+// two's-complement nibble's sign: q + 8).
+template <class H>
+struct PrefillNibbles;
+
+template <>
+struct PrefillNibbles<half_t> {
+  static constexpr uint32_t kLo = 0x6400u, kHi = 0x5400u, kLoMask = 0x000Fu, kHiMask = 0x00F0u;
+  static constexpr uint32_t kFlip = 0x00800008u;
+  static __host__ __device__ constexpr uint32_t lo_minus(uint32_t z) { return kLo + z; }
+  static __host__ __device__ constexpr uint32_t hi_minus(uint32_t z) { return kHi + 16 * z; }
+  static __device__ __forceinline__ uint32_t hi_src(uint32_t x) { return x; }
+  static __device__ __forceinline__ uint32_t byte_both(uint32_t w, uint32_t t) {
+    return __byte_perm(w, 0u, 0x4040u | t | (t << 8));
+  }
+};
+
+template <>
+struct PrefillNibbles<bf16_t> {
+  static constexpr uint32_t kLo = 0x4300u, kHi = 0x4300u, kLoMask = 0x000Fu, kHiMask = 0x000Fu;
+  static constexpr uint32_t kFlip = 0x00080008u;
+  static __host__ __device__ constexpr uint32_t lo_minus(uint32_t z) { return kLo + z; }
+  static __host__ __device__ constexpr uint32_t hi_minus(uint32_t z) { return kHi + z; }
+  static __device__ __forceinline__ uint32_t hi_src(uint32_t x) { return x >> 4; }
+  // (byte t of w in the low half, byte t of w >> 4 in the high half)
+  static __device__ __forceinline__ uint32_t byte_both(uint32_t w, uint32_t t) {
+    return __byte_perm(w, w >> 4, t | ((4 + t) << 8));
+  }
+};
+
 // (lo, hi) as the low and high halves of a 32-bit register
 __host__ __device__ constexpr uint32_t halves(uint32_t lo, uint32_t hi) { return lo | (hi << 16); }
 
@@ -116,12 +151,11 @@ __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffff
 // accumulators a thread) needs more registers than a CTA of 288 threads may have: the copies then
 // get a whole warpgroup, which hands its registers to the consumers (setmaxnreg 40 / 232; without
 // it ptxas spills and serializes the wgmma, C7512). C = 1 runs two CTAs per SM.
-template <class Fmt, int BN, int S, int C>
+template <class Fmt, class H, int BN, int S, int C>
 __global__ void
 __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
     weight_only_prefill_kernel(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmW,
-                               const Fmt f, half_t* __restrict__ Y, const half_t* __restrict__ bias, int N, int M,
-                               int K) {
+                               const Fmt f, H* __restrict__ Y, const H* __restrict__ bias, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 128 || BN == 256, "wgmma n128 / n256");
   constexpr int NT = BN / 8, kX = BN * wg::kRowBytes, kW = 64 * C * prefill_box_bytes<Fmt>::value;
@@ -146,7 +180,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
     for (int i = 0; i < S; ++i) cuda::mbar_init(full + i, 1), cuda::mbar_init(empty + i, C);
     cuda::mbar_init_fence();
   }
-  if constexpr (prefill_table_bytes<Fmt>::value > 0) f.prefill_table(table);
+  if constexpr (prefill_table_bytes<Fmt>::value > 0) f.template prefill_table<H>(table);
   __syncthreads();
   if (wgi == C) {  // the copies, up to S steps ahead of the consumers
     if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -187,7 +221,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       --left;
       const int st = (kk0 + k) % S;
       cuda::mbar_wait(&full[st], ((kk0 + k) / S) & 1);
-      f.prefill_decode(wsm + st * kW + (((kb + k) * Fmt::kPrefillStepBytes) & 15), r0, lane, table, ca, cb, a);
+      f.template prefill_decode<H>(wsm + st * kW + (((kb + k) * Fmt::kPrefillStepBytes) & 15), r0, lane, table, ca, cb, a);
     };
 #pragma unroll
     for (int i = 0; i < NT; ++i)
@@ -200,7 +234,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       const uint64_t db = wg::sw128_desc(xa + ((kk0 + k) % S) * kX);
       wg::fence();
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wg::WgmmaRS<NT>::template run<false>(d, acur[j], db + 2 * j);  // + 32 B per k16
+      for (int j = 0; j < 4; ++j) wg::WgmmaRS<NT>::template run<std::is_same_v<H, bf16_t>>(d, acur[j], db + 2 * j);  // + 32 B per k16
       wg::commit();
       // The last step waits for everything: with wait<1> here and wait<0> after the loop, ptxas
       // (CUDA 13.0) put the epilogue's reads of the accumulators before the final wait (SASS: F2FP
@@ -265,7 +299,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 #endif
 }
 
-// Launches the prefill kernel on `stream` when it applies: a format with the hooks, fp16
+// Launches the prefill kernel on `stream` when it applies: a format with the hooks, fp16 or bf16
 // activations, more than 128 rows, compute capability 9.0 and sm_90a code in the build, K a
 // multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(); returns
 // false (nothing launched) otherwise. The tile, by the first rule that gives at least 3/4 of a CTA
@@ -280,7 +314,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 template <class Fmt, class H>
 bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, const H* bias,
                                 void* stream) {
-  if constexpr (!has_prefill<Fmt>::value || !std::is_same_v<H, half_t>) {
+  if constexpr (!has_prefill<Fmt>::value || !(std::is_same_v<H, half_t> || std::is_same_v<H, bf16_t>)) {
     return false;
   } else {
     if (!wgmma_built() || N < kPrefillMinRows || M <= 0 || K <= 0 || K % 128 || N >= (int64_t(1) << 31) ||
@@ -288,8 +322,9 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
         cuda::cc_major() != 9)
       return false;
     constexpr int kSB = Fmt::kPrefillStepBytes, kBox = prefill_box_bytes<Fmt>::value;
-    constexpr auto kWide = weight_only_prefill_kernel<Fmt, 256, 4, 2>, kMid = weight_only_prefill_kernel<Fmt, 128, 6, 2>,
-                   kLow = weight_only_prefill_kernel<Fmt, 128, 4, 1>;
+    constexpr auto kWide = weight_only_prefill_kernel<Fmt, H, 256, 4, 2>,
+                   kMid = weight_only_prefill_kernel<Fmt, H, 128, 6, 2>,
+                   kLow = weight_only_prefill_kernel<Fmt, H, 128, 4, 1>;
     constexpr int kWideSmem = prefill_smem_bytes<Fmt, 256, 4, 2>(), kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>();
     const int sms = cuda::sm_count();
     const int64_t fill = 3 * int64_t(sms) / 4, steps = K / 64;
@@ -322,7 +357,8 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       split = std::max(split, 1);
     }
     CUtensorMap tx, tw;
-    if (!cuda::tensor_map_2d(&tx, X, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, uint64_t(K), uint64_t(N), 64, bn,
+    constexpr auto kXType = std::is_same_v<H, bf16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    if (!cuda::tensor_map_2d(&tx, X, kXType, 2, uint64_t(K), uint64_t(N), 64, bn,
                              CU_TENSOR_MAP_SWIZZLE_128B) ||
         !cuda::tensor_map_2d(&tw, f.prefill_codes(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(K / 64 * kSB),
                              uint64_t(M), kBox, bm, CU_TENSOR_MAP_SWIZZLE_NONE))

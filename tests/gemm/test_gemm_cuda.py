@@ -186,7 +186,7 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
-# int4, nf4 and q4_0 with fp16 activations from 129 rows on an sm_90a build: the kernel that
+# int4, nf4 and q4_0 with fp16 or bf16 activations from 129 rows on an sm_90a build: the kernel that
 # decodes in its wgmma main loop (gemm/weight_only_prefill_cuda.cuh). The shapes take each of its
 # tiles on a GPU of ~132 SMs: 64 x 128 (few CTAs), 128 x 128 and 128 x 256 (weight x activation
 # rows); M and N leave partial tiles; K = 448 is not a multiple of 128 (nor q4_0's 256), and nf4
@@ -206,43 +206,48 @@ PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (600, 4
                                         ("nf4", {"blocksize": 256, "compress_statistics": True}),
                                         ("nf4", {"blocksize": 32}), ("q4_0", {})], ids=str)
 @pytest.mark.parametrize("n,m,k", PREFILL_SHAPES, ids=str)
-def test_prefill_rows(fmt, params, n, m, k):
-    """Many fp16 activation rows of int4, nf4 and q4_0 against float64; NaN-filled outputs all
-    overwritten."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_prefill_rows(fmt, params, n, m, k, dtype):
+    """Many fp16 or bf16 activation rows of int4, nf4 and q4_0 against float64; NaN-filled outputs
+    all overwritten."""
     if fmt == "int4" and k % params["group_size"]:
         pytest.skip("K not a multiple of the group")
     mod, q, qc, w64 = weight(fmt, m, k, k + n + m, **params)
-    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).half().cuda()
-    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL["float16"])
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(DTYPES[dtype]).cuda()
+    assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),
                                         ("nf4", {}), ("q4_0", {})], ids=str)
-def test_prefill_small_scales(fmt, params):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_prefill_small_scales(fmt, params, dtype):
     """Weights of magnitude ~1e-5 (int4 scales ~4e-6: a scale / 16 would be a deep fp16 subnormal)
-    decode as precisely as the format's dequantize to fp16 allows: within the fp16 tolerance."""
+    decode as precisely as the format's dequantize to fp16 or bf16 allows: within the tolerance of
+    the activations' type."""
     m, k, n = 300, 1024, 200
     rng = np.random.default_rng(5)
     w = (rng.standard_normal((m, k)) * 1e-5).astype(np.float32)
     mod = {"int4": int4, "nf4": nf4, "q4_0": q4_0}[fmt]
     q = mod.quantize(w, **params)
     w64 = np.asarray(mod.dequantize(q, dtype="float32"), dtype=np.float64)
-    x = torch.randn(n, k, generator=torch.Generator().manual_seed(3)).half().cuda()
-    assert_close(native_gemm_into_nan(fmt, mod, q, q.to("cuda"), x, m), x, w64, TOL["float16"])
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(3)).to(DTYPES[dtype]).cuda()
+    assert_close(native_gemm_into_nan(fmt, mod, q, q.to("cuda"), x, m), x, w64, TOL[dtype])
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nf4", "q4_0"])
 @pytest.mark.parametrize("n,m,k", [(300, 14333, 1024), (129, 300, 1024), (300, 4000, 2304), (200, 4050, 4096)])
-def test_prefill_bias_and_streams(fmt, n, m, k):
-    """The prefill kernel's bias is bitwise the product rounded to fp16 plus the bias in fp16 (K
-    split or not), and a call on a side stream gives the same bits as on the default stream."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_prefill_bias_and_streams(fmt, n, m, k, dtype):
+    """The prefill kernel's bias is bitwise the product rounded to the activations' type plus the
+    bias in that type (K split or not), and a call on a side stream gives the same bits as on the
+    default stream."""
     from qformats import format_spec
 
     _, _, qc, _ = weight(fmt, m, k, n)
-    x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).half().cuda()
-    bias = torch.randn(m, generator=torch.Generator().manual_seed(m)).half().cuda()
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(DTYPES[dtype]).cuda()
+    bias = torch.randn(m, generator=torch.Generator().manual_seed(m)).to(DTYPES[dtype]).cuda()
     run = format_spec(fmt).make_linear(qc).run
-    y, y0, y1 = (torch.full((n, m), float("nan"), device="cuda", dtype=torch.float16) for _ in range(3))
+    y, y0, y1 = (torch.full((n, m), float("nan"), device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
     run(x, y, bias, torch.cuda.current_stream().cuda_stream)
     run(x, y0, None, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()

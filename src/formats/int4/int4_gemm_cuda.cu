@@ -92,9 +92,9 @@ struct Int4 {
   __device__ void pairs_in_pair(const Pair& pr, int i, int j, uint32_t (&p)[4]) const {
     pairs<Ops>(nullptr, 0, Unit{pr.q[i], pr.scale, pr.zero}, j, p);
   }
-  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 activations): a step of 64 codes
-  // is 32 bytes of a row, so the packed rows are its TMA tiles as stored; groups of >= 64 values
-  // hold whole steps.
+  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 or bf16 activations): a step of 64
+  // codes is 32 bytes of a row, so the packed rows are its TMA tiles as stored; groups of >= 64
+  // values hold whole steps.
   static constexpr bool kPrefill = true;
 // (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
 #pragma nv_diag_suppress 177
@@ -111,26 +111,27 @@ struct Int4 {
     return {__ldg(scales + g), zeros ? uint32_t(__ldg(zeros + g)) : 8u};
   }
   // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and
-  // r + 8: byte t of words 2j and 2j + 1 (low nibble first). A PRMT copies that byte into both
-  // halves; one LOP3 keeps the low nibble in the low half and the high nibble (bits 4-7) in the
-  // high half, ORs in the magic numbers of weight_only_prefill_cuda.cuh (1024 + q, 64 + q) and
-  // for symmetric codes flips bit 3 of both nibbles (q + 8); HSUB2 takes off (1024 + z, 64 + z)
-  // and HMUL2 multiplies by (s, s): four instructions per pair, each weight (q - z) s rounded once
-  // to fp16 from an fp16 s.
+  // r + 8: byte t of words 2j and 2j + 1 (low nibble first). PrefillNibbles<H>::byte_both puts that
+  // byte's low nibble in the low half and its high nibble in the high half (fp16: a PRMT; bf16: a
+  // shift and a PRMT); one LOP3 keeps them, ORs in the magic numbers (fp16 1024 + q, 64 + q; bf16
+  // 128 + q) and for symmetric codes flips bit 3 of both nibbles (q + 8); HSUB2 takes off the
+  // magic + z and HMUL2 multiplies by (s, s): four instructions per pair (five for bf16), each
+  // weight (q - z) s rounded once to H from an H s.
+  template <class H>
   __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const PrefillMeta& ma,
                                  const PrefillMeta& mb, uint32_t (&a)[4][4]) const {
     using namespace cuda_wo;
-    using Ops = PairOps<half_t>;
-    constexpr uint32_t kMagic2 = halves(kLoNibbleMagic, kHiNibbleMagic);
-    const uint32_t t = lane & 3, flip = zeros ? kMagic2 : kMagic2 ^ 0x00800008u, sel = 0x4040u | t | (t << 8);
-    const uint32_t za = halves(lo_nibble_minus(ma.zero), hi_nibble_minus(ma.zero));
-    const uint32_t zb = halves(lo_nibble_minus(mb.zero), hi_nibble_minus(mb.zero));
+    using Ops = PairOps<H>;
+    using PN = PrefillNibbles<H>;
+    constexpr uint32_t kMagic2 = halves(PN::kLo, PN::kHi), kMask2 = halves(PN::kLoMask, PN::kHiMask);
+    const uint32_t t = lane & 3, flip = zeros ? kMagic2 : kMagic2 ^ PN::kFlip;
+    const uint32_t za = halves(PN::lo_minus(ma.zero), PN::hi_minus(ma.zero));
+    const uint32_t zb = halves(PN::lo_minus(mb.zero), PN::hi_minus(mb.zero));
     const uint32_t sa = Ops::splat(ma.scale), sb = Ops::splat(mb.scale);
     byte_pair_fragments(
         tile, r,
         [&](uint32_t w, int h) {
-          return Ops::mul(Ops::sub(cuda::and_xor(__byte_perm(w, 0u, sel), 0x00F0000Fu, flip), h ? zb : za),
-                          h ? sb : sa);
+          return Ops::mul(Ops::sub(cuda::and_xor(PN::byte_both(w, t), kMask2, flip), h ? zb : za), h ? sb : sa);
         },
         a);
   }

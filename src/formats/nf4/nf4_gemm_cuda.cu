@@ -82,12 +82,12 @@ struct Nf4 {
   static constexpr int kMaxRowGroups = 4;    // benchmarks/README.md, "Row groups"
   static constexpr int kStagedXMinRows = 4;  // benchmarks/README.md, "Activations through shared memory"
   static constexpr int kTableXMaxRows = 1;   // (the pair table leaves no room for it)
-  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 activations): a step of 64 codes
+  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 or bf16 activations): a step of 64 codes
   // is 32 bytes of a row; blocks of >= 64 values that start at every row's start (K a multiple of
   // the blocksize) hold whole steps.
   static constexpr bool kPrefill = true;
   static constexpr int kPrefillStepBytes = 32;
-  // lut[byte][lane]: the byte's pair (code of the high nibble, code of the low nibble) as fp16,
+  // lut[byte][lane]: the byte's pair (code of the high nibble, code of the low nibble) as fp16 or bf16,
   // once per lane so that a warp's 32 lookups of any bytes hit 32 distinct banks.
   static constexpr int kPrefillTableBytes = 256 * 32 * 4;
   bool prefill_ok() const { return log2_bs >= 6 && K % (int64_t(1) << log2_bs) == 0; }
@@ -101,14 +101,16 @@ struct Nf4 {
   __device__ PrefillMeta prefill_meta(int m, int block) const {
     return {__ldg(absmax + ((int64_t(m) * K) >> log2_bs) + block)};
   }
+  template <class H>
   __device__ void prefill_table(uint32_t* lut) const {
-    for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) lut[i] = lut_entry<cuda_wo::PairOps<half_t>>(i >> 5);
+    for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) lut[i] = lut_entry<cuda_wo::PairOps<H>>(i >> 5);
   }
   // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and
   // r + 8: byte t of words 2j and 2j + 1, one lookup each, times the block's absmax.
+  template <class H>
   __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t* lut, const PrefillMeta& ma,
                                  const PrefillMeta& mb, uint32_t (&a)[4][4]) const {
-    using Ops = cuda_wo::PairOps<half_t>;
+    using Ops = cuda_wo::PairOps<H>;
     const uint32_t sel = 0x4440u | uint32_t(lane & 3), sa = Ops::splat(ma.absmax), sb = Ops::splat(mb.absmax);
     cuda_wo::byte_pair_fragments(
         tile, r, [&](uint32_t w, int h) { return Ops::mul(lut[(__byte_perm(w, 0u, sel) << 5) | lane], h ? sb : sa); },

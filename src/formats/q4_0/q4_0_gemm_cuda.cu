@@ -137,7 +137,7 @@ struct Q4_0 {
     const uint32_t d = i == 0 ? word(0) : word(4) >> 16;
     Ops::nibble_pairs(w, Ops::nibble_consts(8.0f, Ops::scale_fp16(d & 0xFFFFu)), p);
   }
-  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 activations): a step of 64 values
+  // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 or bf16 activations): a step of 64 values
   // is two blocks, 36 bytes of a row, 4 (k % 4) bytes past a 16-byte boundary, so a 48-byte TMA box
   // from that boundary holds it (boxes start on 16-byte boundaries; the row's bytes must be a
   // multiple of 16 too, hence K % 256). d comes with the codes: no separate metadata.
@@ -154,30 +154,33 @@ struct Q4_0 {
   // In k16 slice 2b + h (block b of the step, nibble h), lane (g, t = lane & 3) needs values 2t,
   // 2t + 1 and 2t + 8, 2t + 9 of rows r and r + 8: nibble h of qs[2t], qs[2t + 1] and of qs[2t + 8],
   // qs[2t + 9], two halfword loads per block and row. A PRMT spreads a halfword's bytes over the
-  // two halves; one LOP3 keeps the low nibbles and ORs in 1024, or keeps the high nibbles (bits
-  // 4-7) and ORs in 64 (the magic numbers of weight_only_prefill_cuda.cuh: 1024 + q, 64 + q);
-  // HSUB2 takes off 1024 + 8 or 64 + 8, HMUL2 multiplies by (d, d): 3.5 instructions per pair,
-  // each weight (q - 8) d rounded once.
+  // two halves; one LOP3 keeps the low nibbles and ORs in the magic number, or keeps the high
+  // nibbles and ORs in theirs (PrefillNibbles<H>: fp16 1024 + q and 64 + q, bf16 128 + q after a
+  // shift); HSUB2 takes off magic + 8, HMUL2 multiplies by (d, d): 3.5 instructions per pair (4 for
+  // bf16), each weight (q - 8) d rounded once (bf16: from d rounded to bf16).
+  template <class H>
   __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const PrefillMeta&,
                                  const PrefillMeta&, uint32_t (&a)[4][4]) const {
     using namespace cuda_wo;
-    using Ops = PairOps<half_t>;
-    constexpr uint32_t kLo = halves(kLoNibbleMagic, kLoNibbleMagic), kHi = halves(kHiNibbleMagic, kHiNibbleMagic);
-    constexpr uint32_t kLo8 = halves(lo_nibble_minus(8), lo_nibble_minus(8));
-    constexpr uint32_t kHi8 = halves(hi_nibble_minus(8), hi_nibble_minus(8));
+    using Ops = PairOps<H>;
+    using PN = PrefillNibbles<H>;
+    constexpr uint32_t kLo = halves(PN::kLo, PN::kLo), kHi = halves(PN::kHi, PN::kHi);
+    constexpr uint32_t kLoMask = halves(PN::kLoMask, PN::kLoMask), kHiMask = halves(PN::kHiMask, PN::kHiMask);
+    constexpr uint32_t kLo8 = halves(PN::lo_minus(8), PN::lo_minus(8));
+    constexpr uint32_t kHi8 = halves(PN::hi_minus(8), PN::hi_minus(8));
     const int t = lane & 3;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const uint16_t* ba = reinterpret_cast<const uint16_t*>(tile + r * kPrefillBoxBytes + 18 * b);
       const uint16_t* bb = reinterpret_cast<const uint16_t*>(tile + (r + 8) * kPrefillBoxBytes + 18 * b);
-      const uint32_t da = __byte_perm(ba[0], 0u, 0x1010u), db = __byte_perm(bb[0], 0u, 0x1010u);
+      const uint32_t da = Ops::scale_fp16(ba[0]), db = Ops::scale_fp16(bb[0]);
       const uint32_t q[4] = {__byte_perm(ba[1 + t], 0u, 0x4140u), __byte_perm(bb[1 + t], 0u, 0x4140u),
                              __byte_perm(ba[5 + t], 0u, 0x4140u), __byte_perm(bb[5 + t], 0u, 0x4140u)};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const uint32_t d = e & 1 ? db : da;
-        a[2 * b][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], 0x000F000Fu, kLo), kLo8), d);
-        a[2 * b + 1][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], 0x00F000F0u, kHi), kHi8), d);
+        a[2 * b][e] = Ops::mul(Ops::sub(cuda::and_xor(q[e], kLoMask, kLo), kLo8), d);
+        a[2 * b + 1][e] = Ops::mul(Ops::sub(cuda::and_xor(PN::hi_src(q[e]), kHiMask, kHi), kHi8), d);
       }
     }
   }

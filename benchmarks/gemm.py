@@ -4,8 +4,10 @@
                               [--n 1,2,4,8,16,64,512,2048] [--iters 15] [--csv FILE]
                               [--json FILE] [--kernels "q4_0xq8_1,int8 fused,..."]
                               [--resident] [--calls 200] [--variants mixed2bit:layout=tiled]
+                              [--dtype float16|bfloat16]
 
-Y = X . W^T with W [M, K] and X [N, K] (fp16 activations). Each time is the median over `iters`
+Y = X . W^T with W [M, K] and X [N, K] (fp16 activations; --dtype bfloat16: bf16 activations, the
+float rows in bf16 and the ratio column x bf16 instead). Each time is the median over `iters`
 calls timed with CUDA events; the weights (and activations) rotate through copies that together
 exceed 4x the L2 cache, so weights come from DRAM, and a ~1 ms torch.cuda._sleep before each
 start event keeps the GPU busy while Python issues the call (launch overhead is not counted; the
@@ -164,7 +166,11 @@ def main(argv=None) -> int:
     ap.add_argument("--resident", action="store_true", help="llama.cpp's perf mode: one weight, calls in a CUDA graph")
     ap.add_argument("--calls", type=int, default=200, help="calls per graph with --resident")
     ap.add_argument("--variants", default=variants.DEFAULT, help=variants.HELP)
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                    help="the activations' type (the float baseline and the +cuBLAS rows' too)")
     args = ap.parse_args(argv)
+    dt = getattr(torch, args.dtype)
+    base = {"float16": "fp16", "bfloat16": "bf16"}[args.dtype]  # the float baseline's row and ratio name
     def timer(fn, arg_sets, iters):  # the mode's timer, for every row alike
         if not args.resident:
             return time_us(fn, arg_sets, iters)
@@ -214,6 +220,7 @@ def main(argv=None) -> int:
         print(f"\n{m}x{k}: d2d copy {copy_us:.1f} us = {copy_gbs:.0f} GB/s")
         copy_by_shape[f"{m}x{k}"] = {"copy_us": copy_us, "copy_gbs": copy_gbs}
 
+        ws_float = ws16 if dt == torch.float16 else [w.to(dt) for w in ws16]
         ours = {}
         def quant_sets(fmt, fn, weight_of=lambda q: q):
             q0 = fn(w16)
@@ -248,10 +255,10 @@ def main(argv=None) -> int:
                 print(f"bitsandbytes Linear8bitLt unavailable: {e}")
                 bnb_l8 = []
         for n in ns:
-            xs = [torch.randn(n, k, device="cuda", dtype=torch.float16, generator=g) for _ in range(4)]
+            xs = [torch.randn(n, k, device="cuda", dtype=dt, generator=g) for _ in range(4)]
             res = {}
-            fp16_us = timer(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws16)], args.iters)
-            res["fp16 cuBLAS"] = (fp16_us, 2 * m * k)
+            fp16_us = timer(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws_float)], args.iters)
+            res[f"{base} cuBLAS"] = (fp16_us, 2 * m * k)
             with qformats.skip_finite_check():
                 for name, fmt, _ in wo_rows:
                     gemm = format_spec(fmt).gemm
@@ -261,7 +268,7 @@ def main(argv=None) -> int:
                     if (n <= DIRECT_MAX_N or named) and want(name):
                         res[name] = (timer(lambda q, x: gemm(x, q), sets, args.iters), qs[0].nbytes)
                     if n >= 16 and want(f"{name}+cuBLAS"):
-                        res[f"{name}+cuBLAS"] = (timer(lambda q, x: F.linear(x, q.dequantize(dtype="float16")), sets,
+                        res[f"{name}+cuBLAS"] = (timer(lambda q, x: F.linear(x, q.dequantize(dtype=args.dtype)), sets,
                                                         args.iters), qs[0].nbytes)
                 qs = ours[q4_0.FORMAT]  # q4_0.linear: the q4_0 weights with q8_1 activations
                 if want("q4_0xq8_1"):
@@ -307,10 +314,10 @@ def main(argv=None) -> int:
                                   "weight_gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
                                   "x_fp16": fp16_us / us, "copy_gbs": copy_gbs})
             del xs
-        del ours, w8, w4s, bnb_w, bnb_l8, ws16, tiny, glite
+        del ours, w8, w4s, bnb_w, bnb_l8, ws16, ws_float, tiny, glite
         torch.cuda.empty_cache()
 
-    hdr = ("| M x K       |    N | kernel                 |   time us | TFLOP/s | weight GB/s | % copy | x fp16 |\n"
+    hdr = (f"| M x K       |    N | kernel                 |   time us | TFLOP/s | weight GB/s | % copy | x {base} |\n"
            "|-------------|-----:|------------------------|----------:|--------:|------------:|-------:|-------:|")
     print("\n" + hdr)
     for shape, n, name, us, tf, gbs, pct, ratio in rows:

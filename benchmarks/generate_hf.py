@@ -95,7 +95,7 @@ class EmptyLinear(nn.Module):
 
 
 # Variant names that are not qformats formats: the float models and the other libraries' kernels.
-FLOATS = ("fp16", "fp32")
+FLOATS = ("fp16", "bf16", "fp32")
 PEERS = ("bnb-nf4", "tinygemm-int4")
 
 

@@ -3,6 +3,7 @@ does before its first new token), float against qformats formats, in one process
 
     python benchmarks/prefill.py [--size 7b|tinyllama4|PATH] [--layers 16] [--prompt 256,1024]
                                  [--variants fp16,int4,nf4] [--rounds 5] [--calls 3] [--dequantize-only 1]
+                                 [--dtype float16|bfloat16]
 
 Model and variants as in ``generate_hf.py`` (random fp16 weights, every Linear but lm_head
 quantized at the format's defaults). A variant's time is the median over ``rounds`` of the mean
@@ -15,7 +16,8 @@ over``, MB: activations, workspaces, and a dequantized weight on the dequantizin
 ``--dequantize-only 1`` adds, for each qformats variant, the same model with ``QFORMATS_TUNE=0``:
 above 16 rows every layer decodes its weight and calls cuBLAS (what a layer without a prefill
 kernel does). The peers of ``generate_hf.py`` run too: ``bnb-nf4`` (bitsandbytes, fp16) and
-``tinygemm-int4`` (torch's int4 kernel, a bf16 model).
+``tinygemm-int4`` (torch's int4 kernel, a bf16 model). ``--dtype bfloat16`` builds the model in
+bf16 (the float variant is then named ``bf16``); the ratio column is against the first variant.
 """
 from __future__ import annotations
 
@@ -46,11 +48,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--dequantize-only", type=int, default=1)
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     args = ap.parse_args()
+    own_float = {"float16": "fp16", "bfloat16": "bf16"}[args.dtype]
+    wrong = [v for v in args.variants.split(",") if v in FLOATS and v != own_float]
+    if wrong:
+        raise SystemExit(f"--dtype {args.dtype}: the float variant is {own_float!r}, not {wrong[0]!r}")
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 1
-    base = build_model(args.size, "cuda", torch.float16, args.layers)
+    base = build_model(args.size, "cuda", getattr(torch, args.dtype), args.layers)
     vocab = base.config.vocab_size
     models = {}
     for name in args.variants.split(","):
@@ -88,7 +95,8 @@ def main() -> int:
                     times[(p, name)].append((time.perf_counter() - t0) / args.calls * 1e3)
     os.environ.pop("QFORMATS_TUNE", None)
     print(f"\n{args.size}, {args.layers or 'all'} layers, batch 1, {torch.cuda.get_device_name()}")
-    print("| prompt | variant | ms | prompt tokens/s | x fp16 | min-max ms | weights GB | peak over MB |")
+    first = next(iter(models))
+    print(f"| prompt | variant | ms | prompt tokens/s | x {first} | min-max ms | weights GB | peak over MB |")
     print("|---:|---|---:|---:|---:|---|---:|---:|")
     for p in prompts:
         ref = statistics.median(times[(p, next(iter(models)))])

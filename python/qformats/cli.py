@@ -200,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"signround / budget: tokens per calibration window (default "
                         f"{sr.seqlen} for signround, {bu.seqlen} for budget)")
     q.add_argument("--amp", action="store_true",
-                   help="signround on --device cuda: the blocks' matrix products in bfloat16 "
-                        "(torch.autocast), the rounding parameters and losses in float32")
+                   help="signround: the blocks' matrix products in bfloat16 (torch.autocast), "
+                        "the rounding parameters and losses in float32; on a GPU, or a CPU with "
+                        "AVX-512 BF16 or AMX")
     q.add_argument("--ignore", nargs="*", metavar="PAT",
                    help="module-name patterns (fnmatch, whole name or dotted suffix) to keep in "
                         "float; replaces the default (lm_head, embeddings); --ignore with no "

@@ -139,9 +139,12 @@ class SignRoundConfig(_Options):
         selection: how mixed2bit's 4-bit groups are chosen before training:
             ``"sensitivity"`` (calibrated) or ``"range"``.
         sensitivity_power: the exponent of the normalized second moment.
-        amp: on a CUDA device, run the blocks' matrix products (targets, steps, outputs) under
+        amp: run the blocks' matrix products (targets, steps, outputs) under
             ``torch.autocast`` in bfloat16, as AutoRound's ``amp`` does; the fake
-            quantization, the losses and the parameters stay float32. No effect on the CPU.
+            quantization, the losses and the parameters stay float32. On a GPU, and on a CPU
+            with native bfloat16 products (AVX-512 BF16, AMX); elsewhere the CPU emulates
+            them, slower than float32 (benchmarks/README.md, "Trainable rounding and the
+            budget on the CPU").
     Raises:
         ValueError: ``selection`` not in :data:`SELECTIONS`, or ``sensitivity_power`` not a
             finite number > 0.

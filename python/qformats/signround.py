@@ -658,7 +658,7 @@ def train_blocks(blocks: nn.ModuleList, plan: list, config: SignRoundConfig, inp
         names = layers_of[bi]
         layers: dict = {}
         st = None
-        with store.hold(bi, block), _autocast(device, config.amp):  # (a no-op unless amp on CUDA)
+        with store.hold(bi, block), _autocast(device, config.amp):  # (a no-op unless amp)
             t0 = time.perf_counter()
             fblock = copy.deepcopy(block).to(torch.float32)
             fblock.train(False)
@@ -705,13 +705,13 @@ def train_blocks(blocks: nn.ModuleList, plan: list, config: SignRoundConfig, inp
 
 
 def _autocast(device: torch.device, amp: bool):
-    """bfloat16 autocast for a block's work when ``amp`` and ``device`` is CUDA, else nothing
+    """bfloat16 autocast for a block's work when ``amp`` (on CUDA or the CPU), else nothing
     (:class:`qformats.config.SignRoundConfig`'s ``amp``)."""
-    if not amp or device.type != "cuda":
+    if not amp or device.type not in ("cuda", "cpu"):
         return contextlib.nullcontext()
     # No cast cache: it would keep every step's weight leaves (new tensors each step) and
     # their bfloat16 copies until the block ends; a cast per forward is a few ms per step.
-    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
 def _ranks_for(dev: torch.device) -> Ranks:

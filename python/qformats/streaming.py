@@ -653,7 +653,7 @@ def quantize_checkpoint(source: Union[str, os.PathLike], out: Union[str, os.Path
             tensors, or a text tokenized with ``tokenizer``; ``iters``, ``nsamples``,
             ``seqlen`` (capped at the model's ``max_position_embeddings``), ``lr``,
             ``batch_size``, ``seed``, ``selection``, ``sensitivity_power``; ``amp``: bfloat16
-            autocast on CUDA, nothing on the CPU).
+            autocast of the blocks' products).
         dtype: ``"auto"`` (the checkpoint's dtype, as ``qformats quantize`` loads it),
             ``"float32"``, ``"float16"`` or ``"bfloat16"``: the dtype the weights are converted
             to before quantizing, and the tensors that stay in float are stored in.

@@ -539,16 +539,23 @@ def test_quantize_model_tiny_llama(make_tiny_llama):
     assert torch.isfinite(out).all() and out.shape == ref.shape
 
 
-def test_amp_changes_nothing_on_the_cpu(make_tiny_llama):
+def test_amp_on_the_cpu(make_tiny_llama):
+    """amp on the CPU: the blocks' products run under bfloat16 autocast (the round-to-nearest
+    losses differ from float32's), training still ends no worse than round to nearest, and a
+    second run gives the same bytes."""
     ids = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))]
-    states = []
-    for amp in (False, True):
+    reps, states = [], []
+    for amp in (False, True, True):
         model = make_tiny_llama()
         rep = qformats.quantize_model(model, bits=4, group_size=32, method="signround", calibration=ids,
                                       iters=4, nsamples=2, seqlen=16, batch_size=2, amp=amp)
         assert rep.signround["options"]["amp"] is amp
+        assert all(b["loss"] <= b["rtn_loss"] for b in rep.signround["blocks"])
+        reps.append(rep)
         states.append(model.state_dict())
-    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert [b["rtn_loss"] for b in reps[1].signround["blocks"]] != [b["rtn_loss"] for b in reps[0].signround["blocks"]]
+    assert [b["loss"] for b in reps[1].signround["blocks"]] == [b["loss"] for b in reps[2].signround["blocks"]]
+    assert all(torch.equal(states[1][k], states[2][k]) for k in states[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,6 +6,7 @@ back, on the same machine in the same run, timed, the outputs compared byte for 
         --eval ../shared/data/pydoc/valid.txt
     python benchmarks/signround_speed.py --old ../wt-sr-base --calibration calib.txt \\
         --args "--method budget --max-perplexity-increase 5 --nsamples 4 --seqlen 256"
+    python benchmarks/signround_speed.py --old ../wt-sr-base --calibration calib.txt --new-args "--amp"
 
 Each tree's ``python/`` is put first on ``PYTHONPATH`` (its native extensions built in place),
 and the command ``qformats quantize MODEL ARGS --out DIR`` runs in a fresh process; ``--rounds``
@@ -13,7 +14,8 @@ alternates new, old, new, old, ... so that a change of the machine's load hits b
 average (``/proc/loadavg``) is printed before each run. With ``--eval TEXT`` each output is
 scored with ``qformats eval DIR --text TEXT`` (96 windows of 512 tokens, the standard protocol).
 Prints a markdown table: wall and CPU seconds per run, the old / new ratio of the medians, and
-whether the saved tensors are byte-identical (SHA-256 of every tensor's bytes).
+whether the saved tensors are byte-identical (SHA-256 of every tensor's bytes). ``--new-args``
+adds arguments to the new tree's command only (an option the old code does not have).
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=MODEL, type=Path)
     ap.add_argument("--calibration", required=True, help="calibration text file")
     ap.add_argument("--args", default=DEFAULT_ARGS, help=f"quantize arguments (default: {DEFAULT_ARGS!r})")
+    ap.add_argument("--new-args", default="", help="further quantize arguments for the new tree only")
     ap.add_argument("--rounds", type=int, default=1, help="new/old pairs, alternating")
     ap.add_argument("--eval", metavar="TEXT", help="score each output: qformats eval DIR --text TEXT")
     ap.add_argument("--work", type=Path, help="folder for the outputs (default: a temporary one)")
@@ -86,7 +89,8 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for name, tree in (("new", a.new), ("old", a.old)):
             out = work / f"{name}-{r}"
-            cmd = ["quantize", str(a.model), *shlex.split(a.args), "--calibration", a.calibration,
+            extra = shlex.split(a.new_args) if name == "new" else []
+            cmd = ["quantize", str(a.model), *shlex.split(a.args), *extra, "--calibration", a.calibration,
                    "--out", str(out), "--overwrite", "--no-progress"]
             before = load()
             wall, cpu, _ = run(tree.resolve(), cmd)
@@ -99,7 +103,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{row['run']}: {wall:.1f} s wall, {cpu:.1f} s CPU, load before {before}, "
                   f"sha {row['sha']}, ppl {row['ppl']}", flush=True)
-    print(f"\n`qformats quantize {a.model.name} {a.args}`, {a.rounds} round(s), load after {load()}\n")
+    print(f"\n`qformats quantize {a.model.name} {a.args}` (new: + {a.new_args!r}), {a.rounds} round(s), "
+          f"load after {load()}\n")
     print("| run | wall s | CPU s | load (1, 5, 15 min) before | tensors sha256 | perplexity |")
     print("| --- | ---: | ---: | --- | --- | ---: |")
     for row in rows:

@@ -6,7 +6,7 @@ back, on the same machine in the same run, timed, the outputs compared byte for 
         --eval ../shared/data/pydoc/valid.txt
     python benchmarks/signround_speed.py --old ../wt-sr-base --calibration calib.txt \\
         --args "--method budget --max-perplexity-increase 5 --nsamples 4 --seqlen 256"
-    python benchmarks/signround_speed.py --old ../wt-sr-base --calibration calib.txt --new-args "--amp"
+    python benchmarks/signround_speed.py --old ../wt-sr-base --calibration calib.txt --new-args=--amp
 
 Each tree's ``python/`` is put first on ``PYTHONPATH`` (its native extensions built in place),
 and the command ``qformats quantize MODEL ARGS --out DIR`` runs in a fresh process; ``--rounds``

@@ -77,7 +77,12 @@ def read_json(path: str | os.PathLike, what: str = "JSON file", *,
     too large, not UTF-8, not JSON, nested too deeply."""
     p = regular_file(path, what)
     with _open_regular(p, what) as f:
-        data = f.read(max_bytes + 1)
+        # sized by the file, not by max_bytes: read(n) allocates n bytes first (64 MiB for a
+        # config of a few hundred bytes); a file that grew meanwhile is read on, up to the limit
+        size = min(os.fstat(f.fileno()).st_size, max_bytes)
+        data = f.read(size + 1)
+        if len(data) > size:
+            data += f.read(max_bytes + 1 - len(data))
     if len(data) > max_bytes:
         raise ValueError(f"{what} {p}: larger than {max_bytes} bytes; not a file qformats reads")
     return loads_json(data, f"{what} {p}", max_depth=max_depth)

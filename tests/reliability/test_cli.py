@@ -44,7 +44,7 @@ def test_out_empty_source_nonempty_unwritable(llama_dir, tmp_path, monkeypatch):
 
 def test_huge_group_size_refused_before_allocating(llama_dir, tmp_path):
     r = run_cli("quantize", str(llama_dir), "--bits", "4", "--group-size", "268435456",
-                "--out", str(tmp_path / "o"), mem_mb=3072, timeout=60)
+                "--out", str(tmp_path / "o"), mem_mb=2432, timeout=60)
     _user_error(r, "group")
     assert not (tmp_path / "o").exists()
 

@@ -217,7 +217,7 @@ def test_killed_saves_leave_the_old_model_or_a_clear_error(tmp_path):
 
     from reliability.reliability_helpers import run_capped
 
-    r = run_capped(KILL_POINTS, mem_mb=4096, timeout=240, args=(str(tmp_path),))
+    r = run_capped(KILL_POINTS, mem_mb=3456, timeout=240, args=(str(tmp_path),))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     cases = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert len(cases) == 15, r.stdout

@@ -80,7 +80,7 @@ for n in (7, 3, 1, 5):
     assert peak <= base + n - 1, ("more threads than the setting", n, peak, base)
     assert res == one, f"results differ with {n} threads"
 print("ok")
-""", mem_mb=4096, timeout=180))
+""", mem_mb=3456, timeout=180))
     assert "ok" in r.stdout
 
 
@@ -136,7 +136,7 @@ from qformats import _runtime
 assert qformats.num_threads() == 1000
 out = {fmt_call}
 print("workers", _runtime.pool_workers())
-""", mem_mb=2560, timeout=120, env={"QFORMATS_NUM_THREADS": "1000"}))
+""", mem_mb=1920, timeout=120, env={"QFORMATS_NUM_THREADS": "1000"}))
     workers = int(r.stdout.split("workers")[1])
     assert 0 <= workers < 999, workers  # the cap bit: not every thread could be made
 
@@ -156,5 +156,5 @@ if pid == 0:
 _, status = os.waitpid(pid, 0)
 assert os.waitstatus_to_exitcode(status) == 0, status
 print("ok")
-""", mem_mb=4096, timeout=120))
+""", mem_mb=3456, timeout=120))
     assert "ok" in r.stdout

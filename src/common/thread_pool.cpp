@@ -131,6 +131,41 @@ class Pool {
   void resize(int workers) {
     std::lock_guard<std::mutex> submit(submit_);
     if (workers == static_cast<int>(threads_.size()) && workers == wanted_) return;
+    stop_all();
+    start(workers);
+  }
+
+  int workers() const { return alive_.load(std::memory_order_relaxed); }
+
+ private:
+  // Creating a thread fails under a process or memory limit (std::system_error, or bad_alloc for
+  // its bookkeeping): the pool then runs with fewer workers, down to none (the caller alone). The
+  // limit is then reached, so the caller's next allocation or thread would fail too (under an
+  // address-space cap, what is left is less than one thread's stack): the pool starts again with
+  // three quarters of the workers it could make, which leaves the rest of that room to the caller.
+  void start(int workers) {
+    wanted_ = workers;
+    if (spawn(workers) < workers && !threads_.empty()) {
+      const int keep = static_cast<int>(threads_.size()) * 3 / 4;
+      stop_all();
+      spawn(keep);
+    }
+    alive_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
+  }
+
+  // Starts up to n workers; returns how many started.
+  int spawn(int n) {
+    for (int i = 0; i < n; ++i) {
+      try {
+        threads_.emplace_back([this] { loop(); });
+      } catch (...) {
+        return i;
+      }
+    }
+    return n;
+  }
+
+  void stop_all() {
     {
       std::lock_guard<std::mutex> lock(m_);
       stop_ = true;
@@ -142,24 +177,6 @@ class Pool {
       std::lock_guard<std::mutex> lock(m_);
       stop_ = false;
     }
-    start(workers);
-  }
-
-  int workers() const { return alive_.load(std::memory_order_relaxed); }
-
- private:
-  // Creating a thread fails under a process or memory limit (std::system_error, or bad_alloc for
-  // its bookkeeping): the pool then runs with the workers it has, down to none (the caller alone).
-  void start(int workers) {
-    wanted_ = workers;
-    for (int i = 0; i < workers; ++i) {
-      try {
-        threads_.emplace_back([this] { loop(); });
-      } catch (...) {
-        break;
-      }
-    }
-    alive_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
   }
 
   void loop() {

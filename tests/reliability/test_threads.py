@@ -127,7 +127,7 @@ def test_set_num_threads_refuses_bad_values(bad, exc):
     "qformats.nf4.gemm(np.ones((8, 4096), np.float32), qformats.nf4.quantize(np.ones((4096, 4096), np.float32)))",
 ])
 def test_thousand_threads_under_a_memory_cap_run_with_what_the_os_gives(fmt_call):
-    # 1000 threads of 8 MiB stacks do not fit in 2.5 GiB of address space: thread creation fails
+    # 1000 threads of 8 MiB stacks do not fit in ~1.9 GiB of address space: thread creation fails
     # part-way, and the call must finish with the threads that were created (it used to abort in
     # the codecs and deadlock in the GEMM pool).
     r = _ok(run_capped(f"""
@@ -139,6 +139,22 @@ print("workers", _runtime.pool_workers())
 """, mem_mb=1920, timeout=120, env={"QFORMATS_NUM_THREADS": "1000"}))
     workers = int(r.stdout.split("workers")[1])
     assert 0 <= workers < 999, workers  # the cap bit: not every thread could be made
+
+
+def test_a_pool_cut_short_by_a_memory_cap_leaves_the_caller_room():
+    # The pool used to keep every thread it could make, leaving less than one stack (8 MiB) of the
+    # address space: the caller's next allocation failed (a 2 MiB array inside q4_0.quantize
+    # failed or not by a few MiB of the cap). It now keeps three quarters of them.
+    r = _ok(run_capped("""
+import numpy as np, qformats
+from qformats import _runtime
+w = np.ones((16384, 4096), np.float32)
+out = qformats.q4_0.quantize(w)  # the pool starts here; w and out stay alive
+room = np.ones(8 << 20)  # 64 MiB more
+print("workers", _runtime.pool_workers())
+""", mem_mb=1920, timeout=120, env={"QFORMATS_NUM_THREADS": "1000"}))
+    workers = int(r.stdout.split("workers")[1])
+    assert 0 < workers < 999, workers
 
 
 def test_forked_child_gets_its_own_pool():

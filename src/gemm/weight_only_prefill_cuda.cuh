@@ -53,12 +53,12 @@ namespace qf::gemm::cuda_wo {
 //   High nibbles then need no shift and no scale / 16 (an fp16 subnormal for scales below 2^-10).
 // - bf16: 7 mantissa bits, and bit 7 is the exponent's lowest: both nibbles are ORed into bits 0-3 of
 //   0x4300 (128, mantissa unit 1), the high one shifted down first (a shift more per pair, as in
-//   Marlin's bf16 decode, marlin/dequant.h).
-// Members: kLo / kHi, the magic numbers' bits; kLoMask / kHiMask, where lo_src(x) / hi_src(x) leave
-// the nibbles of a 16-bit half; lo_minus(z) / hi_minus(z), the bits of magic + z; byte_both(w, t),
-// byte t of w in both halves with its low nibble where the low half's mask takes it and its high
-// nibble where the high half's takes it; kFlip, bit 3 of both of byte_both's nibbles (a
-// two's-complement nibble's sign: q + 8).
+//   Marlin's bf16 decode in vLLM's gptq_marlin kernels).
+// Members: kLo / kHi, the magic numbers' bits; kLoMask, where a 16-bit half's low nibble lies;
+// kHiMask, where its high nibble lies after hi_src(x); lo_minus(z) / hi_minus(z), the bits of
+// magic + z; byte_both(w, t), byte t of w in both halves with its low nibble where kLoMask takes it
+// in the low half and its high nibble where kHiMask takes it in the high half; kFlip, bit 3 of both
+// of byte_both's nibbles (a two's-complement nibble's sign: q + 8).
 template <class H>
 struct PrefillNibbles;
 

@@ -46,49 +46,39 @@
 
 namespace qf::gemm::cuda_wo {
 
+// (lo, hi) as the low and high halves of a 32-bit register
+__host__ __device__ constexpr uint32_t halves(uint32_t lo, uint32_t hi) { return lo | (hi << 16); }
+
 // The nibble decodes of int4 and q4_0 into A fragments of H (fp16 or bf16): a nibble ORed into the
-// mantissa of a magic number, so that HSUB2 of (magic + z) leaves q - z exactly.
-// - fp16: a nibble in bits 0-3 ORed into 0x6400 (1024, mantissa unit 1) reads 1024 + q; a nibble in
-//   bits 4-7 ORed into 0x5400 (64, mantissa unit 1/16, so bits 4-7 count whole units) reads 64 + q.
-//   High nibbles then need no shift and no scale / 16 (an fp16 subnormal for scales below 2^-10).
-// - bf16: 7 mantissa bits, and bit 7 is the exponent's lowest: both nibbles are ORed into bits 0-3 of
-//   0x4300 (128, mantissa unit 1), the high one shifted down first (a shift more per pair, as in
-//   Marlin's bf16 decode in vLLM's gptq_marlin kernels).
+// mantissa of a magic number, so that HSUB2 of (magic + z) leaves q - z exactly. The low nibble
+// goes into bits 0-3 of PairOps<H>'s magic (fp16 1024, bf16 128: mantissa unit 1).
+// - fp16 (PairOps::kX16, room for a nibble at bits 4-7): the high nibble stays in bits 4-7 and is
+//   ORed into 0x5400 (64, mantissa unit 1/16, so bits 4-7 count whole units): 64 + q. It needs no
+//   shift and no scale / 16 (an fp16 subnormal for scales below 2^-10).
+// - bf16: 7 mantissa bits, and bit 7 is the exponent's lowest: the high nibble is shifted down into
+//   bits 0-3 of the same magic first (a shift more per pair, as in Marlin's bf16 decode in vLLM's
+//   gptq_marlin kernels).
 // Members: kLo / kHi, the magic numbers' bits; kLoMask, where a 16-bit half's low nibble lies;
 // kHiMask, where its high nibble lies after hi_src(x); lo_minus(z) / hi_minus(z), the bits of
 // magic + z; byte_both(w, t), byte t of w in both halves with its low nibble where kLoMask takes it
 // in the low half and its high nibble where kHiMask takes it in the high half; kFlip, bit 3 of both
 // of byte_both's nibbles (a two's-complement nibble's sign: q + 8).
 template <class H>
-struct PrefillNibbles;
-
-template <>
-struct PrefillNibbles<half_t> {
-  static constexpr uint32_t kLo = 0x6400u, kHi = 0x5400u, kLoMask = 0x000Fu, kHiMask = 0x00F0u;
-  static constexpr uint32_t kFlip = 0x00800008u;
+struct PrefillNibbles {
+  static constexpr bool kShift = !PairOps<H>::kX16;
+  static constexpr uint32_t kLo = PairOps<H>::kMagic & 0xFFFFu, kHi = kShift ? kLo : 0x5400u;
+  static constexpr uint32_t kLoMask = 0x000Fu, kHiMask = kShift ? 0x000Fu : 0x00F0u;
+  static constexpr uint32_t kFlip = halves(0x8u, kHiMask & 0x88u);
   static __host__ __device__ constexpr uint32_t lo_minus(uint32_t z) { return kLo + z; }
-  static __host__ __device__ constexpr uint32_t hi_minus(uint32_t z) { return kHi + 16 * z; }
-  static __device__ __forceinline__ uint32_t hi_src(uint32_t x) { return x; }
+  static __host__ __device__ constexpr uint32_t hi_minus(uint32_t z) { return kHi + (kShift ? 1 : 16) * z; }
+  static __device__ __forceinline__ uint32_t hi_src(uint32_t x) { return kShift ? x >> 4 : x; }
   static __device__ __forceinline__ uint32_t byte_both(uint32_t w, uint32_t t) {
-    return __byte_perm(w, 0u, 0x4040u | t | (t << 8));
+    // bf16: byte t of w in the low half, byte t of w >> 4 in the high half
+    return kShift ? __byte_perm(w, w >> 4, t | ((4 + t) << 8)) : __byte_perm(w, 0u, 0x4040u | t | (t << 8));
   }
 };
-
-template <>
-struct PrefillNibbles<bf16_t> {
-  static constexpr uint32_t kLo = 0x4300u, kHi = 0x4300u, kLoMask = 0x000Fu, kHiMask = 0x000Fu;
-  static constexpr uint32_t kFlip = 0x00080008u;
-  static __host__ __device__ constexpr uint32_t lo_minus(uint32_t z) { return kLo + z; }
-  static __host__ __device__ constexpr uint32_t hi_minus(uint32_t z) { return kHi + z; }
-  static __device__ __forceinline__ uint32_t hi_src(uint32_t x) { return x >> 4; }
-  // (byte t of w in the low half, byte t of w >> 4 in the high half)
-  static __device__ __forceinline__ uint32_t byte_both(uint32_t w, uint32_t t) {
-    return __byte_perm(w, w >> 4, t | ((4 + t) << 8));
-  }
-};
-
-// (lo, hi) as the low and high halves of a 32-bit register
-__host__ __device__ constexpr uint32_t halves(uint32_t lo, uint32_t hi) { return lo | (hi << 16); }
+static_assert(PrefillNibbles<half_t>::kFlip == 0x00800008u && PrefillNibbles<bf16_t>::kFlip == 0x00080008u);
+static_assert(PrefillNibbles<half_t>::kLo == 0x6400u && PrefillNibbles<bf16_t>::kHi == 0x4300u);
 
 // prefill_decode's loop for steps stored as 32 bytes per row, 8 words of two codes per byte
 // (int4, nf4): lane (g, t) takes byte t of words 2j and 2j + 1 of rows r and r + 8 for k16 slice j

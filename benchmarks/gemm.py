@@ -68,6 +68,7 @@ from qformats._core import format_spec
 
 sys.path.insert(0, str(Path(__file__).parent))
 import variants  # noqa: E402
+from generate_hf import FLOAT_NAMES  # noqa: E402
 from linear_call import TinyGemmInt4  # noqa: E402  (the tinygemm peer, as linear_call builds it)
 
 L2_BYTES = 60 * 2**20
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
                     help="the activations' type (the float baseline and the +cuBLAS rows' too)")
     args = ap.parse_args(argv)
     dt = getattr(torch, args.dtype)
-    base = {"float16": "fp16", "bfloat16": "bf16"}[args.dtype]  # the float baseline's row and ratio name
+    base = FLOAT_NAMES[args.dtype]  # the float baseline's row and ratio name
     def timer(fn, arg_sets, iters):  # the mode's timer, for every row alike
         if not args.resident:
             return time_us(fn, arg_sets, iters)
@@ -257,8 +258,8 @@ def main(argv=None) -> int:
         for n in ns:
             xs = [torch.randn(n, k, device="cuda", dtype=dt, generator=g) for _ in range(4)]
             res = {}
-            fp16_us = timer(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws_float)], args.iters)
-            res[f"{base} cuBLAS"] = (fp16_us, 2 * m * k)
+            float_us = timer(lambda w, x: F.linear(x, w), [(w, xs[i % 4]) for i, w in enumerate(ws_float)], args.iters)
+            res[f"{base} cuBLAS"] = (float_us, 2 * m * k)
             with qformats.skip_finite_check():
                 for name, fmt, _ in wo_rows:
                     gemm = format_spec(fmt).gemm
@@ -308,11 +309,11 @@ def main(argv=None) -> int:
             for name, (us, wbytes) in res.items():
                 tflops = 2 * n * m * k / us / 1e6
                 gbs = wbytes / us / 1e3
-                rows.append((f"{m}x{k}", n, name, us, tflops, gbs, 100 * gbs / copy_gbs, fp16_us / us))
+                rows.append((f"{m}x{k}", n, name, us, tflops, gbs, 100 * gbs / copy_gbs, float_us / us))
                 json_rows.append({"shape": f"{m}x{k}", "M": m, "K": k, "N": n, "kernel": name,
                                   "time_us": us, "tflops": tflops, "weight_bytes": int(wbytes),
                                   "weight_gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
-                                  "x_fp16": fp16_us / us, "copy_gbs": copy_gbs})
+                                  "x_fp16": float_us / us, "copy_gbs": copy_gbs})
             del xs
         del ours, w8, w4s, bnb_w, bnb_l8, ws16, ws_float, tiny, glite
         torch.cuda.empty_cache()

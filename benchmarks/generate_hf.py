@@ -95,7 +95,8 @@ class EmptyLinear(nn.Module):
 
 
 # Variant names that are not qformats formats: the float models and the other libraries' kernels.
-FLOATS = ("fp16", "bf16", "fp32")
+FLOAT_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}  # torch dtype -> variant name
+FLOATS = tuple(FLOAT_NAMES.values())
 PEERS = ("bnb-nf4", "tinygemm-int4")
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generate_hf import FLOATS, PEERS, build_model, variant  # noqa: E402
+from generate_hf import FLOAT_NAMES, FLOATS, PEERS, build_model, variant  # noqa: E402
 
 
 def model_bytes(model) -> int:
@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--dequantize-only", type=int, default=1)
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     args = ap.parse_args()
-    own_float = {"float16": "fp16", "bfloat16": "bf16"}[args.dtype]
+    own_float = FLOAT_NAMES[args.dtype]
     wrong = [v for v in args.variants.split(",") if v in FLOATS and v != own_float]
     if wrong:
         raise SystemExit(f"--dtype {args.dtype}: the float variant is {own_float!r}, not {wrong[0]!r}")

@@ -1,9 +1,10 @@
 // Pipelined int8 tensor-core GEMM (sm_80+), used by int_gemm_cuda.cu above kIntGemvMaxN rows:
 //   out[n, m] = epi(sum_k A[n, k] B[m, k])  for int8 A [N, K], B [M, K], row-major, K % 16 == 0,
-// both 16-byte aligned. kScaled: a float32 scale per 32-value block of every row (sa [N, K/32],
-// sb [M, K/32], so K % 32 == 0); each block's exact int32 sum is multiplied by sb, then by sa,
-// and added in float32 (llama.cpp's q4_0 x q8_1 arithmetic, after int_gemm_cuda.cu has
-// unpacked the blocks to codes and scales).
+// both 16-byte aligned. kScaled (llama.cpp's q4_0 x q8_1 arithmetic, after int_gemm_cuda.cu has
+// unpacked the blocks to codes and scales; K % 32 == 0): a float32 scale per 32-value block of
+// every row, each block's exact int32 sum multiplied by B's scale, then by A's, and added in
+// float32. The scales are stored block-major, in the order the fragments read them (ScaledLayout
+// below), so that a stage's scales are a few 16-byte copies and a lane's are one vector load.
 //
 // A CTA computes a 128 (n) x 128 (m) tile (kScaled: 64 x 128), K in stages of kBK bytes (128;
 // kScaled: 64). Every thread copies its 16-byte chunks of a stage with cp.async straight into
@@ -51,8 +52,28 @@ constexpr int kBlocksPerStage = kBK<kScaled> / 32;  // kScaled: scale blocks per
 template <bool kScaled>
 constexpr int smem_bytes() {
   constexpr int rows = kBN<kScaled> + kBM, st = kStages<kScaled>;
-  return st * rows * kRowBytes<kScaled> + (kScaled ? st * rows * kBlocksPerStage<kScaled> * 4 : 0);
+  // kScaled: per stage and block, A's BN floats and B's kBM float pairs
+  return st * rows * kRowBytes<kScaled> + (kScaled ? st * kBlocksPerStage<kScaled> * (kBN<kScaled> * 4 + kBM * 8) : 0);
 }
+
+// kScaled's scale arrays, as the caller writes them (kb = K / 32 blocks per row):
+//   sa float  [kb][a_rows(N)]: A's scale of row n, block b at sa[b * a_rows + a_slot(n)]. Rows
+//             are permuted within each 16 (a_slot) so that rows g and g + 8, the two rows of a
+//             lane's accumulators, are adjacent: one 8-byte load.
+//   sb float2 [kb][b_rows(M)]: (d, -kMagic * d) of B's row m, block b at sb[b * b_rows + m]:
+//             the pair of columns 2t, 2t + 1 is one 16-byte load, and the product -kMagic * d
+//             that the epilogue needs (kMagicBits below) is made once, not by every warp.
+// Both are padded to whole CTA tiles with zeros, so a stage's copies need no row test.
+struct ScaledLayout {
+  __host__ __device__ static constexpr int64_t a_rows(int64_t N) { return (N + kBN<true> - 1) / kBN<true> * kBN<true>; }
+  __host__ __device__ static constexpr int64_t b_rows(int64_t M) { return (M + kBM - 1) / kBM * kBM; }
+  __host__ __device__ static constexpr int64_t a_slot(int64_t n) {
+    return (n & ~int64_t(15)) | (n & 7) << 1 | (n >> 3 & 1);
+  }
+  static constexpr int64_t bytes(int64_t N, int64_t M, int64_t K) {
+    return (K / 32) * (a_rows(N) * int64_t(sizeof(float)) + b_rows(M) * 2 * int64_t(sizeof(float)));
+  }
+};
 
 // An int32 sum c with |c| < 2^22 added to the bits of the float 1.5 * 2^23 gives the bits of the
 // float 1.5 * 2^23 + c, exactly. Starting each block's mma at kMagicBits (its C operand) converts
@@ -157,8 +178,7 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* a_s = smem;                              // [kStages][BN][kRowBytes]
   uint8_t* b_s = smem + kStages * BN * kRowBytes;  // [kStages][kBM][kRowBytes]
-  float* sa_s = reinterpret_cast<float*>(b_s + kStages * kBM * kRowBytes);  // [kStages][BN][2]
-  float* sb_s = sa_s + kStages * BN * kBlocksPerStage;                     // [kStages][kBM][2]
+  float* s_s = reinterpret_cast<float*>(b_s + kStages * kBM * kRowBytes);  // [kStages][kScaleSlot]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int wn = (warp >> 2) * (BN / 2), wm = (warp & 3) * 32;  // this warp's block in the tile
   const int64_t n0 = int64_t(blockIdx.y) * BN, m0 = int64_t(blockIdx.x) * kBM;
@@ -178,6 +198,24 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
   for (int i = 0; i < kLoadsA; ++i) a_ok |= uint32_t(n0 + lr + kRowStep * i < N) << i;
 #pragma unroll
   for (int i = 0; i < kLoadsB; ++i) b_ok |= uint32_t(m0 + lr + kRowStep * i < M) << i;
+  // kScaled: threads [0, kScaleChunksB) copy B's scale pairs of a stage (chunk c: block c /
+  // (kBM / 2), rows 2 (c % (kBM / 2)) and the next), the next kScaleChunksA threads A's scales
+  // (4 rows per chunk); the sources advance by kBlocksPerStage blocks per stage.
+  constexpr int kScaleChunksB = kScaled ? kBlocksPerStage * kBM / 2 : 0;
+  constexpr int kScaleChunksA = kScaled ? kBlocksPerStage * BN / 4 : 0;
+  static_assert(kScaleChunksA + kScaleChunksB <= kThreads, "one scale chunk per thread at most");
+  const bool s_is_b = tid < kScaleChunksB, s_copies = tid < kScaleChunksB + kScaleChunksA;
+  const int s_id = s_is_b ? tid : tid - kScaleChunksB;
+  const int s_blk = s_is_b ? s_id / (kBM / 2) : s_id / (BN / 4);  // block within the stage
+  const int64_t a_ld = ScaledLayout::a_rows(N), b_ld = ScaledLayout::b_rows(M);
+  const float* s_src = !kScaled ? nullptr
+                       : s_is_b ? sb + 2 * (s_blk * b_ld + m0 + 2 * (s_id % (kBM / 2)))
+                                : sa + s_blk * a_ld + n0 + 4 * (s_id % (BN / 4));
+  const int64_t s_step = kBlocksPerStage * (s_is_b ? 2 * b_ld : a_ld);  // floats per stage
+  // destination within a slot: B's pairs [kBlocksPerStage][kBM][2] after A's [kBlocksPerStage][BN]
+  const int s_dst = s_is_b ? kBlocksPerStage * BN + 2 * (s_blk * kBM + 2 * (s_id % (kBM / 2)))
+                           : s_blk * BN + 4 * (s_id % (BN / 4));
+  constexpr int kScaleSlot = kBlocksPerStage * (BN + 2 * kBM);  // floats of one stage's scales
   auto load = [&](int64_t kt, int slot) {
     const int64_t k0 = kt * kBK;
     const bool kok = k0 + 16 * lc < K;
@@ -193,20 +231,9 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
       cp_async<16>(b_s + (slot * kBM + lr + kRowStep * i) * kRowBytes + 16 * lc,
                    ok ? b_src + int64_t(kRowStep * i) * K + k0 : B, ok);
     }
-    if (kScaled) {
-#pragma unroll
-      for (int i = 0; i < ((BN + kBM) * kBlocksPerStage + kThreads - 1) / kThreads; ++i) {  // (BN + 128) rows x blocks
-        const int id = tid + kThreads * i, r = id / kBlocksPerStage, q = id % kBlocksPerStage;
-        const bool op = r >= BN;  // B's rows after A's
-        const int rr = op ? r - BN : r;
-        if (rr >= (op ? kBM : BN)) continue;
-        const int64_t row = (op ? m0 : n0) + rr, blk = kBlocksPerStage * kt + q;
-        const bool ok = row < (op ? M : N) && blk < kb;
-        const float* src = op ? sb : sa;
-        cp_async<4>((op ? sb_s + slot * kBM * kBlocksPerStage : sa_s + slot * BN * kBlocksPerStage) +
-                        rr * kBlocksPerStage + q,
-                    ok ? src + row * kb + blk : src, ok);
-      }
+    if (kScaled && s_copies) {
+      const bool ok = kBlocksPerStage * kt + s_blk < kb;  // (a last stage of one block when K % 64 == 32)
+      cp_async<16>(s_s + slot * kScaleSlot + s_dst, ok ? s_src + kt * s_step : s_src, ok);
     }
   };
 
@@ -237,22 +264,23 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
       ldmatrix_b4(bf, bs + b_row * kRowBytes + 32 * q + b_off, kRowBytes);
       if (kScaled) {
         // C fragment (n row g, m cols 2t, 2t+1), (n row g + 8, same cols): their block scales
-        const float* sas = sa_s + slot * BN * kBlocksPerStage;
-        const float* sbs = sb_s + slot * kBM * kBlocksPerStage;
+        const float* sas = s_s + slot * kScaleSlot + q * BN;
+        const float4* sbs = reinterpret_cast<const float4*>(s_s + slot * kScaleSlot + kBlocksPerStage * BN) + q * kBM / 2;
         float dw[4][2], ndw[4][2];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            dw[j][h] = sbs[(wm + 8 * j + 2 * t + h) * kBlocksPerStage + q];
-            ndw[j][h] = -kMagic * dw[j][h];
-          }
+        for (int j = 0; j < 4; ++j) {
+          const float4 p = sbs[(wm + 8 * j) / 2 + t];  // (d, -kMagic d) of columns 2t, 2t + 1
+          dw[j][0] = p.x;
+          ndw[j][0] = p.y;
+          dw[j][1] = p.z;
+          ndw[j][1] = p.w;
+        }
 #pragma unroll
         for (int i = 0; i < TI; ++i) {
           uint32_t af[4];
           ldmatrix_x4(af, as + (a_row + 16 * i) * kRowBytes + 32 * q + a_off);
-          const float da[2] = {sas[(wn + 16 * i + g) * kBlocksPerStage + q],
-                               sas[(wn + 16 * i + g + 8) * kBlocksPerStage + q]};
+          const float2 d2 = *reinterpret_cast<const float2*>(sas + wn + 16 * i + 2 * g);  // rows g, g + 8
+          const float da[2] = {d2.x, d2.y};
           scaled_block_mma(facc[i], af, bf, dw, ndw, da);
         }
       } else {
@@ -275,7 +303,7 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
 #undef QF_SM80_ASM
 
 // Host launcher: the caller has checked has_sm80_mma(), N, M > 0, K % 16 == 0 (kScaled: K % 32
-// == 0) and 16-byte aligned A and B.
+// == 0, sa and sb as ScaledLayout says) and 16-byte aligned A and B (kScaled: sa and sb too).
 template <bool kScaled, class Epi>
 void launch(const int8_t* A, const int8_t* B, const float* sa, const float* sb, const Epi& epi, int64_t N, int64_t M,
             int64_t K, cudaStream_t stream) {

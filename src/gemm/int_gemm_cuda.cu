@@ -467,29 +467,40 @@ void launch_int8(const int8_t* A, const int8_t* B, const Epi& epi, int64_t N, in
   launch_int<false>(Int8Rows{A, vec}, Int8Rows{B, vec}, epi, N, M, K, stream);
 }
 
-// Blocks -> int8 codes [rows, K] and float scales [rows, K / 32] (the row fetch's words and d),
-// so that the pipelined kernel can copy whole 16-byte chunks of codes.
-template <class P>
-__global__ void unpack_blocks_kernel(const P p, int64_t rows, int64_t K, int8_t* __restrict__ codes,
+// Blocks -> int8 codes [rows, K] (the row fetch's words) and their scales d in the pipelined
+// kernel's ScaledLayout (kPairs: B's (d, -kMagic d) pairs; else A's floats in a_slot order),
+// rows padded to rows_pad with zero scales, so that the kernel copies whole 16-byte chunks of
+// both. A warp takes 4 rows x 8 blocks (lane % 4: row, lane / 4: block): its reads are 4 runs
+// of 8 consecutive blocks, its code stores whole 32-byte sectors, and its pair stores one sector
+// per block (4 rows x 8 bytes), where one thread per block along a row would scatter them.
+template <class P, bool kPairs>
+__global__ void unpack_blocks_kernel(const P p, int64_t rows, int64_t rows_pad, int64_t K, int8_t* __restrict__ codes,
                                      float* __restrict__ d) {
-  const int64_t nb = rows * (K / 32);
-  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < nb; b += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t kb = K / 32, row_groups = rows_pad / 4, blk_groups = (kb + 7) / 8;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int lane = threadIdx.x & 31;
+  for (int64_t wp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; wp < row_groups * blk_groups; wp += warps) {
+    const int64_t row = (wp / blk_groups) * 4 + (lane & 3), b = (wp % blk_groups) * 8 + (lane >> 2);
+    if (b >= kb) continue;
     uint32_t w[8];
     float s;
-    p.fetch(b / (K / 32), b % (K / 32), rows, K, w, s);
-    uint4* dst = reinterpret_cast<uint4*>(codes + 32 * b);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-    d[b] = s;
+    p.fetch(row, b, rows, K, w, s);  // rows past the end: zero codes (not stored) and scale 0
+    if (row < rows) {
+      uint4* dst = reinterpret_cast<uint4*>(codes + row * K + 32 * b);
+      dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+    if (kPairs) reinterpret_cast<float2*>(d)[b * rows_pad + row] = make_float2(s, -kMagic * s);
+    else d[b * rows_pad + i8mma::ScaledLayout::a_slot(row)] = s;
   }
 }
 
-template <class P>
-void unpack_blocks(const P& p, int64_t rows, int64_t K, int8_t* codes, float* d, void* stream) {
-  const int64_t nb = rows * (K / 32);
-  if (nb == 0) return;
-  const unsigned grid = static_cast<unsigned>(nb / 256 + 1 < 8192 ? nb / 256 + 1 : 8192);
-  unpack_blocks_kernel<<<grid, 256, 0, cuda::stream(stream)>>>(p, rows, K, codes, d);
+template <bool kPairs, class P>
+void unpack_blocks(const P& p, int64_t rows, int64_t rows_pad, int64_t K, int8_t* codes, float* d, void* stream) {
+  const int64_t warps = rows_pad / 4 * ((K / 32 + 7) / 8);
+  if (warps == 0) return;
+  const unsigned grid = static_cast<unsigned>(warps / 8 + 1 < 8192 ? warps / 8 + 1 : 8192);
+  unpack_blocks_kernel<P, kPairs><<<grid, 256, 0, cuda::stream(stream)>>>(p, rows, rows_pad, K, codes, d);
   cuda::check_launch("q4_0 x q8_1: unpacking blocks");
 }
 
@@ -515,7 +526,7 @@ void int4_matmul_cuda(const uint8_t* A, const uint8_t* B, int32_t* out, int64_t 
 
 int64_t q4_0_q8_1_cuda_workspace_bytes(int64_t M, int64_t N, int64_t K) {
   if (N <= kIntGemvMaxN || M <= 0 || K <= 0) return 0;
-  return (M + N) * K + (M + N) * (K / 32) * int64_t(sizeof(float));
+  return (M + N) * K + i8mma::ScaledLayout::bytes(N, M, K);
 }
 
 template <class T>
@@ -526,13 +537,15 @@ void q4_0_q8_1_cuda(const q4_0::block_q4_0* W, const q8_1::block_q8_1* A, int64_
   const Q8_1Rows a{reinterpret_cast<const uint32_t*>(A)};
   const FloatOut<T> epi{out, ldo_n, ldo_m};
   if (workspace && N > kIntGemvMaxN && M > 0 && K > 0 && cuda::aligned16(workspace) && cuda::has_sm80_mma()) {
-    // workspace: W's codes [M, K], A's codes [N, K], W's scales [M, K/32], A's scales [N, K/32]
+    // workspace: W's codes [M, K], A's codes [N, K] (K % 32 == 0: 16-byte aligned ends), then
+    // the scales in i8mma::ScaledLayout: W's pairs [K/32][b_rows(M)], A's [K/32][a_rows(N)]
+    using L = i8mma::ScaledLayout;
     int8_t* wc = static_cast<int8_t*>(workspace);
     int8_t* ac = wc + M * K;
     float* wd = reinterpret_cast<float*>(ac + N * K);
-    float* ad = wd + M * (K / 32);
-    unpack_blocks(w, M, K, wc, wd, stream);
-    unpack_blocks(a, N, K, ac, ad, stream);
+    float* ad = wd + 2 * (K / 32) * L::b_rows(M);
+    unpack_blocks<true>(w, M, L::b_rows(M), K, wc, wd, stream);
+    unpack_blocks<false>(a, N, L::a_rows(N), K, ac, ad, stream);
     i8mma::launch<true>(ac, wc, ad, wd, epi, N, M, K, cuda::stream(stream));
     return;
   }

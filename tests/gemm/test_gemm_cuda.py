@@ -457,7 +457,9 @@ def test_q4_0_q8_1_cuda_tiles_with_and_without_workspace(n, m, k):
     a64 = np.asarray(q8_1.dequantize_q8_1(aq, k), np.float64)
     scale = np.linalg.norm(np.abs(w64) @ np.abs(a64).T)
     nbytes = q4_0._native.gemm_q4_0_q8_1_workspace_bytes(m, n, k)
-    assert nbytes == (m + n) * (k + k // 8)
+    # int8 codes of both, then per block A's float scales and W's (d, -kMagic d) pairs, rows
+    # padded to the CTA tile (64 activation rows, 128 weight rows): int8_mma_cuda.cuh ScaledLayout
+    assert nbytes == (m + n) * k + (k // 32) * (4 * -(-n // 64) * 64 + 8 * -(-m // 128) * 128)
     stream = torch.cuda.current_stream().cuda_stream
     for ws in (torch.empty(nbytes, dtype=torch.uint8, device="cuda"), None):
         out = torch.full((m, n), float("nan"), device="cuda")

@@ -97,9 +97,9 @@ def gemm_q4_0_q8_1(weight_q: Any, activation_q: Any, M: int, N: int, K: int) -> 
         used), float32 accumulation across blocks. The order of that float32 sum depends on
         the CPU's instruction set (AVX-512 VNNI, AVX2 or plain C++), never on the thread count.
         On CUDA the block sums are the same integers (dp4a: llama.cpp's mmvq for N <= 16; above,
-        int8 tensor cores on sm_80+, on both operands unpacked to int8 codes in a workspace of
-        ``(M + N) * (K + K // 8)`` bytes, each block sum scaled by ``d_w`` then ``d_a``) and the
-        float32 sum runs in another order.
+        int8 tensor cores on sm_80+, on both operands unpacked to int8 codes and float32 block
+        scales in a workspace of about ``(M + N) * (K + K // 8) + M * K // 8`` bytes, each block
+        sum scaled by ``d_w`` then ``d_a``) and the float32 sum runs in another order.
     Raises:
         TypeError: not arrays/tensors, not uint8, M/N/K not ints.
         ValueError: K not a multiple of 32, shapes that do not match M, N, K, non-contiguous,

@@ -6,14 +6,14 @@
 // float32. The scales are stored block-major, in the order the fragments read them (ScaledLayout
 // below), so that a stage's scales are a few 16-byte copies and a lane's are one vector load.
 //
-// A CTA computes a 128 (n) x 128 (m) tile (kScaled: 64 x 128), K in stages of kBK bytes (128;
-// kScaled: 64). Every thread copies its 16-byte chunks of a stage with cp.async straight into
-// shared memory (no registers, no conversion; consecutive lanes take consecutive chunks of one
-// row, so a warp reads whole 64- or 128-byte row segments). kStages stages are in flight (3;
-// kScaled: 4): one barrier per stage, and the copies of stage s + kStages - 1 overlap the mma of
-// stage s. 8 warps (2 along n x 4 along m) each multiply a 64 (kScaled: 32) x 32 block with
-// mma.m16n8k32 (s8 x s8 -> s32), fragments read by ldmatrix. Rows and K chunks past the end are
-// zero-filled by the copy (src-size 0), so they add nothing.
+// A CTA computes a 128 (n) x 128 (m) tile (kScaled: 64 x 128), K in stages of kBK = 128 bytes.
+// Every thread copies its 16-byte chunks of a stage with cp.async straight into shared memory
+// (no registers, no conversion; consecutive lanes take consecutive chunks of one row, so a warp
+// reads whole 128-byte row segments). kStages = 3 stages are in flight: one barrier per stage,
+// and the copies of stage s + kStages - 1 overlap the mma of stage s. 8 warps (2 along n x 4
+// along m) each multiply a 64 (kScaled: 32) x 32 block with mma.m16n8k32 (s8 x s8 -> s32),
+// fragments read by ldmatrix. Rows and K chunks past the end are zero-filled by the copy
+// (src-size 0), so they add nothing.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -31,18 +31,17 @@ namespace qf::gemm::i8mma {
 template <bool kScaled>
 constexpr int kBN = kScaled ? 64 : 128;
 constexpr int kBM = 128;
-// K bytes per stage and stages in flight. int8: 128-byte stages (four k32 mma steps per barrier),
-// three in flight (2 x 108 KB of shared memory per SM): measured faster on the H200 than 64-byte
-// stages, four in flight. kScaled keeps 64-byte stages: with 128 its per-block scales spill (80
-// bytes) and it measured slower (benchmarks/README.md, "Design measurements behind kernel
-// choices").
+// K bytes per stage and stages in flight: 128-byte stages (four k32 mma steps per barrier), three
+// in flight (2 x 108 KB or, kScaled, 2 x 96 KB of shared memory per SM): measured faster on the
+// H200 than 64-byte stages, four in flight (benchmarks/README.md, "Design measurements behind
+// kernel choices").
 template <bool kScaled>
-constexpr int kBK = kScaled ? 64 : 128;
+constexpr int kBK = 128;
 template <bool kScaled>
-constexpr int kStages = kScaled ? 4 : 3;
+constexpr int kStages = 3;
 constexpr int kThreads = 256;
 // Shared row stride: kBK + 16 bytes. Rows stay 16-byte aligned (cp.async, ldmatrix) and the 8
-// rows of an ldmatrix matrix (80 r or 144 r mod 128) fall in 8 distinct 16-byte bank groups: no
+// rows of an ldmatrix matrix (144 r mod 128) fall in 8 distinct 16-byte bank groups: no
 // conflicts.
 template <bool kScaled>
 constexpr int kRowBytes = kBK<kScaled> + 16;
@@ -198,23 +197,26 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
   for (int i = 0; i < kLoadsA; ++i) a_ok |= uint32_t(n0 + lr + kRowStep * i < N) << i;
 #pragma unroll
   for (int i = 0; i < kLoadsB; ++i) b_ok |= uint32_t(m0 + lr + kRowStep * i < M) << i;
-  // kScaled: threads [0, kScaleChunksB) copy B's scale pairs of a stage (chunk c: block c /
-  // (kBM / 2), rows 2 (c % (kBM / 2)) and the next), the next kScaleChunksA threads A's scales
-  // (4 rows per chunk); the sources advance by kBlocksPerStage blocks per stage.
-  constexpr int kScaleChunksB = kScaled ? kBlocksPerStage * kBM / 2 : 0;
-  constexpr int kScaleChunksA = kScaled ? kBlocksPerStage * BN / 4 : 0;
-  static_assert(kScaleChunksA + kScaleChunksB <= kThreads, "one scale chunk per thread at most");
+  // kScaled: a stage's scales are copied two blocks at a time (kScalePasses passes): threads
+  // [0, kScaleChunksB) copy B's scale pairs (chunk c: block c / (kBM / 2) of the two, rows
+  // 2 (c % (kBM / 2)) and the next), the next kScaleChunksA threads A's scales (4 rows per
+  // chunk); the sources advance by kBlocksPerStage blocks per stage.
+  constexpr int kScalePasses = kScaled ? kBlocksPerStage / 2 : 0;
+  constexpr int kScaleChunksB = kBM, kScaleChunksA = BN / 2;  // per pass
+  static_assert(!kScaled || (kBlocksPerStage % 2 == 0 && kScaleChunksA + kScaleChunksB <= kThreads),
+                "one scale chunk per thread and pass");
   const bool s_is_b = tid < kScaleChunksB, s_copies = tid < kScaleChunksB + kScaleChunksA;
   const int s_id = s_is_b ? tid : tid - kScaleChunksB;
-  const int s_blk = s_is_b ? s_id / (kBM / 2) : s_id / (BN / 4);  // block within the stage
+  const int s_blk = s_is_b ? s_id / (kBM / 2) : s_id / (BN / 4);  // block within the pass
   const int64_t a_ld = ScaledLayout::a_rows(N), b_ld = ScaledLayout::b_rows(M);
   const float* s_src = !kScaled ? nullptr
                        : s_is_b ? sb + 2 * (s_blk * b_ld + m0 + 2 * (s_id % (kBM / 2)))
                                 : sa + s_blk * a_ld + n0 + 4 * (s_id % (BN / 4));
-  const int64_t s_step = kBlocksPerStage * (s_is_b ? 2 * b_ld : a_ld);  // floats per stage
+  const int64_t s_pass = 2 * (s_is_b ? 2 * b_ld : a_ld);  // floats per pass (two blocks)
   // destination within a slot: B's pairs [kBlocksPerStage][kBM][2] after A's [kBlocksPerStage][BN]
   const int s_dst = s_is_b ? kBlocksPerStage * BN + 2 * (s_blk * kBM + 2 * (s_id % (kBM / 2)))
                            : s_blk * BN + 4 * (s_id % (BN / 4));
+  const int s_dst_pass = 2 * (s_is_b ? 2 * kBM : BN);
   constexpr int kScaleSlot = kBlocksPerStage * (BN + 2 * kBM);  // floats of one stage's scales
   auto load = [&](int64_t kt, int slot) {
     const int64_t k0 = kt * kBK;
@@ -232,8 +234,12 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
                    ok ? b_src + int64_t(kRowStep * i) * K + k0 : B, ok);
     }
     if (kScaled && s_copies) {
-      const bool ok = kBlocksPerStage * kt + s_blk < kb;  // (a last stage of one block when K % 64 == 32)
-      cp_async<16>(s_s + slot * kScaleSlot + s_dst, ok ? s_src + kt * s_step : s_src, ok);
+#pragma unroll
+      for (int p = 0; p < kScalePasses; ++p) {
+        const bool ok = kBlocksPerStage * kt + 2 * p + s_blk < kb;  // (a partial last stage)
+        cp_async<16>(s_s + slot * kScaleSlot + s_dst + p * s_dst_pass,
+                     ok ? s_src + (kScalePasses * kt + p) * s_pass : s_src, ok);
+      }
     }
   };
 

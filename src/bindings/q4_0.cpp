@@ -52,14 +52,16 @@ void dequantize(const InArray& blocks, const OutArray& out, uintptr_t stream) {
 
 // M, N, K of the q4_0 x q8_1 GEMM: non-negative, K a multiple of 32, and the sizes the CPU and
 // CUDA paths compute from them (the operands' bytes, the output, the CUDA workspace's
-// (M + N) * K codes and (M + N) * K / 32 float scales) within int64.
+// (M + N) * K codes and its K / 32 blocks of scales for N and M rows padded to 64 and 128, 4 and
+// 8 bytes each: at most 12 bytes for each of M + N + 192 rows) within int64.
 void check_gemm_dims(int64_t M, int64_t N, int64_t K) {
   nonneg(M, "M");
   nonneg(N, "N");
   nonneg(K, "K");
   if (K % q4_0::QK) throw std::invalid_argument("K must be a multiple of 32, got " + std::to_string(K));
   const int64_t rows = add(M, N, "M + N");
-  add(mul(rows, K, "(M + N) * K"), mul({rows, K / q4_0::QK, int64_t(sizeof(float))}, "(M + N) * K / 32 * 4"),
+  add(mul(rows, K, "(M + N) * K"),
+      mul({add(rows, 192, "M + N + 192"), K / q4_0::QK, int64_t(3 * sizeof(float))}, "(M + N + 192) * K / 32 * 12"),
       "workspace bytes");
   mul({M, K / q4_0::QK, int64_t(sizeof(q4_0::block_q4_0))}, "M * K / 32 * 18");
   mul({N, K / q8_1::QK, int64_t(sizeof(q8_1::block_q8_1))}, "N * K / 32 * 36");

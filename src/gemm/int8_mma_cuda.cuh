@@ -26,15 +26,15 @@
 namespace qf::gemm::i8mma {
 
 // CTA tile: activation rows (n) x weight rows (m). kScaled: 64 rows of n, so that its float
-// accumulators and scales fit 128 registers (two CTAs per SM) without spilling; at 128 x 128
-// it needed ~250 registers, one CTA per SM, and measured the same on the H200.
+// accumulators and scales fit 128 registers (two CTAs per SM; ptxas spills 28 bytes); at 128 x
+// 128 it needed ~250 registers, one CTA per SM, and measured the same on the H200.
 template <bool kScaled>
 constexpr int kBN = kScaled ? 64 : 128;
 constexpr int kBM = 128;
 // K bytes per stage and stages in flight: 128-byte stages (four k32 mma steps per barrier), three
-// in flight (2 x 108 KB or, kScaled, 2 x 96 KB of shared memory per SM): measured faster on the
-// H200 than 64-byte stages, four in flight (benchmarks/README.md, "Design measurements behind
-// kernel choices").
+// in flight (108 KB of shared memory per CTA, kScaled 96 KB: two CTAs per SM on sm_90's 228 KB,
+// one on sm_80's 164 KB): measured faster on the H200 than 64-byte stages, four in flight
+// (benchmarks/README.md, "Design measurements behind kernel choices").
 template <bool kScaled>
 constexpr int kBK = 128;
 template <bool kScaled>
@@ -209,9 +209,12 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
   const int s_id = s_is_b ? tid : tid - kScaleChunksB;
   const int s_blk = s_is_b ? s_id / (kBM / 2) : s_id / (BN / 4);  // block within the pass
   const int64_t a_ld = ScaledLayout::a_rows(N), b_ld = ScaledLayout::b_rows(M);
+  // This thread's first source; a copy past the last block names it and reads 0 bytes, so it must
+  // lie inside the buffer: with a single block (K = 32), block 1's address would not.
+  const int64_t s_b0 = kb > 1 ? s_blk : 0;
   const float* s_src = !kScaled ? nullptr
-                       : s_is_b ? sb + 2 * (s_blk * b_ld + m0 + 2 * (s_id % (kBM / 2)))
-                                : sa + s_blk * a_ld + n0 + 4 * (s_id % (BN / 4));
+                       : s_is_b ? sb + 2 * (s_b0 * b_ld + m0 + 2 * (s_id % (kBM / 2)))
+                                : sa + s_b0 * a_ld + n0 + 4 * (s_id % (BN / 4));
   const int64_t s_pass = 2 * (s_is_b ? 2 * b_ld : a_ld);  // floats per pass (two blocks)
   // destination within a slot: B's pairs [kBlocksPerStage][kBM][2] after A's [kBlocksPerStage][BN]
   const int s_dst = s_is_b ? kBlocksPerStage * BN + 2 * (s_blk * kBM + 2 * (s_id % (kBM / 2)))
@@ -271,7 +274,8 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
       if (kScaled) {
         // C fragment (n row g, m cols 2t, 2t+1), (n row g + 8, same cols): their block scales
         const float* sas = s_s + slot * kScaleSlot + q * BN;
-        const float4* sbs = reinterpret_cast<const float4*>(s_s + slot * kScaleSlot + kBlocksPerStage * BN) + q * kBM / 2;
+        const float4* sbs =
+            reinterpret_cast<const float4*>(s_s + slot * kScaleSlot + kBlocksPerStage * BN) + q * kBM / 2;
         float dw[4][2], ndw[4][2];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {

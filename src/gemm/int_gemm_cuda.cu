@@ -471,8 +471,8 @@ void launch_int8(const int8_t* A, const int8_t* B, const Epi& epi, int64_t N, in
 // kernel's ScaledLayout (kPairs: B's (d, -kMagic d) pairs; else A's floats in a_slot order),
 // rows padded to rows_pad with zero scales, so that the kernel copies whole 16-byte chunks of
 // both. A warp takes 4 rows x 8 blocks (lane % 4: row, lane / 4: block): its reads are 4 runs
-// of 8 consecutive blocks, its code stores whole 32-byte sectors, and its pair stores one sector
-// per block (4 rows x 8 bytes), where one thread per block along a row would scatter them.
+// of 8 consecutive blocks, each lane stores its block's 32 code bytes, and the pair stores are
+// 32 bytes per block (4 rows x 8 bytes), where one thread per block along a row would scatter them.
 template <class P, bool kPairs>
 __global__ void unpack_blocks_kernel(const P p, int64_t rows, int64_t rows_pad, int64_t K, int8_t* __restrict__ codes,
                                      float* __restrict__ d) {

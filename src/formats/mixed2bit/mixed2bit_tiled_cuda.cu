@@ -3,12 +3,13 @@
 // Dequantize: a thread per 16-value codes word (16 values out: the stores are the traffic), a
 // CTA per 128 words of one row (grid.y walks the rows), or per 64 or 256 when 128 does not
 // divide the row's words in whole warps (rows of 896 words, K = 14336: CTAs of 256 left half of
-// every fourth CTA idle; rows of 256 words ran 7% faster in CTAs of 128 than of 256). A warp's 32 words lie in one tile
-// of one row (a tile is 256 * gs / 16 words, a multiple of 32), so the warp reads that tile's (at most 8) map words
-// itself, lanes 0..7 one each, and shares them and their prefix counts by shuffles:
-// no barrier, and the codes / scales / so loads, which do not depend on the map, are in flight
-// while it does. Only a 4-bit group's lo / mc4 loads wait for the map (its slot). The count check
-// of the CPU (tile_map_count) runs on the same words, and a tile that fails it decodes to NaN.
+// every fourth CTA idle; rows of 256 words ran 7% faster in CTAs of 128 than of 256). A warp's
+// 32 words lie in one tile of one row (a tile is 256 * gs / 16 words, a multiple of 32), so the
+// warp reads that tile's (at most 8) map words itself, lanes 0..7 one each, and shares them and
+// their prefix counts by shuffles: no barrier, and the codes / scales / so loads, which do not
+// depend on the map, are in flight while it does. Only a 4-bit group's lo / mc4 loads wait for
+// the map (its slot). The count check of the CPU (tile_map_count) runs on the same words, and a
+// tile that fails it decodes to NaN.
 #include <cstdint>
 
 #include "common/cuda_utils.cuh"

@@ -59,7 +59,7 @@ constexpr int smem_bytes() {
 //   sa float  [kb][a_rows(N)]: A's scale of row n, block b at sa[b * a_rows + a_slot(n)]. Rows
 //             are permuted within each 16 (a_slot) so that rows g and g + 8, the two rows of a
 //             lane's accumulators, are adjacent: one 8-byte load.
-//   sb float2 [kb][b_rows(M)]: (d, -kMagic * d) of B's row m, block b at sb[b * b_rows + m]:
+//   sb float2 [kb][b_rows(M)]: b_scale_pair(d) of B's row m, block b at sb[b * b_rows + m]:
 //             the pair of columns 2t, 2t + 1 is one 16-byte load, and the product -kMagic * d
 //             that the epilogue needs (kMagicBits below) is made once, not by every warp.
 // Both are padded to whole CTA tiles with zeros, so a stage's copies need no row test.
@@ -81,6 +81,9 @@ struct ScaledLayout {
 // fp16: 11 significant bits). The caller bounds |c| (q4_0 x q8_1: 32 * 8 * 127).
 constexpr int32_t kMagicBits = 0x4B400000;
 constexpr float kMagic = 12582912.0f;
+
+// An element of ScaledLayout's sb: B's block scale d and the -kMagic * d of the epilogue's FMA.
+__device__ __forceinline__ float2 b_scale_pair(float d) { return make_float2(d, -kMagic * d); }
 
 #if __CUDA_ARCH__ >= 800
 #define QF_SM80_ASM(...) asm volatile(__VA_ARGS__)

@@ -490,7 +490,7 @@ __global__ void unpack_blocks_kernel(const P p, int64_t rows, int64_t rows_pad, 
       dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
       dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
     }
-    if (kPairs) reinterpret_cast<float2*>(d)[b * rows_pad + row] = make_float2(s, -kMagic * s);
+    if (kPairs) reinterpret_cast<float2*>(d)[b * rows_pad + row] = i8mma::b_scale_pair(s);
     else d[b * rows_pad + i8mma::ScaledLayout::a_slot(row)] = s;
   }
 }

@@ -212,9 +212,12 @@ kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* 
   const int s_id = s_is_b ? tid : tid - kScaleChunksB;
   const int s_blk = s_is_b ? s_id / (kBM / 2) : s_id / (BN / 4);  // block within the pass
   const int64_t a_ld = ScaledLayout::a_rows(N), b_ld = ScaledLayout::b_rows(M);
+  // This thread's first source; a copy past the last block names it and reads 0 bytes, so it must
+  // lie inside the buffer: with a single block (K = 32), block 1's address would not.
+  const int64_t s_b0 = kb > 1 ? s_blk : 0;
   const float* s_src = !kScaled ? nullptr
-                       : s_is_b ? sb + 2 * (s_blk * b_ld + m0 + 2 * (s_id % (kBM / 2)))
-                                : sa + s_blk * a_ld + n0 + 4 * (s_id % (BN / 4));
+                       : s_is_b ? sb + 2 * (s_b0 * b_ld + m0 + 2 * (s_id % (kBM / 2)))
+                                : sa + s_b0 * a_ld + n0 + 4 * (s_id % (BN / 4));
   const int64_t s_pass = 2 * (s_is_b ? 2 * b_ld : a_ld);  // floats per pass (two blocks)
   // destination within a slot: B's pairs [kBlocksPerStage][kBM][2] after A's [kBlocksPerStage][BN]
   const int s_dst = s_is_b ? kBlocksPerStage * BN + 2 * (s_blk * kBM + 2 * (s_id % (kBM / 2)))

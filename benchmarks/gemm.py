@@ -38,8 +38,9 @@ Rows (ours): every format with a weight-only gemm (``SPEC.gemm``), at its defaul
 nf4 (blocksize 64), mixed2bit (g16, 10% 4-bit); q4_0xq8_1 (llama.cpp's pair: x quantized to
 q8_1 by our kernel, then dp4a; the time includes both), int8 fused (int8_linear: int8 x int8
 with the scale epilogue, fp16 out; x pre-quantized), int4xint4 (int4_matmul, int32 out; x
-pre-quantized). "+cuBLAS" rows: our dequantize to fp16 then cuBLAS, the large-N path of
-QuantizedLinear. Peers: fp16 (F.linear, cuBLAS), torch._int_mm
+pre-quantized). A format's row is its own kernel at every N; its "+cuBLAS" row is our dequantize
+to fp16 then cuBLAS. Where QuantizedLinear measures the crossover (qformats.crossover) it takes
+the faster of the two. Peers: fp16 (F.linear, cuBLAS), torch._int_mm
 (int8, N > 16), bnb-nf4 (bitsandbytes.matmul_4bit, blocksize 64), bnb-int8 (Linear8bitLt,
 threshold 0), tinygemm-int4 (torch's aten._weight_int4pack_mm as torchao / gpt-fast pack it,
 asymmetric groups of 128, bf16 activations: benchmarks/linear_call.py's TinyGemmInt4),
@@ -72,7 +73,6 @@ from generate_hf import FLOAT_NAMES  # noqa: E402
 from linear_call import TinyGemmInt4  # noqa: E402  (the tinygemm peer, as linear_call builds it)
 
 L2_BYTES = 60 * 2**20
-DIRECT_MAX_N = 64  # the register-decoding weight-only kernels are timed up to this N (any N when --kernels names them)
 
 
 def nbytes_of(obj) -> int:
@@ -265,8 +265,7 @@ def main(argv=None) -> int:
                     gemm = format_spec(fmt).gemm
                     qs = ours[name]
                     sets = [(q, xs[i % 4]) for i, q in enumerate(qs)]
-                    named = args.kernels is not None and name in args.kernels.split(",")
-                    if (n <= DIRECT_MAX_N or named) and want(name):
+                    if want(name):  # the format's own kernels at every N (GEMV, wgmma, prefill)
                         res[name] = (timer(lambda q, x: gemm(x, q), sets, args.iters), qs[0].nbytes)
                     if n >= 16 and want(f"{name}+cuBLAS"):
                         res[f"{name}+cuBLAS"] = (timer(lambda q, x: F.linear(x, q.dequantize(dtype=args.dtype)), sets,

@@ -18,6 +18,9 @@
 //                               below its start: a box starts on such a boundary (a TMA rule), and
 //                               the decode gets the tile from the step's offset past it (default
 //                               kPrefillStepBytes, for steps that are whole 16-byte chunks);
+//   kPrefillWideStages          optional: the stages of the 128 x 256 tile's ring (default 4; a
+//                               fifth is measured per format: benchmarks/README.md, "Design
+//                               measurements behind kernel choices");
 //   prefill_ok()                host: this weight can take the kernel;
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
 //   prefill_group_steps()       64-value steps per group of per-row metadata;
@@ -116,6 +119,13 @@ struct prefill_box_bytes : std::integral_constant<int, Fmt::kPrefillStepBytes> {
 template <class Fmt>
 struct prefill_box_bytes<Fmt, std::void_t<decltype(Fmt::kPrefillBoxBytes)>>
     : std::integral_constant<int, Fmt::kPrefillBoxBytes> {};
+
+// Stages of the 128 x 256 tile's ring (Fmt::kPrefillWideStages, else 4).
+template <class Fmt, class = void>
+struct prefill_wide_stages : std::integral_constant<int, 4> {};
+template <class Fmt>
+struct prefill_wide_stages<Fmt, std::void_t<decltype(Fmt::kPrefillWideStages)>>
+    : std::integral_constant<int, Fmt::kPrefillWideStages> {};
 
 // Bytes of Fmt's per-CTA table (0: none).
 template <class Fmt, class = void>
@@ -312,10 +322,11 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
         cuda::cc_major() != 9)
       return false;
     constexpr int kSB = Fmt::kPrefillStepBytes, kBox = prefill_box_bytes<Fmt>::value;
-    constexpr auto kWide = weight_only_prefill_kernel<Fmt, H, 256, 4, 2>,
+    constexpr int kWS = prefill_wide_stages<Fmt>::value;
+    constexpr auto kWide = weight_only_prefill_kernel<Fmt, H, 256, kWS, 2>,
                    kMid = weight_only_prefill_kernel<Fmt, H, 128, 6, 2>,
                    kLow = weight_only_prefill_kernel<Fmt, H, 128, 4, 1>;
-    constexpr int kWideSmem = prefill_smem_bytes<Fmt, 256, 4, 2>(), kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>();
+    constexpr int kWideSmem = prefill_smem_bytes<Fmt, 256, kWS, 2>(), kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>();
     const int sms = cuda::sm_count();
     const int64_t fill = 3 * int64_t(sms) / 4, steps = K / 64;
     auto ctas = [&](int bm, int bn) { return int64_t(cuda::grid_for(M, bm)) * cuda::grid_for(N, bn); };

@@ -99,6 +99,7 @@ struct Int4 {
 // (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
 #pragma nv_diag_suppress 177
   static constexpr int kPrefillStepBytes = 32;
+  static constexpr int kPrefillWideStages = 5;  // 0.2-3.3% faster than 4 (benchmarks/README.md)
   bool prefill_ok() const { return gshift >= 1; }
   const void* prefill_codes() const { return qweight; }
   __device__ int prefill_group_steps() const { return 1 << (gshift - 1); }

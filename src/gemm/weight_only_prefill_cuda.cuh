@@ -161,7 +161,11 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
   constexpr int NT = BN / 8, kX = BN * wg::kRowBytes, kW = 64 * C * prefill_box_bytes<Fmt>::value;
   static_assert(NT * 128 * C * 16 <= S * kX, "a split's partial sums fit over the ring's X tiles");
   extern __shared__ uint8_t prefill_smem[];
-  uint8_t* const xs = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(prefill_smem) + 1023) & ~uintptr_t(1023));
+  // The ring aligned to 1 KB (the 128-byte swizzle's atom) by an offset from the __shared__ array
+  // itself: through an integer cast the compiler loses the address space, and every read of the
+  // weight tiles and the format's table becomes a generic load (LD, not LDS; Nsight Compute: the
+  // decode's loads then stall on the long scoreboard).
+  uint8_t* const xs = prefill_smem + ((1024u - (cuda::smem_u32(prefill_smem) & 1023u)) & 1023u);
   uint8_t* const wsm = xs + S * kX;
   uint64_t* const full = reinterpret_cast<uint64_t*>(wsm + S * kW);  // stage's bytes landed
   uint64_t* const empty = full + S;                                  // every consumer done with it

@@ -35,24 +35,20 @@ constexpr int kBM = 128;
 // in flight (108 KB of shared memory per CTA, kScaled 96 KB: two CTAs per SM on sm_90's 228 KB,
 // one on sm_80's 164 KB): measured faster on the H200 than 64-byte stages, four in flight
 // (benchmarks/README.md, "Design measurements behind kernel choices").
-template <bool kScaled>
 constexpr int kBK = 128;
-template <bool kScaled>
 constexpr int kStages = 3;
 constexpr int kThreads = 256;
 // Shared row stride: kBK + 16 bytes. Rows stay 16-byte aligned (cp.async, ldmatrix) and the 8
 // rows of an ldmatrix matrix (144 r mod 128) fall in 8 distinct 16-byte bank groups: no
 // conflicts.
-template <bool kScaled>
-constexpr int kRowBytes = kBK<kScaled> + 16;
-template <bool kScaled>
-constexpr int kBlocksPerStage = kBK<kScaled> / 32;  // kScaled: scale blocks per row per stage
+constexpr int kRowBytes = kBK + 16;
+constexpr int kBlocksPerStage = kBK / 32;  // kScaled: scale blocks per row per stage
 
 template <bool kScaled>
 constexpr int smem_bytes() {
-  constexpr int rows = kBN<kScaled> + kBM, st = kStages<kScaled>;
+  constexpr int rows = kBN<kScaled> + kBM;
   // kScaled: per stage and block, A's BN floats and B's kBM float pairs
-  return st * rows * kRowBytes<kScaled> + (kScaled ? st * kBlocksPerStage<kScaled> * (kBN<kScaled> * 4 + kBM * 8) : 0);
+  return kStages * rows * kRowBytes + (kScaled ? kStages * kBlocksPerStage * (kBN<kScaled> * 4 + kBM * 8) : 0);
 }
 
 // kScaled's scale arrays, as the caller writes them (kb = K / 32 blocks per row):
@@ -175,8 +171,6 @@ __launch_bounds__(kThreads, 2
 kernel(const int8_t* __restrict__ A, const int8_t* __restrict__ B, const float* __restrict__ sa,
        const float* __restrict__ sb, const Epi epi, int64_t N, int64_t M, int64_t K) {
   constexpr int BN = kBN<kScaled>, TI = BN / 32;  // TI: n tiles of 16 per warp
-  constexpr int kBK = i8mma::kBK<kScaled>, kStages = i8mma::kStages<kScaled>;
-  constexpr int kRowBytes = i8mma::kRowBytes<kScaled>, kBlocksPerStage = i8mma::kBlocksPerStage<kScaled>;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* a_s = smem;                              // [kStages][BN][kRowBytes]
   uint8_t* b_s = smem + kStages * BN * kRowBytes;  // [kStages][kBM][kRowBytes]

@@ -234,7 +234,11 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
         d[i][e] = 0.f;
         wg::pin(d[i][e]);  // (zeroed in the loop's sight, else ptxas serializes the wgmma: C7514)
       }
-    auto step = [&](int k, const uint32_t (&acur)[4][4], uint32_t (&anext)[4][4]) {
+    // kLast: the tile's last step (wait for everything; no next step to decode). It is peeled out of
+    // the loop below, so that no path from a wait<1> leaves the loop: with the last step's wait<0>
+    // as a branch inside the loop, ptxas injected a wait<0> into every second step (C7517).
+    auto step = [&](int k, const uint32_t (&acur)[4][4], uint32_t (&anext)[4][4], auto last) {
+      constexpr bool kLast = decltype(last)::value;
       const uint64_t db = wg::sw128_desc(xa + ((kk0 + k) % S) * kX);
       wg::fence();
 #pragma unroll
@@ -243,20 +247,22 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       // The last step waits for everything: with wait<1> here and wait<0> after the loop, ptxas
       // (CUDA 13.0) put the epilogue's reads of the accumulators before the final wait (SASS: F2FP
       // of the results with the last batch in flight).
-      if (k + 1 == steps) wg::wait<0>();
+      if constexpr (kLast) wg::wait<0>();
       else wg::wait<1>();  // step k - 1's batch is done: its stage and A registers are free
       if (k > 0 && (tid & 127) == 0) cuda::mbar_arrive(&empty[(kk0 + k - 1) % S]);
-      if (k + 1 < steps) decode(k + 1, anext);
+      if constexpr (!kLast) decode(k + 1, anext);
       else if ((tid & 127) == 0) cuda::mbar_arrive(&empty[(kk0 + k) % S]);  // the tile's last stage
     };
     uint32_t a0[4][4], a1[4][4];
     decode(0, a0);
     // Two steps per trip with the A sets swapped by name (an indexed swap would put them in local
-    // memory); steps is even (the launcher's K % 128 == 0).
-    for (int k = 0; k < steps; k += 2) {
-      step(k, a0, a1);
-      step(k + 1, a1, a0);
+    // memory); steps is even (the launcher's K % 128 == 0), the last two after the loop.
+    for (int k = 0; k + 2 < steps; k += 2) {
+      step(k, a0, a1, std::false_type{});
+      step(k + 1, a1, a0, std::false_type{});
     }
+    step(steps - 2, a0, a1, std::false_type{});
+    step(steps - 1, a1, a0, std::true_type{});
     // the wgmma D layout: d[i][e] is row r0 (+ 8 for e >= 2) of the tile, activation column
     // 8 i + 2 t + (e & 1)
     auto store = [&](int i, int e, float v) {

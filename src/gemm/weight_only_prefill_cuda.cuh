@@ -43,6 +43,7 @@
 
 #include "common/cuda_utils.cuh"
 #include "common/tma_cuda.cuh"
+#include "common/unitwise_cuda.cuh"
 #include "gemm/weight_only_cuda.cuh"
 #include "gemm/weight_only_wgmma_cuda.cuh"
 #include "gemm/wgmma_cuda.cuh"
@@ -134,13 +135,25 @@ template <class Fmt>
 struct prefill_table_bytes<Fmt, std::void_t<decltype(Fmt::kPrefillTableBytes)>>
     : std::integral_constant<int, Fmt::kPrefillTableBytes> {};
 
+// Bytes of each consumer warp's epilogue buffer: two of 16 columns x 16 rows of 16-bit outputs.
+constexpr int kPrefillEpiBytes = 2 * 16 * 16 * 2;
+
 // Dynamic shared memory: S stages of an X tile (BN rows of 128 bytes) and BM rows of packed
-// weights, 2 S mbarriers, the format's table, and the 1 KB that aligning the ring to the swizzle
-// atom may skip.
+// weights, 2 S mbarriers, the format's table, the consumer warps' epilogue buffers, and the 1 KB
+// that aligning the ring to the swizzle atom may skip.
 template <class Fmt, int BN, int S, int C>
 constexpr int prefill_smem_bytes() {
   return S * (BN * wg::kRowBytes + 64 * C * prefill_box_bytes<Fmt>::value) + 2 * S * 8 +
-         prefill_table_bytes<Fmt>::value + 1024;
+         prefill_table_bytes<Fmt>::value + 4 * C * kPrefillEpiBytes + 1024;
+}
+
+// Output bits of float32 sum v, as store_out writes them (b: the row's bias as float32, if any).
+template <class H>
+__device__ __forceinline__ uint32_t prefill_out_bits(float v, bool has_bias, float b) {
+  H t;
+  from_f32(v, &t);
+  if (has_bias) from_f32(qf::cuda::unitwise::load_f32(t) + b, &t);
+  return t.bits;
 }
 
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
@@ -170,6 +183,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
   uint64_t* const full = reinterpret_cast<uint64_t*>(wsm + S * kW);  // stage's bytes landed
   uint64_t* const empty = full + S;                                  // every consumer done with it
   uint32_t* const table = reinterpret_cast<uint32_t*>(empty + S);
+  uint8_t* const epi = reinterpret_cast<uint8_t*>(table) + prefill_table_bytes<Fmt>::value;  // 16-byte aligned
   const int tid = threadIdx.x, wgi = warpgroup_index();
   // Persistent CTAs: tile b, b + gridDim.x, ... (weight-row tiles fastest). The ring runs on across
   // a CTA's tiles, so the copies of the next tile's first S steps land while the consumers store
@@ -206,12 +220,28 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
   const int r0 = wgi * 64 + warp * 16 + g;  // this lane's tile rows r0 and r0 + 8
   const int gsteps = f.prefill_group_steps();
   const uint32_t xa = cuda::smem_u32(xs);
+  // The epilogue goes through this warp's two buffers: stmatrix.trans turns each 8 x 8 block of
+  // accumulators (a lane: 2 columns of one row) into 16-byte runs of 8 rows of one column, which is
+  // what Y [N, M] holds contiguously; a lane then stores 16 bytes (two lanes fill a 32-byte sector)
+  // instead of eight 2-byte stores that fill half of four sectors each. Buffer layout: column c's 16
+  // rows at 32 c, their halves swapped when c & 4, so that both the stmatrix (8 columns of one
+  // half) and the reads (4 columns, both halves) touch each bank once.
+  const uint32_t epi_a = cuda::smem_u32(epi) + (tid >> 5) * kPrefillEpiBytes;
+  const uint32_t epi_st = [&] {  // lane l: column 8 (j / 2) + l % 8, half j % 2 of matrix j = l / 8
+    const int j = lane >> 3, c = 8 * (j >> 1) + (lane & 7);
+    return uint32_t(c * 32 + (((j & 1) ^ ((c >> 2) & 1)) << 4));
+  }();
+  const int epi_c = lane >> 1;  // lane l reads half l % 2 of column l / 2
+  const uint32_t epi_ld = uint32_t(epi_c * 32 + (((lane & 1) ^ ((epi_c >> 2) & 1)) << 4));
+  const bool epi_vec = M % 8 == 0 && (reinterpret_cast<uintptr_t>(Y) & 15) == 0;
+  int epi_buf = 0;  // the buffer of the next 16 columns (alternate, so one __syncwarp per pair)
   float d[NT][4];
   for (int tile = blockIdx.x / splits, kk0 = 0; tile < tiles; tile += gridDim.x / splits, kk0 += steps) {
     const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
     // (rows past M read row M - 1's metadata; the TMA brings zeros for their codes and their
     // outputs are not stored)
     const int ma = min(m0 + r0, M - 1), mb = min(m0 + r0 + 8, M - 1);
+    const float bias_a = bias != nullptr ? qf::cuda::unitwise::load_f32(bias[ma]) : 0.f, bias_b = bias != nullptr ? qf::cuda::unitwise::load_f32(bias[mb]) : 0.f;
     // The metadata of the next group is loaded while the current group's steps run (its latency
     // would otherwise sit between a step's wait and its decode).
     // (local step k is the weight's step kb + k; a span may start inside a group)
@@ -263,20 +293,41 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
     }
     step(steps - 2, a0, a1, std::false_type{});
     step(steps - 1, a1, a0, std::true_type{});
-    // the wgmma D layout: d[i][e] is row r0 (+ 8 for e >= 2) of the tile, activation column
-    // 8 i + 2 t + (e & 1)
-    auto store = [&](int i, int e, float v) {
-      const int n = n0 + 8 * i + 2 * t + (e & 1), m = m0 + r0 + (e >> 1) * 8;
-      if (n < N && m < M) store_out(v, bias, m, &Y[int64_t(n) * M + m]);
+    // Stores activation columns 8 i .. 8 i + 15 of this warp's 16 rows from their sums in the wgmma
+    // D layout (u: column tile i, w: i + 1; [e] is row g (+ 8 for e >= 2), column 2 t + (e & 1)).
+    auto store2 = [&](int i, const float (&u)[4], const float (&w)[4]) {
+      const bool hb = bias != nullptr;
+      auto pair = [&](float lo, float hi, float b) {
+        return halves(prefill_out_bits<H>(lo, hb, b), prefill_out_bits<H>(hi, hb, b));
+      };
+      const uint32_t buf = epi_a + epi_buf * (kPrefillEpiBytes / 2);
+      epi_buf ^= 1;
+      wg::stmatrix_x4_trans(buf + epi_st, pair(u[0], u[1], bias_a), pair(u[2], u[3], bias_b), pair(w[0], w[1], bias_a),
+                            pair(w[2], w[3], bias_b));
+      __syncwarp();
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(buf + epi_ld));
+      const int n = n0 + 8 * i + epi_c, m = m0 + wgi * 64 + warp * 16 + 8 * (lane & 1);
+      if (n >= N || m >= M) return;
+      H* const y = Y + int64_t(n) * M + m;
+      if (epi_vec) {
+        *reinterpret_cast<uint4*>(y) = v;
+      } else {
+        const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          if (m + q < M) y[q].bits = uint16_t(wv[q / 2] >> (16 * (q & 1)));
+      }
     };
     if (splits == 1) {
 #pragma unroll
-      for (int i = 0; i < NT; ++i)
+      for (int i = 0; i < NT; i += 2) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          wg::pin(d[i][e]);
-          store(i, e, d[i][e]);
-        }
+        for (int e = 0; e < 4; ++e) wg::pin(d[i][e]), wg::pin(d[i + 1][e]);
+        store2(i, d[i], d[i + 1]);
+      }
     } else {
       // The cluster's partial sums, reduced in rank order (deterministic): each CTA writes its own
       // over its ring (float4 (i, thread): d[i][0..3]), and CTA z sums columns i of its share,
@@ -292,14 +343,19 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       }
       cg::cluster_group cluster = cg::this_cluster();
       cluster.sync();  // every CTA's partial sums written and visible to the cluster
-      const int per = NT / splits;
-      for (int i = z * per; i < (z + 1) * per; ++i) {
+      const int per = NT / splits;  // even: NT >= 16, splits <= 8
+      auto sum = [&](int i, float (&s)[4]) {
         float4 v = cluster.map_shared_rank(red, 0)[i * T + tid];
         for (int q = 1; q < splits; ++q) {
           const float4 u = cluster.map_shared_rank(red, q)[i * T + tid];
           v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
         }
-        store(i, 0, v.x), store(i, 1, v.y), store(i, 2, v.z), store(i, 3, v.w);
+        s[0] = v.x, s[1] = v.y, s[2] = v.z, s[3] = v.w;
+      };
+      for (int i = z * per; i < (z + 1) * per; i += 2) {
+        float u[4], w[4];
+        sum(i, u), sum(i + 1, w);
+        store2(i, u, w);
       }
       cluster.sync();  // no CTA leaves while the others read its shared memory
     }

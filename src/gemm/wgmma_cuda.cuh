@@ -41,6 +41,14 @@ __device__ __forceinline__ void wait() {
 __device__ __forceinline__ void proxy_fence() { QF_WG_ASM("fence.proxy.async.shared::cta;\n" :: : "memory"); }
 // Keeps the compiler from moving reads or writes of an accumulator across a wgmma fence or wait.
 __device__ __forceinline__ void pin(float& r) { QF_WG_ASM("" : "+f"(r)::"memory"); }
+// Four 8 x 8 matrices of 16-bit values, each held as an mma C fragment (lane (g, t): row g, columns
+// 2t and 2t + 1 in the low and high half of r[j]), stored transposed: lane l gives the shared
+// address of column l % 8 of matrix l / 8, which receives that column's 8 rows (16 bytes).
+// PTX ISA, "stmatrix" (sm_90).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  QF_WG_ASM("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+            "r"(r2), "r"(r3) : "memory");
+}
 #undef QF_WG_ASM
 
 // Bytes of one 64-element row of a K-major 128-byte-swizzle tile (fp16 / bf16), and of the

@@ -104,9 +104,11 @@ __device__ __forceinline__ void byte_pair_fragments(const uint8_t* tile, int r, 
   }
 }
 
-// Above the wgmma kernel's 128 activation rows per CTA (which decodes the weight again for every
-// further 128 rows) the prefill kernel takes the product.
-constexpr int kPrefillMinRows = 129;
+// From 65 activation rows the prefill kernel takes the product (tiles of 128 activation rows up to
+// 128), where the wgmma kernel of weight_only_wgmma_cuda.cuh switches to 128 rows per CTA and
+// permutes X at every step; measured faster on most shapes (benchmarks/README.md, "The prefill
+// kernel from 65 rows").
+constexpr int kPrefillMinRows = 65;
 
 // Whether Fmt has the hooks above (Fmt::kPrefill true); the other formats need not mention them.
 template <class Fmt, class = void>
@@ -366,10 +368,10 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 }
 
 // Launches the prefill kernel on `stream` when it applies: a format with the hooks, fp16 or bf16
-// activations, more than 128 rows, compute capability 9.0 and sm_90a code in the build, K a
+// activations, more than 64 rows, compute capability 9.0 and sm_90a code in the build, K a
 // multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(); returns
 // false (nothing launched) otherwise. The tile, by the first rule that gives at least 3/4 of a CTA
-// per SM (measured per shape in benchmarks/README.md, "A GEMM that decodes int4 in its main loop,
+// per SM (up to 128 activation rows from the 128 x 128 rules on) (measured per shape in benchmarks/README.md, "A GEMM that decodes int4 in its main loop,
 // for prefill" and "Split K and persistent CTAs in the prefill kernel"):
 // - 128 x 256 (weight x activation rows), persistent CTAs over the tiles;
 // - 128 x 256 with K split over a cluster of 2, 4 or 8 CTAs (the fewest that reach the rule, each
@@ -418,7 +420,7 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       return 0;
     };
     int bm = 128, bn = 256, split = 1;
-    if (ctas(128, 256) < fill && !(split = split_for(kWide, 384, kWideSmem, ctas(128, 256)))) {
+    if (N <= 128 || (ctas(128, 256) < fill && !(split = split_for(kWide, 384, kWideSmem, ctas(128, 256))))) {
       bn = 128;
       if (ctas(128, 128) < fill && !(split = split_for(kMid, 288, kMidSmem, ctas(128, 128)))) bm = 64;
       split = std::max(split, 1);

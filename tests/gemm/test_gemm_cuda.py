@@ -177,16 +177,16 @@ def test_weight_only_wide(fmt, params, m, k, n, dtype):
                                                 if k % p.get("group_size", 32) == 0], ids=str)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
-    """More than 64 activation rows through the format's native gemm: on an sm_90a build the wgmma
-    kernel with 128 activation rows per CTA (grid.y covers more; 65 and 300 leave a partial last
-    column of CTAs), elsewhere the two-tile kernel; against float64, NaN-filled outputs all
-    overwritten."""
+    """More than 64 activation rows through the format's native gemm: on an sm_90a build the prefill
+    kernel where K is a multiple of 128 (1024, 14336), else the wgmma kernel with 128 activation
+    rows per CTA (grid.y covers more; 65 and 300 leave a partial last column of CTAs), elsewhere the
+    two-tile kernel; against float64, NaN-filled outputs all overwritten."""
     mod, q, qc, w64 = weight(fmt, m, k, k + n + m, **params)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(DTYPES[dtype]).cuda()
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
-# int4, nf4 and q4_0 with fp16 or bf16 activations from 129 rows on an sm_90a build: the kernel that
+# int4, nf4 and q4_0 with fp16 or bf16 activations from 65 rows on an sm_90a build: the kernel that
 # decodes in its wgmma main loop (gemm/weight_only_prefill_cuda.cuh). The shapes take each of its
 # tiles on a GPU of ~132 SMs: 64 x 128 (few CTAs), 128 x 128 and 128 x 256 (weight x activation
 # rows); M and N leave partial tiles; K = 448 is not a multiple of 128 (nor q4_0's 256), and nf4

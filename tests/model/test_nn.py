@@ -369,7 +369,7 @@ def test_crossover_row_buckets():
 
 
 def test_formats_with_a_prefill_kernel_measure_up_to_4096_rows():
-    """int4, nf4 and q4_0 (whose CUDA kernels decode inside a wgmma main loop from 129 fp16 rows)
+    """int4, nf4 and q4_0 (whose CUDA kernels decode inside a wgmma main loop from 65 fp16 rows)
     let QuantizedLinear measure kernel against dequantize + cuBLAS up to 4096 rows on CUDA; the
     other formats with CUDA weight-only kernels up to 128."""
     from qformats import format_spec

@@ -218,7 +218,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
     return;
   }
   if constexpr (BN > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2;
   const int r0 = wgi * 64 + warp * 16 + g;  // this lane's tile rows r0 and r0 + 8
   const int gsteps = f.prefill_group_steps();
   const uint32_t xa = cuda::smem_u32(xs);

@@ -10,7 +10,9 @@
 //   (X tile [BN, 64], packed weights [BM rows, one step]) into an S-stage ring as soon as a stage
 //   is released; C consumer warpgroups wait on the stage's mbarrier, decode their 64 rows into A
 //   registers (wgmma m64nBNk16, A from registers) and release the stage when its batch is done.
-//   While step k's batch runs on the tensor cores, the warps decode step k + 1.
+//   While step k's batch runs on the tensor cores, the warps decode step k + 1;
+// - the consumers store their outputs through a small per-warp buffer (stmatrix.trans), so that a
+//   lane writes 16 contiguous bytes of Y instead of 2-byte pieces.
 // A format opts in with Fmt::kPrefill and supplies (int4, nf4 and q4_0 do, in their *_gemm_cuda.cu):
 //   kPrefillStepBytes           bytes of one weight row per 64 values;
 //   kPrefillBoxBytes            optional: the TMA box's width per row (the shared-memory row pitch),

@@ -245,7 +245,10 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
     // (rows past M read row M - 1's metadata; the TMA brings zeros for their codes and their
     // outputs are not stored)
     const int ma = min(m0 + r0, M - 1), mb = min(m0 + r0 + 8, M - 1);
-    const float bias_a = bias != nullptr ? qf::cuda::unitwise::load_f32(bias[ma]) : 0.f, bias_b = bias != nullptr ? qf::cuda::unitwise::load_f32(bias[mb]) : 0.f;
+    // (the bias of rows ma and mb, for the epilogue)
+    using qf::cuda::unitwise::load_f32;
+    const float bias_a = bias != nullptr ? load_f32(bias[ma]) : 0.f;
+    const float bias_b = bias != nullptr ? load_f32(bias[mb]) : 0.f;
     // The metadata of the next group is loaded while the current group's steps run (its latency
     // would otherwise sit between a step's wait and its decode).
     // (local step k is the weight's step kb + k; a span may start inside a group)
@@ -309,7 +312,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       wg::stmatrix_x4_trans(buf + epi_st, pair(u[0], u[1], bias_a), pair(u[2], u[3], bias_b), pair(w[0], w[1], bias_a),
                             pair(w[2], w[3], bias_b));
       __syncwarp();
-      uint4 v;
+      uint4 v;  // (read at the 32-bit shared address that stmatrix takes)
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                    : "r"(buf + epi_ld));

@@ -24,11 +24,8 @@ OUT=${OUT:-/tmp/qformats-ab}
 TMP=${TMPDIR:-/tmp}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-site=""
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (bitsandbytes), see tools/gpu_check.sh
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TMP/ab-site" .whl/*.whl &&
-    site=$TMP/ab-site
-fi
+. "$(dirname "$0")/carried_wheels.sh"
+site=${PYTHONPATH:-}
 build() {  # build NAME SRC
   python3 -m pip install --no-build-isolation --no-deps -v --target "$TMP/qf-$1" --upgrade "$2" \
     "-Cbuild-dir=$TMP/qf-build-$1" >"$OUT/ab-build-$1.log" 2>&1

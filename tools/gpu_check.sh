@@ -20,11 +20,7 @@ OUT=${OUT:-/tmp/qformats-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
 stages=${*:-build test bench sanitize}
-# Wheels carried to the machine (bitsandbytes for the nf4 comparisons), see the device README.
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+. "$(dirname "$0")/carried_wheels.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 status=0
 for stage in $stages; do

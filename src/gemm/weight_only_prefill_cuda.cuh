@@ -376,8 +376,9 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 // activations, more than 64 rows, compute capability 9.0 and sm_90a code in the build, K a
 // multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(); returns
 // false (nothing launched) otherwise. The tile, by the first rule that gives at least 3/4 of a CTA
-// per SM (up to 128 activation rows from the 128 x 128 rules on) (measured per shape in benchmarks/README.md, "A GEMM that decodes int4 in its main loop,
-// for prefill" and "Split K and persistent CTAs in the prefill kernel"):
+// per SM (up to 128 activation rows, from the 128 x 128 rules on; measured per shape in
+// benchmarks/README.md, "A GEMM that decodes int4 in its main loop, for prefill" and "Split K and
+// persistent CTAs in the prefill kernel"):
 // - 128 x 256 (weight x activation rows), persistent CTAs over the tiles;
 // - 128 x 256 with K split over a cluster of 2, 4 or 8 CTAs (the fewest that reach the rule, each
 //   cluster one tile, all in one wave, an even number of steps of at least 16 per CTA): fewer,

@@ -384,7 +384,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 //   cluster one tile, all in one wave, an even number of steps of at least 16 per CTA): fewer,
 //   wider tiles decode each weight for more activation rows than the narrower kinds below;
 // - 128 x 128, persistent; then 128 x 128 with K split as above;
-// - 64 x 128 (two CTAs per SM).
+// - 64 x 128 (two CTAs per SM), with K split as above where its tiles alone are too few.
 template <class Fmt, class H>
 bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, const H* bias,
                                 void* stream) {
@@ -400,7 +400,8 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     constexpr auto kWide = weight_only_prefill_kernel<Fmt, H, 256, kWS, 2>,
                    kMid = weight_only_prefill_kernel<Fmt, H, 128, 6, 2>,
                    kLow = weight_only_prefill_kernel<Fmt, H, 128, 4, 1>;
-    constexpr int kWideSmem = prefill_smem_bytes<Fmt, 256, kWS, 2>(), kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>();
+    constexpr int kWideSmem = prefill_smem_bytes<Fmt, 256, kWS, 2>(), kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>(),
+                  kLowSmem = prefill_smem_bytes<Fmt, 128, 4, 1>();
     const int sms = cuda::sm_count();
     const int64_t fill = 3 * int64_t(sms) / 4, steps = K / 64;
     auto ctas = [&](int bm, int bn) { return int64_t(cuda::grid_for(M, bm)) * cuda::grid_for(N, bn); };
@@ -428,7 +429,10 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     int bm = 128, bn = 256, split = 1;
     if (N <= 128 || (ctas(128, 256) < fill && !(split = split_for(kWide, 384, kWideSmem, ctas(128, 256))))) {
       bn = 128;
-      if (ctas(128, 128) < fill && !(split = split_for(kMid, 288, kMidSmem, ctas(128, 128)))) bm = 64;
+      if (ctas(128, 128) < fill && !(split = split_for(kMid, 288, kMidSmem, ctas(128, 128)))) {
+        bm = 64;
+        if (ctas(64, 128) < fill) split = split_for(kLow, 160, kLowSmem, ctas(64, 128));
+      }
       split = std::max(split, 1);
     }
     CUtensorMap tx, tw;
@@ -454,7 +458,7 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     };
     if (bn == 256) launch(kWide, 384, kWideSmem);
     else if (bm == 128) launch(kMid, 288, kMidSmem);
-    else launch(kLow, 160, prefill_smem_bytes<Fmt, 128, 4, 1>());
+    else launch(kLow, 160, kLowSmem);
     cuda::check_launch("weight-only GEMM (prefill)");
     return true;
   }

@@ -106,11 +106,11 @@ __device__ __forceinline__ void byte_pair_fragments(const uint8_t* tile, int r, 
   }
 }
 
-// From 65 activation rows the prefill kernel takes the product (tiles of 128 activation rows up to
-// 128), where the wgmma kernel of weight_only_wgmma_cuda.cuh switches to 128 rows per CTA and
-// permutes X at every step; measured faster on most shapes (benchmarks/README.md, "The prefill
-// kernel from 65 rows").
-constexpr int kPrefillMinRows = 65;
+// From 33 activation rows the prefill kernel takes the product (tiles of 128 activation rows up to
+// 128, X's box cut to the rows there are), where the wgmma kernel of weight_only_wgmma_cuda.cuh
+// permutes X into its tables at every step; measured faster on most shapes, slower for int4 on
+// 4096x14336 at 33-64 rows (benchmarks/README.md, "The prefill kernel from 33 rows").
+constexpr int kPrefillMinRows = 33;
 
 // Whether Fmt has the hooks above (Fmt::kPrefill true); the other formats need not mention them.
 template <class Fmt, class = void>

@@ -161,9 +161,9 @@ __device__ __forceinline__ uint32_t prefill_out_bits(float v, bool has_bias, flo
 }
 
 // Rows of X's TMA box in the last column of tiles: its rows of X rounded up to 8, not BN. A box
-// reaching past X's last row makes the copy zero-fill the rest, and that is slow (H200: 4096x14336
-// at 65 rows took 59 us with a box of 128 rows against 42 with 72). The tile's later rows of shared
-// memory then keep older stages' values; they only reach accumulator columns past N, never stored.
+// reaching past X's last row makes the copy zero-fill the rest, and that is slow (benchmarks/
+// README.md, "The prefill kernel from 33 rows"). The tile's later rows of shared memory then keep
+// older stages' values; they only reach accumulator columns past N, which are never stored.
 QF_HOST_DEVICE constexpr int prefill_last_x_rows(int N, int BN) { return (N - (N - 1) / BN * BN + 7) / 8 * 8; }
 
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it

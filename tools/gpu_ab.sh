@@ -8,8 +8,10 @@
 # Both trees are built side by side (pip --target into their own directories, their own build
 # directories), then COMMAND runs ROUNDS times (default 2) under each, alternating, base first, with
 # PYTHONPATH pointing at the build under test. Its output lines are prefixed "base|" or "head|" and
-# kept in $OUT/ab-base-N.txt and $OUT/ab-head-N.txt. COMMAND runs in this (the head's) tree, so a
-# benchmark script is the head's in both runs.
+# kept in $OUT/ab-base.txt and $OUT/ab-head.txt (each round after a "=== round N" line); the build
+# logs stay in $TMPDIR unless a build fails. Two files, since the device tool brings back at most
+# 8 from $OUT. COMMAND runs in this (the head's) tree, so a benchmark script is the head's in both
+# runs.
 set -uo pipefail
 rounds=2
 while [ $# -gt 0 ]; do
@@ -28,7 +30,7 @@ export PYTHONUNBUFFERED=1
 site=${PYTHONPATH:-}
 build() {  # build NAME SRC
   python3 -m pip install --no-build-isolation --no-deps -v --target "$TMP/qf-$1" --upgrade "$2" \
-    "-Cbuild-dir=$TMP/qf-build-$1" >"$OUT/ab-build-$1.log" 2>&1
+    "-Cbuild-dir=$TMP/qf-build-$1" >"$TMP/ab-build-$1.log" 2>&1
 }
 t0=$(date +%s)
 build base ab/base & pb=$!
@@ -36,18 +38,21 @@ build head . & ph=$!
 wait $pb; rb=$?
 wait $ph; rh=$?
 for name in base head; do
-  grep -m1 "qformats: CUDA kernels" "$OUT/ab-build-$name.log" | sed "s/^[ -]*/$name: /"
+  grep -m1 "qformats: CUDA kernels" "$TMP/ab-build-$name.log" | sed "s/^[ -]*/$name: /"
 done
 if [ $rb != 0 ] || [ $rh != 0 ]; then
+  cp "$TMP"/ab-build-{base,head}.log "$OUT"/
   echo "gpu_ab: build failed (base $rb, head $rh): $OUT/ab-build-*.log" >&2
-  tail -n 20 "$OUT/ab-build-base.log" "$OUT/ab-build-head.log" >&2
+  tail -n 20 "$TMP/ab-build-base.log" "$TMP/ab-build-head.log" >&2
   exit 1
 fi
 echo "gpu_ab: both built in $(($(date +%s) - t0)) s"
 status=0
+rm -f "$OUT/ab-base.txt" "$OUT/ab-head.txt"
 for ((i = 1; i <= rounds; i++)); do
   for name in base head; do
-    PYTHONPATH="$TMP/qf-$name${site:+:$site}" "$@" 2>&1 | tee "$OUT/ab-$name-$i.txt" | sed "s/^/$name|/"
+    echo "=== round $i" >>"$OUT/ab-$name.txt"
+    PYTHONPATH="$TMP/qf-$name${site:+:$site}" "$@" 2>&1 | tee -a "$OUT/ab-$name.txt" | sed "s/^/$name|/"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
 done

@@ -383,7 +383,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 }
 
 // Launches the prefill kernel on `stream` when it applies: a format with the hooks, fp16 or bf16
-// activations, more than 64 rows, compute capability 9.0 and sm_90a code in the build, K a
+// activations, kPrefillMinRows or more rows, compute capability 9.0 and sm_90a code in the build, K a
 // multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(); returns
 // false (nothing launched) otherwise. The tile, by the first rule that gives at least 3/4 of a CTA
 // per SM (up to 128 activation rows, from the 128 x 128 rules on; measured per shape in

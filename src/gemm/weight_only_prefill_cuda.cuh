@@ -107,9 +107,10 @@ __device__ __forceinline__ void byte_pair_fragments(const uint8_t* tile, int r, 
 }
 
 // From 33 activation rows the prefill kernel takes the product (tiles of 128 activation rows up to
-// 128, X's box cut to the rows there are), where the wgmma kernel of weight_only_wgmma_cuda.cuh
-// permutes X into its tables at every step; measured faster on most shapes, slower for int4 on
-// 4096x14336 at 33-64 rows (benchmarks/README.md, "The prefill kernel from 33 rows").
+// 128, X's box cut to the rows there are; up to 128 rows only where its tiles fill the GPU), where
+// the wgmma kernel of weight_only_wgmma_cuda.cuh permutes X into its tables at every step;
+// measured faster on most shapes, slower for int4 on 4096x14336 at 33-64 rows (benchmarks/
+// README.md, "The prefill kernel from 33 rows").
 constexpr int kPrefillMinRows = 33;
 
 // Whether Fmt has the hooks above (Fmt::kPrefill true); the other formats need not mention them.
@@ -445,6 +446,12 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       }
       split = std::max(split, 1);
     }
+    // Up to 128 rows the wgmma kernel (weight_only_wgmma_cuda.cuh) takes the shapes whose tiles,
+    // split or not, leave the GPU short of the rule (few weight rows, e.g. a grouped-query
+    // attention's key / value projection): it splits K more finely. (64 unsplit 64 x 128 tiles of
+    // 4096x4096 measured slower than the wgmma kernel: benchmarks/README.md, "The prefill kernel
+    // from 33 rows".)
+    if (N <= 128 && ctas(bm, bn) * split < fill) return false;
     CUtensorMap tx, txl, tw;
     constexpr auto kXType = std::is_same_v<H, bf16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     if (!cuda::tensor_map_2d(&tx, X, kXType, 2, uint64_t(K), uint64_t(N), 64, bn, CU_TENSOR_MAP_SWIZZLE_128B) ||

@@ -165,9 +165,9 @@ def test_weight_only_wide(fmt, params, m, k, n, dtype):
     each, the slices of a cluster summed through distributed shared memory. These K leave the
     last slices partial or empty (131 units; 4096 + 96) or split evenly (14336), M is not a
     multiple of 128, and 17000 rows (133 CTAs of 128) take one slice per CTA; NaN-filled outputs all overwritten.
-    On an sm_90a build, 33 and 64 rows of int4, nf4 and q4_0 with K a multiple of 128 (14336, 512)
-    run the prefill kernel instead (X's box cut to 40 or 64 of its 128 rows). Below sm_90 the same
-    cases run the two-tile kernel."""
+    On an sm_90a build, 33 and 64 rows of int4, nf4 and q4_0 on 17000 x 512 run the prefill kernel
+    instead (133 tiles; X's box cut to 40 or 64 of its 128 rows). Below sm_90 the same cases run the
+    two-tile kernel."""
     mod, q, qc, w64 = weight(fmt, m, k, k + n + m, **params)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(DTYPES[dtype]).cuda()
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])

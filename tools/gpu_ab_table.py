@@ -28,6 +28,8 @@ def read(path: Path) -> dict[tuple[str, int, str], list[float]]:
 
 
 def cell(v: list[float]) -> str:
+    """One table cell from a kernel's times over the rounds (us): "lo-hi", one figure where they
+    agree to 0.05 us, "-" where the kernel is missing."""
     if not v:
         return "-"
     lo, hi = min(v), max(v)

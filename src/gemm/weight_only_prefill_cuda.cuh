@@ -171,10 +171,11 @@ QF_HOST_DEVICE constexpr int prefill_last_x_rows(int N, int BN) { return (N - (N
 // serializes the wgmma of the branches that depend on it: C7518).
 __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0); }
 
-// C consumer warpgroups of 64 weight rows; BN activation rows; S stages. BN = 256 (128 float32
-// accumulators a thread) needs more registers than a CTA of 288 threads may have: the copies then
-// get a whole warpgroup, which hands its registers to the consumers (setmaxnreg 40 / 232; without
-// it ptxas spills and serializes the wgmma, C7512). C = 1 runs two CTAs per SM.
+// C consumer warpgroups of 64 weight rows; BN activation rows; S stages. BN = 256 or 192 (128 or
+// 96 float32 accumulators a thread) needs more registers than a CTA of 288 threads may have
+// (ptxas caps it at 168, as for 384: int4 at BN = 192 spilled): the copies then get a whole
+// warpgroup, which hands its registers to the consumers (setmaxnreg 40 / 232; without it ptxas
+// spills and serializes the wgmma, C7512). C = 1 runs two CTAs per SM.
 template <class Fmt, class H, int BN, int S, int C>
 __global__ void
 __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
@@ -182,7 +183,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
                                const __grid_constant__ CUtensorMap tmW,
                                const Fmt f, H* __restrict__ Y, const H* __restrict__ bias, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(BN == 128 || BN == 256, "wgmma n128 / n256");
+  static_assert(BN == 128 || BN == 192 || BN == 256, "wgmma n128 / n192 / n256");
   constexpr int NT = BN / 8, kX = BN * wg::kRowBytes, kW = 64 * C * prefill_box_bytes<Fmt>::value;
   static_assert(NT * 128 * C * 16 <= S * kX, "a split's partial sums fit over the ring's X tiles");
   extern __shared__ uint8_t prefill_smem[];
@@ -361,7 +362,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       }
       cg::cluster_group cluster = cg::this_cluster();
       cluster.sync();  // every CTA's partial sums written and visible to the cluster
-      const int per = NT / splits;  // even: NT >= 16, splits <= 8
+      const int per = NT / splits;  // even: NT = 16 or 32, splits <= 8 (BN = 192 is not split)
       auto sum = [&](int i, float (&s)[4]) {
         float4 v = cluster.map_shared_rank(red, 0)[i * T + tid];
         for (int q = 1; q < splits; ++q) {
@@ -394,6 +395,8 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 // - 128 x 256 with K split over a cluster of 2, 4 or 8 CTAs (the fewest that reach the rule, each
 //   cluster one tile, all in one wave, an even number of steps of at least 16 per CTA): fewer,
 //   wider tiles decode each weight for more activation rows than the narrower kinds below;
+// - 128 x 192, persistent, for 129-192 rows where its tiles alone fill the GPU (n192: a quarter
+//   less of the padded columns' work than n256);
 // - 128 x 128, persistent; then 128 x 128 with K split as above;
 // - 64 x 128 (two CTAs per SM), with K split as above where its tiles alone are too few.
 template <class Fmt, class H>
@@ -409,9 +412,11 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     constexpr int kSB = Fmt::kPrefillStepBytes, kBox = prefill_box_bytes<Fmt>::value;
     constexpr int kWS = prefill_wide_stages<Fmt>::value;
     constexpr auto kWide = weight_only_prefill_kernel<Fmt, H, 256, kWS, 2>,
+                   k192 = weight_only_prefill_kernel<Fmt, H, 192, 6, 2>,
                    kMid = weight_only_prefill_kernel<Fmt, H, 128, 6, 2>,
                    kLow = weight_only_prefill_kernel<Fmt, H, 128, 4, 1>;
-    constexpr int kWideSmem = prefill_smem_bytes<Fmt, 256, kWS, 2>(), kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>(),
+    constexpr int kWideSmem = prefill_smem_bytes<Fmt, 256, kWS, 2>(), k192Smem = prefill_smem_bytes<Fmt, 192, 6, 2>(),
+                  kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>(),
                   kLowSmem = prefill_smem_bytes<Fmt, 128, 4, 1>();
     const int sms = cuda::sm_count();
     const int64_t fill = 3 * int64_t(sms) / 4, steps = K / 64;
@@ -438,7 +443,9 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       return 0;
     };
     int bm = 128, bn = 256, split = 1;
-    if (N <= 128 || (ctas(128, 256) < fill && !(split = split_for(kWide, 384, kWideSmem, ctas(128, 256))))) {
+    if (N > 128 && N <= 192 && ctas(128, 192) >= fill) {
+      bn = 192;
+    } else if (N <= 128 || (ctas(128, 256) < fill && !(split = split_for(kWide, 384, kWideSmem, ctas(128, 256))))) {
       bn = 128;
       if (ctas(128, 128) < fill && !(split = split_for(kMid, 288, kMidSmem, ctas(128, 128)))) {
         bm = 64;
@@ -475,6 +482,7 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
                   "weight-only GEMM (prefill)");
     };
     if (bn == 256) launch(kWide, 384, kWideSmem);
+    else if (bn == 192) launch(k192, 384, k192Smem);
     else if (bm == 128) launch(kMid, 288, kMidSmem);
     else launch(kLow, 160, kLowSmem);
     cuda::check_launch("weight-only GEMM (prefill)");

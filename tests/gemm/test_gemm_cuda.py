@@ -200,9 +200,10 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
 # clusters of 4; 200 x 4050 x 4096, 32 tiles of 128 x 256 do not fit clusters of 4 in one wave, so
 # 64 tiles of 128 x 128 in clusters of 2; 100 x 4050 x 2304, 32 tiles of 128 x 128 that no cluster
 # size splits (36 steps), so 64 tiles of 64 x 128 in clusters of 2 (the second span inside a group).
+# 160 x 12800 x 512: 100 tiles of 128 x 192 (129-192 rows where those tiles fill the GPU).
 PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (600, 4000, 512), (300, 4000, 2304),
-                  (250, 3150, 4096), (200, 4050, 4096), (100, 4050, 2304), (200, 520, 8192), (2048, 77, 512),
-                  (160, 100, 448)]
+                  (250, 3150, 4096), (200, 4050, 4096), (100, 4050, 2304), (160, 12800, 512), (200, 520, 8192),
+                  (2048, 77, 512), (160, 100, 448)]
 
 
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),
@@ -240,7 +241,7 @@ def test_prefill_small_scales(fmt, params, dtype):
 
 @pytest.mark.parametrize("fmt", ["int4", "nf4", "q4_0"])
 @pytest.mark.parametrize("n,m,k", [(300, 14333, 1024), (129, 300, 1024), (300, 4000, 2304), (200, 4050, 4096),
-                                   (100, 4050, 2304)])
+                                   (100, 4050, 2304), (160, 12800, 512)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_prefill_bias_and_streams(fmt, n, m, k, dtype):
     """The prefill kernel's bias is bitwise the product rounded to the activations' type plus the

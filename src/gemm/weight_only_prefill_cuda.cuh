@@ -391,12 +391,12 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 // per SM (up to 128 activation rows, from the 128 x 128 rules on; measured per shape in
 // benchmarks/README.md, "A GEMM that decodes int4 in its main loop, for prefill" and "Split K and
 // persistent CTAs in the prefill kernel"):
-// - 128 x 256 (weight x activation rows), persistent CTAs over the tiles;
+// - 128 x 256 (weight x activation rows), persistent CTAs over the tiles; 128 x 192 instead where
+//   its tiles need no more waves of CTAs (n192: a quarter less of the padded columns' work);
 // - 128 x 256 with K split over a cluster of 2, 4 or 8 CTAs (the fewest that reach the rule, each
 //   cluster one tile, all in one wave, an even number of steps of at least 16 per CTA): fewer,
 //   wider tiles decode each weight for more activation rows than the narrower kinds below;
-// - 128 x 192, persistent, for 129-192 rows where its tiles alone fill the GPU (n192: a quarter
-//   less of the padded columns' work than n256);
+// - the unsplit tile of the first rule short of the 3/4, where 128 x 128 would take two waves;
 // - 128 x 128, persistent; then 128 x 128 with K split as above;
 // - 64 x 128 (two CTAs per SM), with K split as above where its tiles alone are too few.
 template <class Fmt, class H>
@@ -443,9 +443,22 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       return 0;
     };
     int bm = 128, bn = 256, split = 1;
-    if (N > 128 && N <= 192 && ctas(128, 192) >= fill) {
-      bn = 192;
-    } else if (N <= 128 || (ctas(128, 256) < fill && !(split = split_for(kWide, 384, kWideSmem, ctas(128, 256))))) {
+    // Above 128 rows: 128 x 192 where its tiles take no more waves of one CTA per SM than 128 x 256
+    // (each CTA then runs as many tiles, each with a quarter less of the multiplies and the same
+    // decode). Where the chosen tiles are short of the rule and 128 x 256 has no K split, they stay
+    // unsplit if 128 x 128 would need a second wave (e.g. 11008 weight rows at 256 activation
+    // rows: 86 tiles of 128 x 256 in one wave, not 172 of 128 x 128 in two over 132 SMs).
+    auto waves = [&](int64_t tiles) { return (tiles + sms - 1) / sms; };
+    if (N > 128 && waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
+    if (N > 128 && ctas(128, bn) < fill) {
+      if ((split = split_for(kWide, 384, kWideSmem, ctas(128, 256))))
+        bn = 256;
+      else if (ctas(128, 128) > sms)
+        split = 1;
+      else
+        bn = 128;
+    }
+    if (N <= 128 || bn == 128) {
       bn = 128;
       if (ctas(128, 128) < fill && !(split = split_for(kMid, 288, kMidSmem, ctas(128, 128)))) {
         bm = 64;

@@ -188,22 +188,24 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
-# int4, nf4 and q4_0 with fp16 or bf16 activations from 65 rows on an sm_90a build: the kernel that
+# int4, nf4 and q4_0 with fp16 or bf16 activations from 33 rows on an sm_90a build: the kernel that
 # decodes in its wgmma main loop (gemm/weight_only_prefill_cuda.cuh). The shapes take each of its
-# tiles on a GPU of ~132 SMs: 64 x 128 (few CTAs), 128 x 128 and 128 x 256 (weight x activation
-# rows); M and N leave partial tiles; K = 448 is not a multiple of 128 (nor q4_0's 256), and nf4
-# blocks of 32 are not whole steps (the wgmma kernel takes those). 300 x 14333 (224 tiles of
-# 128 x 256) and 600 x 4000 (160 of 128 x 128) have more tiles than the GPU holds CTAs, so CTAs
-# take a second tile, partial ones included. K split over clusters (on an H200, which runs 30
-# clusters of 4 such CTAs at once): 300 x 4000 x 2304, 64 tiles of 128 x 256 in clusters of 2 (the
-# second span starting inside a group of 256); 250 x 3150 x 4096, 25 tiles of 128 x 256 in
-# clusters of 4; 200 x 4050 x 4096, 32 tiles of 128 x 256 do not fit clusters of 4 in one wave, so
-# 64 tiles of 128 x 128 in clusters of 2; 100 x 4050 x 2304, 32 tiles of 128 x 128 that no cluster
-# size splits (36 steps), so 64 tiles of 64 x 128 in clusters of 2 (the second span inside a group).
-# 160 x 12800 x 512: 100 tiles of 128 x 192 (129-192 rows where those tiles fill the GPU).
-PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (600, 4000, 512), (300, 4000, 2304),
-                  (250, 3150, 4096), (200, 4050, 4096), (100, 4050, 2304), (160, 12800, 512), (200, 520, 8192),
-                  (2048, 77, 512), (160, 100, 448)]
+# tiles on a GPU of ~132 SMs: 64 x 128 (few CTAs), 128 x 128, 128 x 192 and 128 x 256 (weight x
+# activation rows); M and N leave partial tiles; K = 448 is not a multiple of 128 (nor q4_0's 256),
+# and nf4 blocks of 32 are not whole steps (the wgmma kernel takes those). More tiles than the GPU
+# holds CTAs, so CTAs take a second tile, partial ones included: 500 x 14333 (224 tiles of
+# 128 x 256), 300 x 14333 (224 of 128 x 192, as many waves as 128 x 256) and 600 x 4000 (128 of
+# 128 x 192, four columns). 160 x 12800 x 512: 100 tiles of 128 x 192. Unsplit tiles short of
+# 3/4 of the SMs, where 128 x 128 would take two waves: 150 x 8900 x 512 (70 of 128 x 192) and
+# 250 x 8900 x 512 (70 of 128 x 256). K split over clusters (on an H200, which runs 30 clusters of
+# 4 such CTAs at once): 300 x 4000 x 2304, 64 tiles of 128 x 256 in clusters of 2 (the second span
+# starting inside a group of 256); 250 x 3150 x 4096, 25 tiles of 128 x 256 in clusters of 4;
+# 200 x 4050 x 4096, 32 tiles of 128 x 256 do not fit clusters of 4 in one wave, so 64 tiles of
+# 128 x 128 in clusters of 2; 100 x 4050 x 2304, 32 tiles of 128 x 128 that no cluster size splits
+# (36 steps), so 64 tiles of 64 x 128 in clusters of 2 (the second span inside a group).
+PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (500, 14333, 512), (600, 4000, 512),
+                  (300, 4000, 2304), (250, 3150, 4096), (200, 4050, 4096), (100, 4050, 2304), (160, 12800, 512),
+                  (150, 8900, 512), (250, 8900, 512), (200, 520, 8192), (2048, 77, 512), (160, 100, 448)]
 
 
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),

@@ -174,6 +174,14 @@ class QFormatsHfQuantizer(HfQuantizer):
 
     requires_calibration = False
 
+    @property
+    def is_compileable(self) -> bool:
+        """True: ``QuantizedLinear`` traces under ``torch.compile(fullgraph=True)`` and its
+        kernels replay in CUDA graphs. transformers' ``generate()`` compiles its decode step
+        (``cache_implementation="static"``, a ``compile_config``) only when a model's quantizer
+        says so, and otherwise runs it eager with only a log line."""
+        return True
+
     def __init__(self, quantization_config: QFormatsConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self._plan: dict = {}     # quantize on load: {layer: (format, params)}

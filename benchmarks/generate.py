@@ -1,7 +1,7 @@
 """Decode speed of a Llama-shaped model on the GPU: fp16 against each quantized format.
 
     python benchmarks/generate.py [--size 7b|1b] [--batch 1,16] [--formats fp16,nf4,int4,q4_0,mixed2bit]
-                                  [--steps 64] [--layers L] [--variants mixed2bit:layout=tiled]
+                                  [--steps 64] [--layers L] [--variants mixed2bit:layout=tiled] [--compile]
 
 The model is a plain-PyTorch Llama decoder (RMSNorm, rotary attention with grouped KV heads over
 a static KV cache, SwiGLU MLP, untied lm_head) with random fp16 weights: speed does not depend
@@ -12,7 +12,10 @@ the forward runs through qformats.ops.linear: the
 register-decoding GEMV kernels for up to 16 rows. One decode step (one new token per sequence)
 is captured in a CUDA graph, as inference servers do, so Python overhead is not measured; the
 graph is replayed `steps` times and tokens/s = batch * steps / time. Model size counts the
-stored weights; peak memory is torch.cuda.max_memory_allocated during the run.
+stored weights; peak memory is torch.cuda.max_memory_allocated during the run. ``--compile``
+runs the model through ``torch.compile`` (inductor, fullgraph, no CUDA graphs of its own) before
+the step is captured, as servers such as vLLM do: the norms, rotary embedding and attention glue
+become fused kernels instead of many small ones per layer, for every variant alike.
 """
 from __future__ import annotations
 
@@ -158,6 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the model's)")
     ap.add_argument("--variants", default=variants.DEFAULT, help=variants.HELP)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model before capturing the step")
     args = ap.parse_args(argv)
     if not qformats.cuda_available():
         print("no CUDA device or a CPU-only build: nothing to measure")
@@ -168,7 +172,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  qformats {qformats.__version__}")
     print(f"model: Llama-shaped {args.size} (hidden {cfg[0]}, ffn {cfg[1]}, {cfg[2]} layers, "
-          f"{cfg[3]}/{cfg[4]} heads, vocab {cfg[5]}), random fp16 weights")
+          f"{cfg[3]}/{cfg[4]} heads, vocab {cfg[5]}), random fp16 weights"
+          + (", torch.compile'd" if args.compile else ""))
     rows = []
     base = {}
     names = [f for f in args.formats.split(",") if f]
@@ -186,14 +191,15 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         size_gb = weight_bytes(model) / 1e9
+        step = torch.compile(model, fullgraph=True) if args.compile else model
         for b in batches:
-            tps, ms = decode_tokens_per_s(model, cfg, b, args.steps)
+            tps, ms = decode_tokens_per_s(step, cfg, b, args.steps)
             if fmt == "fp16":
                 base[b] = tps
             peak = torch.cuda.max_memory_allocated() / 1e9
             rows.append((fmt, b, tps, ms, tps / base.get(b, math.nan), size_gb, peak))
             print(f"  {fmt:<15} batch {b:3d}: {tps:9.1f} tok/s  {ms:7.2f} ms/step", flush=True)
-        del model
+        del model, step  # the compiled wrapper holds the model too: both go before the next is built
         torch.cuda.empty_cache()
     print("\n| format          | batch | tokens/s | ms/step | x fp16 | weights GB | peak GB |")
     print("|-----------------|------:|---------:|--------:|-------:|-----------:|--------:|")

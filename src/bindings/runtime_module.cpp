@@ -1,10 +1,15 @@
-// qformats._runtime._native: build and machine facts, and the process's CPU thread setting
-// (exports only).
+// qformats._runtime._native: build and machine facts, the process's CPU thread setting, and the
+// prefill kernel's tile rules for tests (exports, and the checks of prefill_plan's arguments).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <tuple>
 
 #include "common/runtime.h"
 #include "common/thread_pool.h"
+#include "gemm/prefill_plan.h"
 
 namespace nb = nanobind;
 
@@ -23,4 +28,21 @@ NB_MODULE(_native, m) {
         "Why QFORMATS_NUM_THREADS was ignored or capped; empty when it was not.");
   m.def("pool_workers", &qf::pool_workers,
         "Worker threads of the CPU pool alive now (0 before the first parallel job).");
+  m.def(
+      "prefill_plan",
+      [](int64_t N, int64_t M, int64_t K, int sms, nb::callable fits) {
+        constexpr int64_t kLimit = int64_t(1) << 31;
+        if (N < 1 || M < 1 || N >= kLimit || M >= kLimit || K < 128 || K >= kLimit || K % 128 || sms < 1)
+          throw nb::value_error(
+              "prefill_plan: needs 1 <= N, M < 2^31, K a positive multiple of 128 below 2^31, sms >= 1");
+        const qf::gemm::PrefillPlan p =
+            qf::gemm::plan_prefill(N, M, K, sms, [&](qf::gemm::PrefillKind kind, int s, int64_t tiles) {
+              return nb::cast<bool>(fits(int(kind), s, tiles));
+            });
+        return std::make_tuple(p.bm, p.bn, p.split);
+      },
+      nb::arg("N"), nb::arg("M"), nb::arg("K"), nb::arg("sms"), nb::arg("fits"),
+      "The CUDA prefill kernel's tile for Y [N, M] = X [N, K] . W [M, K]^T on a device of `sms` SMs "
+      "(gemm/prefill_plan.h): (bm, bn, split), or (0, 0, 0) where it declines. fits(kind, s, tiles) "
+      "says whether `tiles` clusters of s CTAs run at once (kind 0: 128 x 256, 1: 128 x 128, 2: 64 x 128).");
 }

@@ -46,6 +46,7 @@
 #include "common/cuda_utils.cuh"
 #include "common/tma_cuda.cuh"
 #include "common/unitwise_cuda.cuh"
+#include "gemm/prefill_plan.h"
 #include "gemm/weight_only_cuda.cuh"
 #include "gemm/weight_only_wgmma_cuda.cuh"
 #include "gemm/wgmma_cuda.cuh"
@@ -386,19 +387,8 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 
 // Launches the prefill kernel on `stream` when it applies: a format with the hooks, fp16 or bf16
 // activations, kPrefillMinRows or more rows, compute capability 9.0 and sm_90a code in the build, K a
-// multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(); returns
-// false (nothing launched) otherwise. The tile, by the first rule that gives at least 3/4 of a CTA
-// per SM (up to 128 activation rows, from the 128 x 128 rules on; measured per shape in
-// benchmarks/README.md, "A GEMM that decodes int4 in its main loop, for prefill" and "Split K and
-// persistent CTAs in the prefill kernel"):
-// - 128 x 256 (weight x activation rows), persistent CTAs over the tiles; 128 x 192 instead where
-//   its tiles need no more waves of CTAs (n192: a quarter less of the padded columns' work);
-// - 128 x 256 with K split over a cluster of 2, 4 or 8 CTAs (the fewest that reach the rule, each
-//   cluster one tile, all in one wave, an even number of steps of at least 16 per CTA): fewer,
-//   wider tiles decode each weight for more activation rows than the narrower kinds below;
-// - the unsplit tile of the first rule short of the 3/4, where 128 x 128 would take two waves;
-// - 128 x 128, persistent; then 128 x 128 with K split as above;
-// - 64 x 128 (two CTAs per SM), with K split as above where its tiles alone are too few.
+// multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(), and a tile
+// that gemm/prefill_plan.h's rules take; returns false (nothing launched) otherwise.
 template <class Fmt, class H>
 bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, const H* bias,
                                 void* stream) {
@@ -419,59 +409,29 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
                   kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>(),
                   kLowSmem = prefill_smem_bytes<Fmt, 128, 4, 1>();
     const int sms = cuda::sm_count();
-    const int64_t fill = 3 * int64_t(sms) / 4, steps = K / 64;
-    auto ctas = [&](int bm, int bn) { return int64_t(cuda::grid_for(M, bm)) * cuda::grid_for(N, bn); };
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim = {1, 1, 1};
     cudaLaunchConfig_t cfg{};
     cfg.stream = cuda::stream(stream);
     cfg.attrs = attr;
-    // The fewest K slices (2, 4, 8) that give `tiles` of `kernel` the fill in one wave of clusters,
-    // each slice an even number of at least 16 steps; 0 if none.
-    auto split_for = [&](auto kernel, int threads, int smem, int64_t tiles) {
-      for (int s = 2; s <= 8; s *= 2) {
-        if (steps % (2 * s) || steps / s < 16 || tiles * s < fill) continue;
-        cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
-        cfg.blockDim = dim3(unsigned(threads));
-        cfg.dynamicSmemBytes = size_t(smem);
-        cfg.gridDim = dim3(unsigned(tiles * s));
-        attr[0].val.clusterDim.x = unsigned(s);
-        cfg.numAttrs = 1;
-        if (tiles <= max_active_clusters(reinterpret_cast<const void*>(kernel), cfg, s)) return s;
-      }
-      return 0;
+    // Whether `tiles` clusters of s CTAs of `kernel` run at once on this device.
+    auto fits = [&](auto kernel, int threads, int smem, int s, int64_t tiles) {
+      cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
+      cfg.blockDim = dim3(unsigned(threads));
+      cfg.dynamicSmemBytes = size_t(smem);
+      cfg.gridDim = dim3(unsigned(tiles * s));
+      attr[0].val.clusterDim.x = unsigned(s);
+      cfg.numAttrs = 1;
+      return tiles <= max_active_clusters(reinterpret_cast<const void*>(kernel), cfg, s);
     };
-    int bm = 128, bn = 256, split = 1;
-    // Above 128 rows: 128 x 192 where its tiles take no more waves of one CTA per SM than 128 x 256
-    // (each CTA then runs as many tiles, each with a quarter less of the multiplies and the same
-    // decode). Where the chosen tiles are short of the rule and 128 x 256 has no K split, they stay
-    // unsplit if 128 x 128 would need a second wave (e.g. 11008 weight rows at 256 activation
-    // rows: 86 tiles of 128 x 256 in one wave, not 172 of 128 x 128 in two over 132 SMs).
-    auto waves = [&](int64_t tiles) { return (tiles + sms - 1) / sms; };
-    if (N > 128 && waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
-    if (N > 128 && ctas(128, bn) < fill) {
-      if ((split = split_for(kWide, 384, kWideSmem, ctas(128, 256))))
-        bn = 256;
-      else if (ctas(128, 128) > sms)
-        split = 1;
-      else
-        bn = 128;
-    }
-    if (N <= 128 || bn == 128) {
-      bn = 128;
-      if (ctas(128, 128) < fill && !(split = split_for(kMid, 288, kMidSmem, ctas(128, 128)))) {
-        bm = 64;
-        if (ctas(64, 128) < fill) split = split_for(kLow, 160, kLowSmem, ctas(64, 128));
-      }
-      split = std::max(split, 1);
-    }
-    // Up to 128 rows the wgmma kernel (weight_only_wgmma_cuda.cuh) takes the shapes whose tiles,
-    // split or not, leave the GPU short of the rule (few weight rows, e.g. a grouped-query
-    // attention's key / value projection): it splits K more finely. (64 unsplit 64 x 128 tiles of
-    // 4096x4096 measured slower than the wgmma kernel: benchmarks/README.md, "The prefill kernel
-    // from 33 rows".)
-    if (N <= 128 && ctas(bm, bn) * split < fill) return false;
+    const PrefillPlan plan = plan_prefill(N, M, K, sms, [&](PrefillKind kind, int s, int64_t tiles) {
+      if (kind == PrefillKind::kWide) return fits(kWide, 384, kWideSmem, s, tiles);
+      if (kind == PrefillKind::kMid) return fits(kMid, 288, kMidSmem, s, tiles);
+      return fits(kLow, 160, kLowSmem, s, tiles);
+    });
+    if (!plan.bm) return false;
+    const int bm = plan.bm, bn = plan.bn, split = plan.split;
     CUtensorMap tx, txl, tw;
     constexpr auto kXType = std::is_same_v<H, bf16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     const int last_rows = prefill_last_x_rows(int(N), bn);
@@ -484,7 +444,8 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       return false;
     // Without a split: one CTA per tile up to the CTAs the GPU holds at once (two per SM for
     // 64-row tiles), each then taking further tiles in turn (the kernel's tile loop).
-    const int64_t tiles = ctas(bm, bn), resident = int64_t(sms) * (bm == 64 ? 2 : 1);
+    const int64_t tiles = int64_t(cuda::grid_for(M, bm)) * cuda::grid_for(N, bn),
+                  resident = int64_t(sms) * (bm == 64 ? 2 : 1);
     if (tiles * split >= (int64_t(1) << 31)) return false;
     cfg.gridDim = dim3(unsigned(split > 1 ? tiles * split : std::min(tiles, resident)));
     attr[0].val.clusterDim.x = unsigned(split);

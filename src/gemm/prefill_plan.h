@@ -1,0 +1,80 @@
+// The prefill kernel's tile and K split for a shape: the rules of gemm/weight_only_prefill_cuda.cuh's
+// launcher, in host-only C++ so that they are testable without a GPU (qformats._runtime._native's
+// prefill_plan, tests/gemm/test_prefill_plan.py). What the rules stand on is measured per shape in
+// benchmarks/README.md ("A GEMM that decodes int4 in its main loop, for prefill", "Split K and
+// persistent CTAs in the prefill kernel", "The prefill kernel from 33 rows", "The prefill tile
+// counts waves").
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+namespace qf::gemm {
+
+// The CTA shapes whose K the launcher can split over a cluster (weight x activation rows).
+enum class PrefillKind : int {
+  kWide = 0,  // 128 x 256, one CTA per SM
+  kMid = 1,   // 128 x 128, one CTA per SM
+  kLow = 2,   // 64 x 128, two CTAs per SM
+};
+
+struct PrefillPlan {
+  int bm = 0;     // weight rows of a tile (64 or 128); 0: the prefill kernel declines the shape
+  int bn = 0;     // activation rows of a tile (128, 192 or 256)
+  int split = 0;  // CTAs of a cluster sharing a tile, each a K span (1: no split)
+};
+
+// The tile for Y [N, M] = X [N, K] . W [M, K]^T on a device of `sms` SMs; `fits(kind, s, tiles)`
+// says whether `tiles` clusters of s CTAs of that kind run at once (one wave). By the first rule
+// that gives at least 3/4 of a CTA per SM (up to 128 activation rows, from the 128 x 128 rules on):
+// - 128 x 256, persistent CTAs over the tiles; 128 x 192 instead where its tiles need no more waves
+//   of one CTA per SM (each CTA then runs as many tiles, each with a quarter less of the multiplies
+//   and the same decode);
+// - 128 x 256 with K split over a cluster of 2, 4 or 8 CTAs (the fewest that reach the rule, each
+//   cluster one tile, all in one wave, an even number of steps of 64 of at least 16 per CTA):
+//   fewer, wider tiles decode each weight for more activation rows than the narrower kinds below;
+// - above 128 rows, the unsplit tile of the first rule short of the 3/4 where 128 x 128 would take
+//   two waves (e.g. 11008 weight rows at 256 activation rows: 86 tiles of 128 x 256 in one wave,
+//   not 172 of 128 x 128 in two over 132 SMs);
+// - 128 x 128, persistent; then 128 x 128 with K split as above;
+// - 64 x 128 (two CTAs per SM), with K split as above where its tiles alone are too few.
+// Up to 128 rows it declines the shapes whose tiles, split or not, leave the GPU short of the rule
+// (few weight rows, e.g. a grouped-query attention's key / value projection): the wgmma kernel
+// splits K more finely (64 unsplit 64 x 128 tiles of 4096x4096 measured slower than it).
+// N, M >= 1 and K a positive multiple of 128 (the launcher checks).
+template <class Fits>
+PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits) {
+  const int64_t fill = 3 * int64_t(sms) / 4, steps = K / 64;
+  auto ctas = [&](int bm, int bn) { return ((M + bm - 1) / bm) * ((N + bn - 1) / bn); };
+  auto waves = [&](int64_t tiles) { return (tiles + sms - 1) / sms; };
+  // The fewest K slices (2, 4, 8) that give `tiles` of `kind` the fill in one wave of clusters,
+  // each slice an even number of at least 16 steps; 0 if none.
+  auto split_for = [&](PrefillKind kind, int64_t tiles) {
+    for (int s = 2; s <= 8; s *= 2) {
+      if (steps % (2 * s) || steps / s < 16 || tiles * s < fill) continue;
+      if (fits(kind, s, tiles)) return s;
+    }
+    return 0;
+  };
+  int bm = 128, bn = 256, split = 1;
+  if (N > 128 && waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
+  if (N > 128 && ctas(128, bn) < fill) {
+    if ((split = split_for(PrefillKind::kWide, ctas(128, 256))))
+      bn = 256;
+    else if (ctas(128, 128) > sms)
+      split = 1;
+    else
+      bn = 128;
+  }
+  if (N <= 128 || bn == 128) {
+    bn = 128;
+    if (ctas(128, 128) < fill && !(split = split_for(PrefillKind::kMid, ctas(128, 128)))) {
+      bm = 64;
+      if (ctas(64, 128) < fill) split = split_for(PrefillKind::kLow, ctas(64, 128));
+    }
+    split = std::max(split, 1);
+  }
+  if (N <= 128 && ctas(bm, bn) * split < fill) return {};
+  return {bm, bn, split};
+}
+
+}  // namespace qf::gemm

@@ -1,0 +1,90 @@
+"""The CUDA prefill kernel's tile rules (src/gemm/prefill_plan.h), on the CPU: the tile and K split
+the launcher takes for a shape, given a device's SM count and how many clusters of each CTA kind
+run at once. The device here is modeled on an H200 (132 SMs; 30 clusters of 4 of the 128 x 256 or
+128 x 128 CTAs at once, as measured there, else SMs x CTAs per SM / cluster size), so the shapes
+that tests/gemm/test_gemm_cuda.py names for each tile are checked to take it."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qformats._runtime import _native
+
+SMS = 132
+WIDE, MID, LOW = 0, 1, 2  # 128 x 256, 128 x 128 (one CTA per SM), 64 x 128 (two per SM)
+
+
+def h200_fits(kind: int, s: int, tiles: int) -> bool:
+    per_sm = 2 if kind == LOW else 1
+    clusters = 30 if (kind != LOW and s == 4) else SMS * per_sm // s
+    return tiles <= clusters
+
+
+def plan(n: int, m: int, k: int, sms: int = SMS, fits=h200_fits) -> tuple:
+    return tuple(_native.prefill_plan(n, m, k, sms, fits))
+
+
+@pytest.mark.parametrize("n,m,k,want", [
+    # Llama-2-7B's gate / up (11008 x 4096): 86 tiles of 128 x 192 or 128 x 256 in one wave, short
+    # of 3/4 of the SMs, rather than 172 of 128 x 128 in two; 128 x 192 where it needs no more waves
+    (160, 11008, 4096, (128, 192, 1)), (256, 11008, 4096, (128, 256, 1)), (512, 11008, 4096, (128, 192, 1)),
+    (1024, 11008, 4096, (128, 256, 1)),
+    # Llama-3-8B's shapes
+    (256, 14336, 4096, (128, 256, 1)), (300, 14336, 4096, (128, 192, 1)), (512, 14336, 4096, (128, 256, 1)),
+    (256, 4096, 14336, (128, 128, 2)), (512, 4096, 14336, (128, 256, 2)), (600, 4096, 14336, (128, 192, 1)),
+    (64, 4096, 14336, (64, 128, 2)), (64, 17000, 512, (128, 128, 1)),
+    # a grouped-query attention's key / value projection at 64 rows: declined (the wgmma kernel)
+    (64, 1024, 4096, (0, 0, 0)),
+    # the shapes of test_gemm_cuda.py's PREFILL_SHAPES and what its comment says they take
+    (250, 3150, 4096, (128, 256, 4)), (200, 4050, 4096, (128, 128, 2)), (100, 4050, 2304, (64, 128, 2)),
+    (160, 12800, 512, (128, 192, 1)), (150, 8900, 512, (128, 192, 1)), (250, 8900, 512, (128, 256, 1)),
+    (500, 14333, 512, (128, 256, 1)), (300, 14333, 512, (128, 192, 1)), (600, 4000, 512, (128, 192, 1)),
+    (300, 4000, 2304, (128, 256, 2)), (200, 520, 8192, (64, 128, 8)), (2048, 77, 512, (64, 128, 1)),
+])
+def test_plan_on_a_modeled_h200(n, m, k, want):
+    assert plan(n, m, k) == want
+
+
+def test_cluster_occupancy_decides_the_split():
+    """25 tiles of 128 x 256 split in clusters of 4 where 25 such clusters run at once; where none
+    of 2, 4, 8 does, 128 x 128 tiles, split in two."""
+    assert plan(250, 3150, 4096) == (128, 256, 4)
+    assert plan(250, 3150, 4096, fits=lambda kind, s, tiles: kind != WIDE and h200_fits(kind, s, tiles)) == \
+        (128, 128, 2)
+
+
+@settings(max_examples=400, deadline=None)
+@given(n=st.integers(33, 5000), m=st.integers(1, 40000), k=st.integers(1, 160).map(lambda u: 128 * u),
+       sms=st.sampled_from([16, 78, 114, 132]))
+def test_plan_invariants(n, m, k, sms):
+    """Whatever the shape: a known tile; a split only where each CTA gets an even number of at
+    least 16 steps of 64 and one wave of clusters holds the tiles, 128 x 192 never split and only
+    above 128 rows; up to 128 rows, 128-row tiles of X and a declined shape only there."""
+    def fits(kind, s, tiles):
+        return tiles <= SMS * (2 if kind == LOW else 1) // s * sms // SMS
+
+    bm, bn, split = plan(n, m, k, sms, fits)
+    if bm == 0:
+        assert n <= 128 and (bn, split) == (0, 0)
+        return
+    assert (bm, bn) in {(128, 256), (128, 192), (128, 128), (64, 128)}
+    assert split in (1, 2, 4, 8)
+    if split > 1:
+        steps = k // 64
+        assert steps % (2 * split) == 0 and steps // split >= 16
+        tiles = -(-m // bm) * -(-n // bn)
+        assert fits({256: WIDE, 128: MID if bm == 128 else LOW}[bn], split, tiles)
+    if bn == 192:
+        assert split == 1 and n > 128
+    if n <= 128:
+        assert bn == 128
+
+
+@pytest.mark.parametrize("args", [(0, 100, 512), (100, 0, 512), (100, 100, 100), (100, 100, 0), (2**31, 1, 128),
+                                  (1, 2**31, 128)])
+def test_bad_arguments_raise(args):
+    with pytest.raises(ValueError, match="prefill_plan"):
+        plan(*args)
+    with pytest.raises(ValueError, match="prefill_plan"):
+        _native.prefill_plan(100, 100, 512, 0, h200_fits)

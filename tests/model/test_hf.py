@@ -108,24 +108,36 @@ def test_save_quantized_folder_loads_with_from_pretrained(llama, tmp_path):
 
 
 @pytest.mark.parametrize("loaded", [False, True], ids=["quantize_model", "from_pretrained"])
-def test_generate_compiles_the_decode_step(llama, tmp_path, monkeypatch, loaded):
-    """generate() with a static cache and a compile_config hands its decode step to torch.compile
-    for a qformats model, quantized in memory or loaded: transformers does so only where the
-    model's hf_quantizer says it is compileable, and otherwise runs eager with a log line alone.
-    (The compiled call is replaced by a spy: compiling is test_nn's and test_nn_cuda's concern.)"""
+def test_generate_compiles_the_decode_step(llama, tmp_path, loaded):
+    """generate() with a static cache and a compile_config compiles its decode step for a qformats
+    model, quantized in memory or loaded (transformers does so only where the model's
+    hf_quantizer says it is compileable, and otherwise runs eager with a log line alone): dynamo
+    traces the whole step with fullgraph (a recording backend that runs the traced graph as it is),
+    and the tokens equal an eager generate()'s."""
     from transformers import CompileConfig
 
     m = _quantized(llama, format="q4_0")
     if loaded:
         m.save_pretrained(tmp_path)
         m = _load(tmp_path)
-    asked = []
-    monkeypatch.setattr(m, "get_compiled_call", lambda cfg: asked.append(cfg) or m.__call__)
-    cfg = CompileConfig()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = IDS[:1, :8]
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", pad_token_id=0)
+    eager = m.generate(ids, disable_compile=True, **kw)
+    cfg = CompileConfig(backend=backend, fullgraph=True, mode=None)
     cfg._compile_all_devices = True  # transformers compiles on CUDA only unless told
-    m.generate(IDS[:1, :8], max_new_tokens=3, do_sample=False, cache_implementation="static", compile_config=cfg,
-               pad_token_id=0)
-    assert asked, "generate() ran its decode step without compiling it"
+    torch._dynamo.reset()
+    try:
+        compiled = m.generate(ids, compile_config=cfg, **kw)
+    finally:
+        torch._dynamo.reset()
+    assert graphs, "generate() ran its decode step without compiling it"
+    assert torch.equal(compiled, eager)
 
 
 def test_sharded_save_pretrained(llama, tmp_path):

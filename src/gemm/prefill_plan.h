@@ -58,12 +58,9 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits) 
   int bm = 128, bn = 256, split = 1;
   if (N > 128 && waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
   if (N > 128 && ctas(128, bn) < fill) {
-    if ((split = split_for(PrefillKind::kWide, ctas(128, 256))))
-      bn = 256;
-    else if (ctas(128, 128) > sms)
-      split = 1;
-    else
-      bn = 128;
+    if ((split = split_for(PrefillKind::kWide, ctas(128, 256)))) bn = 256;
+    else if (ctas(128, 128) > sms) split = 1;
+    else bn = 128;
   }
   if (N <= 128 || bn == 128) {
     bn = 128;

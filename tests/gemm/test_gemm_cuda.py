@@ -203,6 +203,7 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
 # 200 x 4050 x 4096, 32 tiles of 128 x 256 do not fit clusters of 4 in one wave, so 64 tiles of
 # 128 x 128 in clusters of 2; 100 x 4050 x 2304, 32 tiles of 128 x 128 that no cluster size splits
 # (36 steps), so 64 tiles of 64 x 128 in clusters of 2 (the second span inside a group).
+# tests/gemm/test_prefill_plan.py checks these tile claims against the launcher's rules on the CPU.
 PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (500, 14333, 512), (600, 4000, 512),
                   (300, 4000, 2304), (250, 3150, 4096), (200, 4050, 4096), (100, 4050, 2304), (160, 12800, 512),
                   (150, 8900, 512), (250, 8900, 512), (200, 520, 8192), (2048, 77, 512), (160, 100, 448)]

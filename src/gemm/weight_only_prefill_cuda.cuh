@@ -415,20 +415,29 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     cudaLaunchConfig_t cfg{};
     cfg.stream = cuda::stream(stream);
     cfg.attrs = attr;
-    // Whether `tiles` clusters of s CTAs of `kernel` run at once on this device.
-    auto fits = [&](auto kernel, int threads, int smem, int s, int64_t tiles) {
-      cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
-      cfg.blockDim = dim3(unsigned(threads));
-      cfg.dynamicSmemBytes = size_t(smem);
-      cfg.gridDim = dim3(unsigned(tiles * s));
-      attr[0].val.clusterDim.x = unsigned(s);
-      cfg.numAttrs = 1;
-      return tiles <= max_active_clusters(reinterpret_cast<const void*>(kernel), cfg, s);
+    // Each tile's kernel, with its threads and shared memory set in cfg, handed to fn: one table
+    // for the occupancy queries and the launch.
+    auto with_kernel = [&](int bm, int bn, auto&& fn) {
+      auto use = [&](auto kernel, int threads, int smem) {
+        cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
+        cfg.blockDim = dim3(unsigned(threads));
+        cfg.dynamicSmemBytes = size_t(smem);
+        return fn(kernel);
+      };
+      if (bn == 256) return use(kWide, 384, kWideSmem);
+      if (bn == 192) return use(k192, 384, k192Smem);
+      if (bm == 128) return use(kMid, 288, kMidSmem);
+      return use(kLow, 160, kLowSmem);
     };
+    // Whether `tiles` clusters of s CTAs of that kind run at once on this device.
     const PrefillPlan plan = plan_prefill(N, M, K, sms, [&](PrefillKind kind, int s, int64_t tiles) {
-      if (kind == PrefillKind::kWide) return fits(kWide, 384, kWideSmem, s, tiles);
-      if (kind == PrefillKind::kMid) return fits(kMid, 288, kMidSmem, s, tiles);
-      return fits(kLow, 160, kLowSmem, s, tiles);
+      const int bm = kind == PrefillKind::kLow ? 64 : 128, bn = kind == PrefillKind::kWide ? 256 : 128;
+      return with_kernel(bm, bn, [&](auto kernel) {
+        cfg.gridDim = dim3(unsigned(tiles * s));
+        attr[0].val.clusterDim.x = unsigned(s);
+        cfg.numAttrs = 1;
+        return tiles <= max_active_clusters(reinterpret_cast<const void*>(kernel), cfg, s);
+      });
     });
     if (!plan.bm) return false;
     const int bm = plan.bm, bn = plan.bn, split = plan.split;
@@ -451,17 +460,10 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     attr[0].val.clusterDim.x = unsigned(split);
     cfg.numAttrs = split > 1 ? 1 : 0;  // (a cluster dimension of 1 measured 2-7% slower than none)
     if (one_map) tx = txl;
-    auto launch = [&](auto kernel, int threads, int smem) {
-      cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
-      cfg.blockDim = dim3(unsigned(threads));
-      cfg.dynamicSmemBytes = size_t(smem);
+    with_kernel(bm, bn, [&](auto kernel) {
       cuda::check(cudaLaunchKernelEx(&cfg, kernel, tx, txl, tw, f, Y, bias, int(N), int(M), int(K)),
                   "weight-only GEMM (prefill)");
-    };
-    if (bn == 256) launch(kWide, 384, kWideSmem);
-    else if (bn == 192) launch(k192, 384, k192Smem);
-    else if (bm == 128) launch(kMid, 288, kMidSmem);
-    else launch(kLow, 160, kLowSmem);
+    });
     cuda::check_launch("weight-only GEMM (prefill)");
     return true;
   }

@@ -42,7 +42,11 @@ NB_MODULE(_native, m) {
         return std::make_tuple(p.bm, p.bn, p.split);
       },
       nb::arg("N"), nb::arg("M"), nb::arg("K"), nb::arg("sms"), nb::arg("fits"),
-      "The CUDA prefill kernel's tile for Y [N, M] = X [N, K] . W [M, K]^T on a device of `sms` SMs "
-      "(gemm/prefill_plan.h): (bm, bn, split), or (0, 0, 0) where it declines. fits(kind, s, tiles) "
-      "says whether `tiles` clusters of s CTAs run at once (kind 0: 128 x 256, 1: 128 x 128, 2: 64 x 128).");
+      "The CUDA prefill kernel's tile for Y [N, M] = X [N, K] . W [M, K]^T (N activation rows, M "
+      "weight rows, K in elements) on a device of `sms` SMs, by the launcher's rules "
+      "(src/gemm/prefill_plan.h; for tests, no GPU needed): a tuple of ints (bm weight rows, bn "
+      "activation rows, split CTAs per tile along K), or (0, 0, 0) where the kernel declines. "
+      "fits(kind, s, tiles) -> bool says whether `tiles` clusters of s CTAs run at once (kind 0: "
+      "128 x 256, 1: 128 x 128, 2: 64 x 128). Raises ValueError unless 1 <= N, M < 2^31, K is a "
+      "positive multiple of 128 below 2^31 and sms >= 1; an exception from fits propagates.");
 }

@@ -47,6 +47,6 @@ NB_MODULE(_native, m) {
       "(src/gemm/prefill_plan.h; for tests, no GPU needed): a tuple of ints (bm weight rows, bn "
       "activation rows, split CTAs per tile along K), or (0, 0, 0) where the kernel declines. "
       "fits(kind, s, tiles) -> bool says whether `tiles` clusters of s CTAs run at once (kind 0: "
-      "128 x 256, 1: 128 x 128, 2: 64 x 128). Raises ValueError unless 1 <= N, M < 2^31, K is a "
+      "128 x 256, 1: 128 x 128, 2: 64 x 128, 3: 128 x 192). Raises ValueError unless 1 <= N, M < 2^31, K is a "
       "positive multiple of 128 below 2^31 and sms >= 1; an exception from fits propagates.");
 }

@@ -15,6 +15,7 @@ enum class PrefillKind : int {
   kWide = 0,  // 128 x 256, one CTA per SM
   kMid = 1,   // 128 x 128, one CTA per SM
   kLow = 2,   // 64 x 128, two CTAs per SM
+  kN192 = 3,  // 128 x 192, one CTA per SM (K split over 2 or 4 only: its 24 column groups shared evenly)
 };
 
 struct PrefillPlan {
@@ -32,6 +33,9 @@ struct PrefillPlan {
 // - 128 x 256 with K split over a cluster of 2, 4 or 8 CTAs (the fewest that reach the rule, each
 //   cluster one tile, all in one wave, an even number of steps of 64 of at least 16 per CTA):
 //   fewer, wider tiles decode each weight for more activation rows than the narrower kinds below;
+//   above 128 rows, wherever a split plan is taken (this one or the narrower ones below), 128 x 192
+//   split over 2 or 4 instead where each SM then multiplies fewer activation columns (192 / s
+//   against the plan's bn / split; e.g. 4096 weight rows at 257-384 activation rows);
 // - above 128 rows, the unsplit tile of the first rule short of the 3/4 where 128 x 128 would take
 //   two waves (e.g. 11008 weight rows at 256 activation rows: 86 tiles of 128 x 256 in one wave,
 //   not 172 of 128 x 128 in two over 132 SMs);
@@ -48,30 +52,39 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits) 
   auto waves = [&](int64_t tiles) { return (tiles + sms - 1) / sms; };
   // The fewest K slices (2, 4, 8) that give `tiles` of `kind` the fill in one wave of clusters,
   // each slice an even number of at least 16 steps; 0 if none.
-  auto split_for = [&](PrefillKind kind, int64_t tiles) {
-    for (int s = 2; s <= 8; s *= 2) {
+  auto split_for = [&](PrefillKind kind, int64_t tiles, int most) {
+    for (int s = 2; s <= most; s *= 2) {
       if (steps % (2 * s) || steps / s < 16 || tiles * s < fill) continue;
       if (fits(kind, s, tiles)) return s;
     }
     return 0;
   };
-  int bm = 128, bn = 256, split = 1;
+  // 128 x 128 tiles, else 64 x 128 (two CTAs per SM), K split where their tiles are too few.
+  auto narrow = [&]() -> PrefillPlan {
+    if (ctas(128, 128) >= fill) return {128, 128, 1};
+    if (const int s = split_for(PrefillKind::kMid, ctas(128, 128), 8)) return {128, 128, s};
+    const int s = ctas(64, 128) < fill ? split_for(PrefillKind::kLow, ctas(64, 128), 8) : 0;
+    return {64, 128, std::max(s, 1)};
+  };
+  int bn = 256;
   if (N > 128 && waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
   if (N > 128 && ctas(128, bn) < fill) {
-    if ((split = split_for(PrefillKind::kWide, ctas(128, 256)))) bn = 256;
-    else if (ctas(128, 128) > sms) split = 1;
-    else bn = 128;
+    const int s256 = split_for(PrefillKind::kWide, ctas(128, 256), 8);
+    if (!s256 && ctas(128, 128) > sms) return {128, bn, 1};
+    // The plan otherwise taken, and 128 x 192 split instead where each SM then multiplies fewer
+    // activation columns per weight row (192 / s against bn / split; e.g. 4096 weight rows at
+    // 257-384 activation rows: 64 tiles of 128 x 192 split in two, not of 128 x 256).
+    const PrefillPlan other = s256 ? PrefillPlan{128, 256, s256} : narrow();
+    const int s192 = split_for(PrefillKind::kN192, ctas(128, 192), 4);
+    if (s192 && 192 * other.split < other.bn * s192) return {128, 192, s192};
+    return other;
   }
-  if (N <= 128 || bn == 128) {
-    bn = 128;
-    if (ctas(128, 128) < fill && !(split = split_for(PrefillKind::kMid, ctas(128, 128)))) {
-      bm = 64;
-      if (ctas(64, 128) < fill) split = split_for(PrefillKind::kLow, ctas(64, 128));
-    }
-    split = std::max(split, 1);
+  if (N <= 128) {
+    const PrefillPlan p = narrow();
+    if (ctas(p.bm, p.bn) * p.split < fill) return {};
+    return p;
   }
-  if (N <= 128 && ctas(bm, bn) * split < fill) return {};
-  return {bm, bn, split};
+  return {128, bn, 1};
 }
 
 }  // namespace qf::gemm

@@ -363,7 +363,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       }
       cg::cluster_group cluster = cg::this_cluster();
       cluster.sync();  // every CTA's partial sums written and visible to the cluster
-      const int per = NT / splits;  // even: NT = 16 or 32, splits <= 8 (BN = 192 is not split)
+      const int per = NT / splits;  // even: NT = 16 or 32 and splits <= 8, or NT = 24 and splits <= 4
       auto sum = [&](int i, float (&s)[4]) {
         float4 v = cluster.map_shared_rank(red, 0)[i * T + tid];
         for (int q = 1; q < splits; ++q) {
@@ -431,7 +431,8 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     };
     // Whether `tiles` clusters of s CTAs of that kind run at once on this device.
     const PrefillPlan plan = plan_prefill(N, M, K, sms, [&](PrefillKind kind, int s, int64_t tiles) {
-      const int bm = kind == PrefillKind::kLow ? 64 : 128, bn = kind == PrefillKind::kWide ? 256 : 128;
+      const int bm = kind == PrefillKind::kLow ? 64 : 128,
+                bn = kind == PrefillKind::kWide ? 256 : kind == PrefillKind::kN192 ? 192 : 128;
       return with_kernel(bm, bn, [&](auto kernel) {
         cfg.gridDim = dim3(unsigned(tiles * s));
         attr[0].val.clusterDim.x = unsigned(s);

@@ -198,15 +198,18 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
 # 128 x 192, four columns). 160 x 12800 x 512: 100 tiles of 128 x 192. Unsplit tiles short of
 # 3/4 of the SMs, where 128 x 128 would take two waves: 150 x 8900 x 512 (70 of 128 x 192) and
 # 250 x 8900 x 512 (70 of 128 x 256). K split over clusters (on an H200, which runs 30 clusters of
-# 4 such CTAs at once): 300 x 4000 x 2304, 64 tiles of 128 x 256 in clusters of 2 (the second span
-# starting inside a group of 256); 250 x 3150 x 4096, 25 tiles of 128 x 256 in clusters of 4;
+# 4 such CTAs at once): 500 x 4000 x 2304, 64 tiles of 128 x 256 in clusters of 2 (the second span
+# starting inside a group of 256); 300 x 4000 x 2304, 64 tiles of 128 x 192 in clusters of 2 (as many
+# as of 128 x 256, with a quarter less to multiply); 300 x 1800 x 4096, 30 tiles of 128 x 192 in
+# clusters of 4; 250 x 3150 x 4096, 25 tiles of 128 x 256 in clusters of 4;
 # 200 x 4050 x 4096, 32 tiles of 128 x 256 do not fit clusters of 4 in one wave, so 64 tiles of
 # 128 x 128 in clusters of 2; 100 x 4050 x 2304, 32 tiles of 128 x 128 that no cluster size splits
 # (36 steps), so 64 tiles of 64 x 128 in clusters of 2 (the second span inside a group).
 # tests/gemm/test_prefill_plan.py checks these tile claims against the launcher's rules on the CPU.
 PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (500, 14333, 512), (600, 4000, 512),
-                  (300, 4000, 2304), (250, 3150, 4096), (200, 4050, 4096), (100, 4050, 2304), (160, 12800, 512),
-                  (150, 8900, 512), (250, 8900, 512), (200, 520, 8192), (2048, 77, 512), (160, 100, 448)]
+                  (500, 4000, 2304), (300, 4000, 2304), (300, 1800, 4096), (250, 3150, 4096), (200, 4050, 4096),
+                  (100, 4050, 2304), (160, 12800, 512), (150, 8900, 512), (250, 8900, 512), (200, 520, 8192),
+                  (2048, 77, 512), (160, 100, 448)]
 
 
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),

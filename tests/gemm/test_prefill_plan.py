@@ -1,7 +1,8 @@
 """The CUDA prefill kernel's tile rules (src/gemm/prefill_plan.h), on the CPU: the tile and K split
 the launcher takes for a shape, given a device's SM count and how many clusters of each CTA kind
-run at once. The device here is modeled on an H200 (132 SMs; 30 clusters of 4 of the 128 x 256 or
-128 x 128 CTAs at once, as measured there, else SMs x CTAs per SM / cluster size), so the shapes
+run at once. The device here is modeled on an H200 (132 SMs; 30 clusters of 4 of the 128 x 256,
+128 x 192 or 128 x 128 CTAs at once, as measured there for 128 x 256 and 128 x 128, else SMs x CTAs
+per SM / cluster size), so the shapes
 that tests/gemm/test_gemm_cuda.py names for each tile are checked to take it."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from qformats._runtime import _native
 
 SMS = 132
-WIDE, MID, LOW = 0, 1, 2  # 128 x 256, 128 x 128 (one CTA per SM), 64 x 128 (two per SM)
+WIDE, MID, LOW, N192 = 0, 1, 2, 3  # 128 x 256, 128 x 128, 128 x 192 (one CTA per SM), 64 x 128 (two)
 
 
 def h200_fits(kind: int, s: int, tiles: int) -> bool:
@@ -33,6 +34,12 @@ def plan(n: int, m: int, k: int, sms: int = SMS, fits=h200_fits) -> tuple:
     # Llama-3-8B's shapes
     (256, 14336, 4096, (128, 256, 1)), (300, 14336, 4096, (128, 192, 1)), (512, 14336, 4096, (128, 256, 1)),
     (256, 4096, 14336, (128, 128, 2)), (512, 4096, 14336, (128, 256, 2)), (600, 4096, 14336, (128, 192, 1)),
+    # 257-384 rows of a 4096-row weight: 64 tiles of 128 x 192 or of 128 x 256, split in two; the
+    # narrower ones
+    (300, 4096, 14336, (128, 192, 2)), (384, 4096, 4096, (128, 192, 2)), (385, 4096, 14336, (128, 256, 2)),
+    # 129-192 rows of 8192 x 8192: 128 x 192 split in two rather than 128 x 128 unsplit (64 or 128
+    # activation columns an SM)
+    (150, 8192, 8192, (128, 192, 2)),
     (64, 4096, 14336, (64, 128, 2)), (64, 17000, 512, (128, 128, 1)),
     # a grouped-query attention's key / value projection at 64 rows: declined (the wgmma kernel)
     (64, 1024, 4096, (0, 0, 0)),
@@ -40,7 +47,8 @@ def plan(n: int, m: int, k: int, sms: int = SMS, fits=h200_fits) -> tuple:
     (250, 3150, 4096, (128, 256, 4)), (200, 4050, 4096, (128, 128, 2)), (100, 4050, 2304, (64, 128, 2)),
     (160, 12800, 512, (128, 192, 1)), (150, 8900, 512, (128, 192, 1)), (250, 8900, 512, (128, 256, 1)),
     (500, 14333, 512, (128, 256, 1)), (300, 14333, 512, (128, 192, 1)), (600, 4000, 512, (128, 192, 1)),
-    (300, 4000, 2304, (128, 256, 2)), (200, 520, 8192, (64, 128, 8)), (2048, 77, 512, (64, 128, 1)),
+    (500, 4000, 2304, (128, 256, 2)), (300, 4000, 2304, (128, 192, 2)), (300, 1800, 4096, (128, 192, 4)),
+    (200, 520, 8192, (64, 128, 8)), (2048, 77, 512, (64, 128, 1)),
 ])
 def test_plan_on_a_modeled_h200(n, m, k, want):
     assert plan(n, m, k) == want
@@ -59,8 +67,8 @@ def test_cluster_occupancy_decides_the_split():
        sms=st.sampled_from([16, 78, 114, 132]))
 def test_plan_invariants(n, m, k, sms):
     """Whatever the shape: a known tile; a split only where each CTA gets an even number of at
-    least 16 steps of 64 and one wave of clusters holds the tiles, 128 x 192 never split and only
-    above 128 rows; up to 128 rows, 128-row tiles of X and a declined shape only there."""
+    least 16 steps of 64 and one wave of clusters holds the tiles, 128 x 192 only above 128 rows and
+    split over 2 or 4 at most; up to 128 rows, 128-row tiles of X and a declined shape only there."""
     def fits(kind, s, tiles):
         return tiles <= SMS * (2 if kind == LOW else 1) // s * sms // SMS
 
@@ -74,9 +82,9 @@ def test_plan_invariants(n, m, k, sms):
         steps = k // 64
         assert steps % (2 * split) == 0 and steps // split >= 16
         tiles = -(-m // bm) * -(-n // bn)
-        assert fits({256: WIDE, 128: MID if bm == 128 else LOW}[bn], split, tiles)
+        assert fits({256: WIDE, 192: N192, 128: MID if bm == 128 else LOW}[bn], split, tiles)
     if bn == 192:
-        assert split == 1 and n > 128
+        assert split in (1, 2, 4) and n > 128
     if n <= 128:
         assert bn == 128
 

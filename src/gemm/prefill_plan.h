@@ -20,7 +20,7 @@ enum class PrefillKind : int {
 
 struct PrefillPlan {
   int bm = 0;     // weight rows of a tile (64 or 128); 0: the prefill kernel declines the shape
-  int bn = 0;     // activation rows of a tile (128, 192 or 256)
+  int bn = 0;     // activation rows of a tile (16, 32, 64, 128, 192 or 256)
   int split = 0;  // CTAs of a cluster sharing a tile, each a K span (1: no split)
 };
 
@@ -41,6 +41,8 @@ struct PrefillPlan {
 //   not 172 of 128 x 128 in two over 132 SMs);
 // - 128 x 128, persistent; then 128 x 128 with K split as above;
 // - 64 x 128 (two CTAs per SM), with K split as above where its tiles alone are too few.
+// Up to 64 rows the tiles of 128 activation rows are cut to 16, 32 or 64 (the fewest that hold N;
+// the same grid and split, fewer multiplies).
 // Up to 128 rows it declines the shapes whose tiles, split or not, leave the GPU short of the rule
 // (few weight rows, e.g. a grouped-query attention's key / value projection): the wgmma kernel
 // splits K more finely (64 unsplit 64 x 128 tiles of 4096x4096 measured slower than it).
@@ -80,8 +82,9 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits) 
     return other;
   }
   if (N <= 128) {
-    const PrefillPlan p = narrow();
+    PrefillPlan p = narrow();
     if (ctas(p.bm, p.bn) * p.split < fill) return {};
+    p.bn = N <= 16 ? 16 : N <= 32 ? 32 : N <= 64 ? 64 : 128;
     return p;
   }
   return {128, bn, 1};

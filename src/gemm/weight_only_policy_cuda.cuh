@@ -1,7 +1,8 @@
 // What a format's CUDA weight-only GEMM (src/formats/<fmt>/<fmt>_gemm_cuda.cu) builds on: the two
 // drivers (gemm/weight_only_cuda.cuh, float32 FMA; gemm/weight_only_mma_cuda.cuh, tensor cores;
 // from 9 rows on sm_90 gemm/weight_only_wgmma_cuda.cuh, for 9..64 gemm/weight_only_wide_cuda.cuh;
-// from 33 fp16 rows on sm_90a gemm/weight_only_prefill_cuda.cuh for the formats with its hooks),
+// from 33 fp16 or bf16 rows (16 for q4_0) on sm_90a gemm/weight_only_prefill_cuda.cuh for the
+// formats with its hooks),
 // the decode helpers that several formats' policies share, and launch_weight_only_any, which
 // picks the driver. A format supplies only its policy struct (how a unit of one weight row is
 // loaded and decoded: the interfaces are written above weight_only_kernel and
@@ -64,7 +65,7 @@ __device__ __forceinline__ uint32_t xpair_lo_first(const uint32_t (&x)[16], int 
 // N = Fmt::kMmaMinRows; from 9 rows (units of 32 values: not mixed2bit's 16) on compute
 // capability 9.0 the wgmma kernel of weight_only_wgmma_cuda.cuh when the build has sm_90a code,
 // else for 9..64 rows, where its launcher takes the shape, the wide kernel of
-// weight_only_wide_cuda.cuh; before both, from 33 fp16 rows, the prefill kernel of
+// weight_only_wide_cuda.cuh; before both, from 33 rows (a format's kPrefillMinRows), the prefill kernel of
 // weight_only_prefill_cuda.cuh where its launcher takes the format and shape. Otherwise
 // (float32 activations, an older GPU, nf4 at N = 1) the float32 kernel; for nf4 at one row it
 // measured faster on the H200 (the tensor-core kernel builds its pair table in every CTA;

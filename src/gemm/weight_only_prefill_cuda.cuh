@@ -4,7 +4,7 @@
 // every step and decodes the weight again for every 128 activation rows, here
 // - X tiles land by TMA as they are in memory (K-major, 128-byte swizzle, which wgmma reads as
 //   B directly): the format's decode builds A in the natural k order instead;
-// - a CTA owns BM = 64 C weight rows and BN = 128 or 256 activation rows, so a weight value is
+// - a CTA owns BM = 64 C weight rows and BN = 16 ... 256 activation rows, so a weight value is
 //   decoded once per BN rows;
 // - warp specialization: one thread of the copy warp (or warpgroup) issues each step's TMA copies
 //   (X tile [BN, 64], packed weights [BM rows, one step]) into an S-stage ring as soon as a stage
@@ -23,6 +23,9 @@
 //   kPrefillWideStages          optional: the stages of the 128 x 256 tile's ring (default 4; a
 //                               fifth is measured per format: benchmarks/README.md, "Design
 //                               measurements behind kernel choices");
+//   kPrefillMinRows             optional: the fewest activation rows the kernel takes (default 33,
+//                               below which the wgmma and tensor-core kernels were measured faster
+//                               for int4 and nf4);
 //   prefill_ok()                host: this weight can take the kernel;
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
 //   prefill_group_steps()       64-value steps per group of per-row metadata;
@@ -107,12 +110,16 @@ __device__ __forceinline__ void byte_pair_fragments(const uint8_t* tile, int r, 
   }
 }
 
-// From 33 activation rows the prefill kernel takes the product (tiles of 128 activation rows up to
-// 128, X's box cut to the rows there are; up to 128 rows only where its tiles fill the GPU), where
-// the wgmma kernel of weight_only_wgmma_cuda.cuh permutes X into its tables at every step;
-// measured faster on most shapes, slower for int4 on 4096x14336 at 33-64 rows (benchmarks/
-// README.md, "The prefill kernel from 33 rows").
-constexpr int kPrefillMinRows = 33;
+// From 33 activation rows (Fmt::kPrefillMinRows where a format measured an earlier crossover) the
+// prefill kernel takes the product (up to 128 rows only where its tiles fill the GPU, in tiles of
+// 16, 32, 64 or 128 activation rows, X's box cut to the rows there are), where the wgmma kernel of
+// weight_only_wgmma_cuda.cuh permutes X into its tables at every step (benchmarks/README.md, "The
+// prefill kernel from 33 rows", "Prefill tiles of 16, 32 and 64 activation rows").
+template <class Fmt, class = void>
+struct prefill_min_rows : std::integral_constant<int, 33> {};
+template <class Fmt>
+struct prefill_min_rows<Fmt, std::void_t<decltype(Fmt::kPrefillMinRows)>>
+    : std::integral_constant<int, Fmt::kPrefillMinRows> {};
 
 // Whether Fmt has the hooks above (Fmt::kPrefill true); the other formats need not mention them.
 template <class Fmt, class = void>
@@ -184,9 +191,9 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
                                const __grid_constant__ CUtensorMap tmW,
                                const Fmt f, H* __restrict__ Y, const H* __restrict__ bias, int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(BN == 128 || BN == 192 || BN == 256, "wgmma n128 / n192 / n256");
+  static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128 || BN == 192 || BN == 256, "wgmma n16 ... n256");
   constexpr int NT = BN / 8, kX = BN * wg::kRowBytes, kW = 64 * C * prefill_box_bytes<Fmt>::value;
-  static_assert(NT * 128 * C * 16 <= S * kX, "a split's partial sums fit over the ring's X tiles");
+  static_assert(NT * 128 * C * 16 <= S * (kX + kW), "a split's partial sums fit over the ring");
   extern __shared__ uint8_t prefill_smem[];
   // The ring aligned to 1 KB (the 128-byte swizzle's atom) by an offset from the __shared__ array
   // itself: through an integer cast the compiler loses the address space, and every read of the
@@ -350,8 +357,9 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       }
     } else {
       // The cluster's partial sums, reduced in rank order (deterministic): each CTA writes its own
-      // over its ring (float4 (i, thread): d[i][0..3]), and CTA z sums columns i of its share,
-      // 8 i .. 8 i + 7 for i in [z NT / splits, (z + 1) NT / splits), from every CTA in turn.
+      // over its ring (float4 (i, thread): d[i][0..3]), and CTA z sums its share of the column
+      // tiles i (columns 8 i .. 8 i + 7), pairs [z NT / 2 / splits, (z + 1) NT / 2 / splits), from
+      // every CTA in turn.
       constexpr int T = 128 * C;
       asm volatile("bar.sync 1, %0;\n" ::"n"(T) : "memory");  // no consumer's wgmma still reads the ring
       float4* const red = reinterpret_cast<float4*>(xs);
@@ -363,7 +371,6 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
       }
       cg::cluster_group cluster = cg::this_cluster();
       cluster.sync();  // every CTA's partial sums written and visible to the cluster
-      const int per = NT / splits;  // even: NT = 16 or 32 and splits <= 8, or NT = 24 and splits <= 4
       auto sum = [&](int i, float (&s)[4]) {
         float4 v = cluster.map_shared_rank(red, 0)[i * T + tid];
         for (int q = 1; q < splits; ++q) {
@@ -372,10 +379,11 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
         }
         s[0] = v.x, s[1] = v.y, s[2] = v.z, s[3] = v.w;
       };
-      for (int i = z * per; i < (z + 1) * per; i += 2) {
+      constexpr int kPairs = NT / 2;  // store2 takes column tiles in pairs; a CTA may get none
+      for (int p = z * kPairs / splits; p < (z + 1) * kPairs / splits; ++p) {
         float u[4], w[4];
-        sum(i, u), sum(i + 1, w);
-        store2(i, u, w);
+        sum(2 * p, u), sum(2 * p + 1, w);
+        store2(2 * p, u, w);
       }
       cluster.sync();  // no CTA leaves while the others read its shared memory
     }
@@ -386,7 +394,7 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
 }
 
 // Launches the prefill kernel on `stream` when it applies: a format with the hooks, fp16 or bf16
-// activations, kPrefillMinRows or more rows, compute capability 9.0 and sm_90a code in the build, K a
+// activations, prefill_min_rows or more rows, compute capability 9.0 and sm_90a code in the build, K a
 // multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(), and a tile
 // that gemm/prefill_plan.h's rules take; returns false (nothing launched) otherwise.
 template <class Fmt, class H>
@@ -395,7 +403,7 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
   if constexpr (!has_prefill<Fmt>::value || !(std::is_same_v<H, half_t> || std::is_same_v<H, bf16_t>)) {
     return false;
   } else {
-    if (!wgmma_built() || N < kPrefillMinRows || M <= 0 || K <= 0 || K % 128 || N >= (int64_t(1) << 31) ||
+    if (!wgmma_built() || N < prefill_min_rows<Fmt>::value || M <= 0 || K <= 0 || K % 128 || N >= (int64_t(1) << 31) ||
         M >= (int64_t(1) << 31) || K >= (int64_t(1) << 31) || !cuda::aligned16(X) || !f.prefill_ok() ||
         cuda::cc_major() != 9)
       return false;
@@ -426,6 +434,19 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       };
       if (bn == 256) return use(kWide, 384, kWideSmem);
       if (bn == 192) return use(k192, 384, k192Smem);
+      // Up to 64 rows, tiles as narrow as the rows allow (wgmma n16 / n32 / n64: the multiplies
+      // shrink with them, the decode does not), with more stages in the smaller X tiles' room;
+      // n16 and n32 only where the format starts below 33 rows.
+      auto narrow = [&](auto bn_c) {
+        constexpr int B = decltype(bn_c)::value;
+        if (bm == 128) return use(weight_only_prefill_kernel<Fmt, H, B, 8, 2>, 288, prefill_smem_bytes<Fmt, B, 8, 2>());
+        return use(weight_only_prefill_kernel<Fmt, H, B, 6, 1>, 160, prefill_smem_bytes<Fmt, B, 6, 1>());
+      };
+      if constexpr (prefill_min_rows<Fmt>::value <= 32) {
+        if (bn == 16) return narrow(std::integral_constant<int, 16>{});
+        if (bn == 32) return narrow(std::integral_constant<int, 32>{});
+      }
+      if (bn == 64) return narrow(std::integral_constant<int, 64>{});
       if (bm == 128) return use(kMid, 288, kMidSmem);
       return use(kLow, 160, kLowSmem);
     };

@@ -204,12 +204,17 @@ def test_weight_only_many_rows(fmt, params, n, m, k, dtype):
 # clusters of 4; 250 x 3150 x 4096, 25 tiles of 128 x 256 in clusters of 4;
 # 200 x 4050 x 4096, 32 tiles of 128 x 256 do not fit clusters of 4 in one wave, so 64 tiles of
 # 128 x 128 in clusters of 2; 100 x 4050 x 2304, 32 tiles of 128 x 128 that no cluster size splits
-# (36 steps), so 64 tiles of 64 x 128 in clusters of 2 (the second span inside a group).
+# (36 steps), so 64 tiles of 64 x 128 in clusters of 2 (the second span inside a group). Up to 64
+# rows the tiles are 16, 32 or 64 rows of X: 40 x 20000 x 512, 157 tiles of 128 x 64 (CTAs taking a
+# second); 40 x 4050 x 2304, 64 x 64 in clusters of 2; 40 x 3150 x 4096, 128 x 64 in clusters of 4;
+# for q4_0 (from 16 rows), 20 x 14333 x 512, 112 of 128 x 32, and 16 x 3150 x 4096, 128 x 16 in
+# clusters of 4 (the other formats take the wgmma kernel there).
 # tests/gemm/test_prefill_plan.py checks these tile claims against the launcher's rules on the CPU.
 PREFILL_SHAPES = [(129, 300, 1024), (400, 4173, 256), (300, 14333, 512), (500, 14333, 512), (600, 4000, 512),
                   (500, 4000, 2304), (300, 4000, 2304), (300, 1800, 4096), (250, 3150, 4096), (200, 4050, 4096),
                   (100, 4050, 2304), (160, 12800, 512), (150, 8900, 512), (250, 8900, 512), (200, 520, 8192),
-                  (2048, 77, 512), (160, 100, 448)]
+                  (2048, 77, 512), (160, 100, 448), (40, 20000, 512), (40, 4050, 2304), (40, 3150, 4096),
+                  (20, 14333, 512), (16, 3150, 4096)]
 
 
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 64, "symmetric": True}),

@@ -40,7 +40,10 @@ def plan(n: int, m: int, k: int, sms: int = SMS, fits=h200_fits) -> tuple:
     # 129-192 rows of 8192 x 8192: 128 x 192 split in two rather than 128 x 128 unsplit (64 or 128
     # activation columns an SM)
     (150, 8192, 8192, (128, 192, 2)),
-    (64, 4096, 14336, (64, 128, 2)), (64, 17000, 512, (128, 128, 1)),
+    (64, 4096, 14336, (64, 64, 2)), (64, 17000, 512, (128, 64, 1)),
+    # up to 64 rows the same grids with tiles of 16, 32 or 64 rows of X
+    (16, 14336, 4096, (128, 16, 1)), (20, 4096, 14336, (64, 32, 2)), (33, 14336, 4096, (128, 64, 1)),
+    (65, 14336, 4096, (128, 128, 1)),
     # a grouped-query attention's key / value projection at 64 rows: declined (the wgmma kernel)
     (64, 1024, 4096, (0, 0, 0)),
     # the shapes of test_gemm_cuda.py's PREFILL_SHAPES and what its comment says they take
@@ -48,7 +51,9 @@ def plan(n: int, m: int, k: int, sms: int = SMS, fits=h200_fits) -> tuple:
     (160, 12800, 512, (128, 192, 1)), (150, 8900, 512, (128, 192, 1)), (250, 8900, 512, (128, 256, 1)),
     (500, 14333, 512, (128, 256, 1)), (300, 14333, 512, (128, 192, 1)), (600, 4000, 512, (128, 192, 1)),
     (500, 4000, 2304, (128, 256, 2)), (300, 4000, 2304, (128, 192, 2)), (300, 1800, 4096, (128, 192, 4)),
-    (200, 520, 8192, (64, 128, 8)), (2048, 77, 512, (64, 128, 1)),
+    (200, 520, 8192, (64, 128, 8)), (2048, 77, 512, (64, 128, 1)), (40, 20000, 512, (128, 64, 1)),
+    (40, 4050, 2304, (64, 64, 2)), (40, 3150, 4096, (128, 64, 4)), (20, 14333, 512, (128, 32, 1)),
+    (16, 3150, 4096, (128, 16, 4)),
 ])
 def test_plan_on_a_modeled_h200(n, m, k, want):
     assert plan(n, m, k) == want
@@ -63,12 +68,13 @@ def test_cluster_occupancy_decides_the_split():
 
 
 @settings(max_examples=400, deadline=None)
-@given(n=st.integers(33, 5000), m=st.integers(1, 40000), k=st.integers(1, 160).map(lambda u: 128 * u),
+@given(n=st.integers(1, 5000), m=st.integers(1, 40000), k=st.integers(1, 160).map(lambda u: 128 * u),
        sms=st.sampled_from([16, 78, 114, 132]))
 def test_plan_invariants(n, m, k, sms):
     """Whatever the shape: a known tile; a split only where each CTA gets an even number of at
     least 16 steps of 64 and one wave of clusters holds the tiles, 128 x 192 only above 128 rows and
-    split over 2 or 4 at most; up to 128 rows, 128-row tiles of X and a declined shape only there."""
+    split over 2 or 4 at most; up to 128 rows, the fewest rows of X of 16, 32, 64, 128 that hold
+    them, and a declined shape only there."""
     def fits(kind, s, tiles):
         return tiles <= SMS * (2 if kind == LOW else 1) // s * sms // SMS
 
@@ -76,17 +82,17 @@ def test_plan_invariants(n, m, k, sms):
     if bm == 0:
         assert n <= 128 and (bn, split) == (0, 0)
         return
-    assert (bm, bn) in {(128, 256), (128, 192), (128, 128), (64, 128)}
+    assert bm in (64, 128) and bn in (16, 32, 64, 128, 192, 256) and (bm == 128 or bn <= 128)
     assert split in (1, 2, 4, 8)
     if split > 1:
         steps = k // 64
         assert steps % (2 * split) == 0 and steps // split >= 16
         tiles = -(-m // bm) * -(-n // bn)
-        assert fits({256: WIDE, 192: N192, 128: MID if bm == 128 else LOW}[bn], split, tiles)
+        assert fits({256: WIDE, 192: N192}.get(bn, MID if bm == 128 else LOW), split, tiles)
     if bn == 192:
         assert split in (1, 2, 4) and n > 128
     if n <= 128:
-        assert bn == 128
+        assert bn == next(b for b in (16, 32, 64, 128) if n <= b)
 
 
 @pytest.mark.parametrize("args", [(0, 100, 512), (100, 0, 512), (100, 100, 100), (100, 100, 0), (2**31, 1, 128),

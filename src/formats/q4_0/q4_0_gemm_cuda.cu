@@ -144,6 +144,9 @@ struct Q4_0 {
   static constexpr bool kPrefill = true;
   static constexpr int kPrefillStepBytes = 36;
   static constexpr int kPrefillBoxBytes = 48;
+  // From 16 rows: its tiles of 16 and 32 activation rows measured faster than the wgmma kernel on
+  // the 7B shapes (benchmarks/README.md, "Prefill tiles of 16, 32 and 64 activation rows").
+  static constexpr int kPrefillMinRows = 16;
   bool prefill_ok() const { return nb % 8 == 0 && cuda::aligned16(blocks); }
   const void* prefill_codes() const { return blocks; }
   struct PrefillMeta {};

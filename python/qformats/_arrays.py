@@ -39,16 +39,33 @@ def _torch():
     return sys.modules.get("torch")
 
 
+_tensor_type: Any = None  # torch.Tensor once torch is imported (looked up on every check otherwise)
+
+
 def is_torch(x: Any) -> bool:
-    t = _torch()
-    return t is not None and isinstance(x, t.Tensor)
+    global _tensor_type
+    if _tensor_type is None:
+        t = _torch()
+        if t is None:
+            return False
+        _tensor_type = t.Tensor
+    return isinstance(x, _tensor_type)
+
+
+# dtype -> name, one table per library (a numpy dtype compared with a torch dtype may raise):
+# np.dtype(...).name costs microseconds, and a product checks several buffers per call.
+_NP_NAMES: dict = {}
+_TORCH_NAMES: dict = {}
 
 
 def dtype_name(x: Any) -> str:
     """'float32', 'uint8', 'bfloat16', ... for a numpy array or a torch tensor."""
-    if is_torch(x):
-        return str(x.dtype).removeprefix("torch.")
-    return np.dtype(x.dtype).name
+    dt = x.dtype
+    names = _TORCH_NAMES if is_torch(x) else _NP_NAMES
+    name = names.get(dt)
+    if name is None:
+        name = names[dt] = str(dt).removeprefix("torch.") if names is _TORCH_NAMES else np.dtype(dt).name
+    return name
 
 
 def device_of(x: Any) -> str:

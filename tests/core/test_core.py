@@ -125,3 +125,24 @@ def test_skip_finite_check_scope():
         q4_0.quantize_q4_0(x)  # no scan: no error (output unspecified for NaN input)
     with pytest.raises(ValueError, match="NaN"):
         q4_0.quantize_q4_0(x)  # restored on exit
+
+
+def test_dtype_names_per_library():
+    """The array helpers name dtypes from one table per library: the same names whichever library
+    asked first, byte order ignored as numpy's .name does, and torch's bfloat16 by its name."""
+    torch = pytest.importorskip("torch")
+    from qformats import _arrays as A
+
+    assert A.dtype_name(torch.zeros(1, dtype=torch.float32)) == "float32"
+    assert A.dtype_name(np.zeros(1, np.float32)) == "float32"
+    assert A.dtype_name(np.zeros(1, ">f4")) == "float32"
+    assert A.dtype_name(torch.zeros(1, dtype=torch.bfloat16)) == "bfloat16"
+    assert A.dtype_name(np.zeros(1, np.uint8)) == "uint8"
+    assert A.is_torch(torch.zeros(1)) and not A.is_torch(np.zeros(1))
+    # a big-endian buffer is still refused where buffers are checked
+    from qformats import int4
+
+    q = int4.quantize(np.ones((2, 128), np.float32), group_size=128)
+    q.buffers["scales"] = q.buffers["scales"].astype(">f4")
+    with pytest.raises(TypeError, match="byte order"):
+        int4.dequantize(q)

@@ -252,7 +252,7 @@ def test_prefill_small_scales(fmt, params, dtype):
 
 @pytest.mark.parametrize("fmt", ["int4", "nf4", "q4_0"])
 @pytest.mark.parametrize("n,m,k", [(300, 14333, 1024), (129, 300, 1024), (300, 4000, 2304), (200, 4050, 4096),
-                                   (100, 4050, 2304), (160, 12800, 512)])
+                                   (100, 4050, 2304), (160, 12800, 512), (40, 3150, 4096), (20, 14333, 512)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_prefill_bias_and_streams(fmt, n, m, k, dtype):
     """The prefill kernel's bias is bitwise the product rounded to the activations' type plus the

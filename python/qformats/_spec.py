@@ -25,11 +25,12 @@ WEIGHT_ONLY_ROWS = MappingProxyType({"cuda": 16, "cpu": 32})
 #: weights, and every kernel measured slower from 256 rows (benchmarks/README.md).
 TUNE_ROWS = MappingProxyType({"cuda": 128})
 
-#: The ``tune_rows`` of the formats with a CUDA prefill kernel (int4, nf4, q4_0): from 33 fp16 or bf16
-#: rows (q4_0: 16) on an sm_90a build their kernel decodes the packed weight inside a Hopper wgmma
-#: main loop, which on the H200 beat dequantize + cuBLAS at some of 256-1024 rows on Llama-7B-sized weights and lost by
-#: 4-15% elsewhere (benchmarks/README.md, "The prefill kernel in the library"), so QuantizedLinear
-#: measures it up to 4096 rows; past that the dequantizing path decodes once for more products.
+#: The ``tune_rows`` of the formats with a CUDA prefill kernel (int4, nf4, q4_0): from 33 fp16 or
+#: bf16 rows (q4_0: 16) on an sm_90a build their kernel decodes the packed weight inside a Hopper
+#: wgmma main loop, which on the H200 beat dequantize + cuBLAS at some of 256-1024 rows on
+#: Llama-7B-sized weights and lost by 4-15% elsewhere (benchmarks/README.md, "The prefill kernel in
+#: the library"), so QuantizedLinear measures it up to 4096 rows; past that the dequantizing path
+#: decodes once for more products.
 PREFILL_TUNE_ROWS = MappingProxyType({"cuda": 4096})
 
 

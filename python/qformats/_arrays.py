@@ -60,11 +60,11 @@ _TORCH_NAMES: dict = {}
 
 def dtype_name(x: Any) -> str:
     """'float32', 'uint8', 'bfloat16', ... for a numpy array or a torch tensor."""
-    dt = x.dtype
-    names = _TORCH_NAMES if is_torch(x) else _NP_NAMES
+    dt, torch_dtype = x.dtype, is_torch(x)
+    names = _TORCH_NAMES if torch_dtype else _NP_NAMES
     name = names.get(dt)
     if name is None:
-        name = names[dt] = str(dt).removeprefix("torch.") if names is _TORCH_NAMES else np.dtype(dt).name
+        name = names[dt] = str(dt).removeprefix("torch.") if torch_dtype else np.dtype(dt).name
     return name
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import qformats
-from qformats import QuantizedTensor, q4_0, q8_1
+from qformats import QuantizedTensor, int4, q4_0, q8_1
+from qformats import _arrays as A
 
 
 def _qt(lib="numpy"):
@@ -131,8 +132,6 @@ def test_dtype_names_per_library():
     """The array helpers name dtypes from one table per library: the same names whichever library
     asked first, byte order ignored as numpy's .name does, and torch's bfloat16 by its name."""
     torch = pytest.importorskip("torch")
-    from qformats import _arrays as A
-
     assert A.dtype_name(torch.zeros(1, dtype=torch.float32)) == "float32"
     assert A.dtype_name(np.zeros(1, np.float32)) == "float32"
     assert A.dtype_name(np.zeros(1, ">f4")) == "float32"
@@ -140,8 +139,6 @@ def test_dtype_names_per_library():
     assert A.dtype_name(np.zeros(1, np.uint8)) == "uint8"
     assert A.is_torch(torch.zeros(1)) and not A.is_torch(np.zeros(1))
     # a big-endian buffer is still refused where buffers are checked
-    from qformats import int4
-
     q = int4.quantize(np.ones((2, 128), np.float32), group_size=128)
     q.buffers["scales"] = q.buffers["scales"].astype(">f4")
     with pytest.raises(TypeError, match="byte order"):

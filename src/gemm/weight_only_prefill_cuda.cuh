@@ -28,14 +28,24 @@
 //                               for int4 and nf4);
 //   prefill_ok()                host: this weight can take the kernel;
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
-//   prefill_group_steps()       64-value steps per group of per-row metadata;
-//   PrefillMeta, prefill_meta(m, g)   row m's metadata of group g (loaded a group ahead);
+//   kPrefillMetaWords           optional: 32-bit words of per-row metadata a step needs beside its
+//                               codes (default 0: none, or it comes with the codes), with
+//     PrefillMeta, prefill_meta(m, k)            row m's metadata of step k, loaded from global memory,
+//     prefill_meta_words<H>(meta, w)             ... as the kPrefillMetaWords words the decode takes;
+//                               the copy warp loads them two steps ahead and stores the words with
+//                               the step's stage, so the consumers read them from shared memory;
+//     kPrefillMetaInConsumers, prefill_group_steps()   optional: the consumers instead load each
+//                               group of prefill_group_steps() steps' metadata a group ahead and
+//                               convert it at every step (measured faster for int4, slower for nf4:
+//                               benchmarks/README.md, "Per-row metadata through the copy warp");
 //   kPrefillTableBytes, prefill_table<H>(table)   optional: a per-CTA table in shared memory that
 //                               the CTA's threads fill together before the main loop;
-//   prefill_decode<H>(tile, r, lane, table, ma, mb, a)   lane (g, t)'s A fragments of one step for
+//   prefill_decode<H>(tile, r, lane, table, wa, wb, a)   lane (g, t)'s A fragments of one step for
 //                               tile rows r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout), as
 //                               pairs of H (half_t or bf16_t, the activations' type); the step's
-//                               bytes of row r start at tile + r * kPrefillBoxBytes.
+//                               bytes of row r start at tile + r * kPrefillBoxBytes, its metadata
+//                               words at wa (row r) and wb (row r + 8): in shared memory, or in the
+//                               consumers' registers with kPrefillMetaInConsumers.
 // Measurements and the tile choice: benchmarks/README.md, "A GEMM that decodes int4 in its main
 // loop, for prefill" and "The prefill kernel in the library".
 #pragma once
@@ -141,6 +151,25 @@ template <class Fmt>
 struct prefill_wide_stages<Fmt, std::void_t<decltype(Fmt::kPrefillWideStages)>>
     : std::integral_constant<int, Fmt::kPrefillWideStages> {};
 
+// Per-row metadata words of a step (Fmt::kPrefillMetaWords, else 0).
+// Meta: Fmt::PrefillMeta, or an empty stand-in.
+template <class Fmt, class = void>
+struct prefill_meta_words : std::integral_constant<int, 0> {
+  struct Meta {};
+};
+template <class Fmt>
+struct prefill_meta_words<Fmt, std::void_t<decltype(Fmt::kPrefillMetaWords)>>
+    : std::integral_constant<int, Fmt::kPrefillMetaWords> {
+  using Meta = typename Fmt::PrefillMeta;
+};
+
+// Metadata words per row that the copy warp stores with each stage (0 where the consumers load it).
+template <class Fmt, class = void>
+struct prefill_copied_words : prefill_meta_words<Fmt> {};
+template <class Fmt>
+struct prefill_copied_words<Fmt, std::void_t<decltype(Fmt::kPrefillMetaInConsumers)>>
+    : std::integral_constant<int, Fmt::kPrefillMetaInConsumers ? 0 : prefill_meta_words<Fmt>::value> {};
+
 // Bytes of Fmt's per-CTA table (0: none).
 template <class Fmt, class = void>
 struct prefill_table_bytes : std::integral_constant<int, 0> {};
@@ -151,13 +180,13 @@ struct prefill_table_bytes<Fmt, std::void_t<decltype(Fmt::kPrefillTableBytes)>>
 // Bytes of each consumer warp's epilogue buffer: two of 16 columns x 16 rows of 16-bit outputs.
 constexpr int kPrefillEpiBytes = 2 * 16 * 16 * 2;
 
-// Dynamic shared memory: S stages of an X tile (BN rows of 128 bytes) and BM rows of packed
-// weights, 2 S mbarriers, the format's table, the consumer warps' epilogue buffers, and the 1 KB
-// that aligning the ring to the swizzle atom may skip.
+// Dynamic shared memory: S stages of an X tile (BN rows of 128 bytes), BM rows of packed weights
+// and their metadata words, 2 S mbarriers, the format's table, the consumer warps' epilogue
+// buffers, and the 1 KB that aligning the ring to the swizzle atom may skip.
 template <class Fmt, int BN, int S, int C>
 constexpr int prefill_smem_bytes() {
-  return S * (BN * wg::kRowBytes + 64 * C * prefill_box_bytes<Fmt>::value) + 2 * S * 8 +
-         prefill_table_bytes<Fmt>::value + 4 * C * kPrefillEpiBytes + 1024;
+  return S * (BN * wg::kRowBytes + 64 * C * (prefill_box_bytes<Fmt>::value + 4 * prefill_copied_words<Fmt>::value)) +
+         2 * S * 8 + prefill_table_bytes<Fmt>::value + 4 * C * kPrefillEpiBytes + 1024;
 }
 
 // Output bits of float32 sum v, as store_out writes them (b: the row's bias as float32, if any).
@@ -174,6 +203,17 @@ __device__ __forceinline__ uint32_t prefill_out_bits(float v, bool has_bias, flo
 // README.md, "The prefill kernel from 33 rows"). The tile's later rows of shared memory then keep
 // older stages' values; they only reach accumulator columns past N, which are never stored.
 QF_HOST_DEVICE constexpr int prefill_last_x_rows(int N, int BN) { return (N - (N - 1) / BN * BN + 7) / 8 * 8; }
+
+// Stores a row's metadata words (8 bytes in one store; rows are 4 W bytes apart).
+template <int W>
+__device__ __forceinline__ void store_meta_words(uint32_t* dst, const uint32_t (&w)[W]) {
+  if constexpr (W == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < W; ++j) dst[j] = w[j];
+  }
+}
 
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
 // serializes the wgmma of the branches that depend on it: C7518).
@@ -201,7 +241,13 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
   // decode's loads then stall on the long scoreboard).
   uint8_t* const xs = prefill_smem + ((1024u - (cuda::smem_u32(prefill_smem) & 1023u)) & 1023u);
   uint8_t* const wsm = xs + S * kX;
-  uint64_t* const full = reinterpret_cast<uint64_t*>(wsm + S * kW);  // stage's bytes landed
+  // W: metadata words per row and step; the copy warp stores them with each stage (kMeta words) when
+  // kCopied, else the consumers load them (a group ahead).
+  constexpr int W = prefill_copied_words<Fmt>::value, kMeta = 64 * C * W;
+  constexpr int kMW = prefill_meta_words<Fmt>::value;
+  constexpr bool kCopied = W > 0;
+  uint32_t* const meta = reinterpret_cast<uint32_t*>(wsm + S * kW);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(meta + S * kMeta);  // stage's bytes landed
   uint64_t* const empty = full + S;                                  // every consumer done with it
   uint32_t* const table = reinterpret_cast<uint32_t*>(empty + S);
   uint8_t* const epi = reinterpret_cast<uint8_t*>(table) + prefill_table_bytes<Fmt>::value;  // 16-byte aligned
@@ -223,26 +269,63 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
   __syncthreads();
   if (wgi == C) {  // the copies, up to S steps ahead of the consumers
     if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if ((tid & 127) == 0)
-      for (int tile = blockIdx.x / splits, kk = 0; tile < tiles; tile += gridDim.x / splits) {
+    const int lane = tid & 127;
+    // One thread issues the TMA copies; with metadata, the warp's 32 lanes also store it, lane l
+    // rows l, l + 32, ... of the tile (2 C rows each). Once a lane has stored a step's words, it
+    // loads those of two steps later (the next tile's first two past the span's end) into the same
+    // registers: the step loop runs two steps per trip (steps is even), so the two sets keep their
+    // names and each load has two steps to land. (Loading a step's metadata in the step itself put
+    // the loads' latency on every stage: benchmarks/README.md, "Per-row metadata through the copy
+    // warp".)
+    if (lane < (W > 0 ? 32 : 1)) {
+      using Meta = typename prefill_meta_words<Fmt>::Meta;
+      const int tstride = int(gridDim.x) / splits;
+      auto load = [&](bool valid, int m0, int k, Meta (&q)[2 * C]) {
+        if constexpr (W > 0) {
+          if (!valid) return;
+#pragma unroll
+          for (int i = 0; i < 2 * C; ++i) q[i] = f.prefill_meta(min(m0 + lane + 32 * i, M - 1), k);
+        }
+      };
+      Meta p0[2 * C], p1[2 * C];
+      const int tile0 = int(blockIdx.x) / splits;
+      load(tile0 < tiles, tile0 % mtiles * 64 * C, kb, p0);
+      load(tile0 < tiles, tile0 % mtiles * 64 * C, kb + 1, p1);
+      for (int tile = tile0, kk = 0; tile < tiles; tile += tstride) {
         const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
+        const bool has_next = tile + tstride < tiles;
+        const int m0_next = (tile + tstride) % mtiles * 64 * C;
         const bool lastn = n0 + BN >= N;  // the last column of tiles takes X through tmXl
         const CUtensorMap* const mx = lastn ? &tmXl : &tmX;
         const uint32_t bytes = uint32_t((lastn ? prefill_last_x_rows(N, BN) : BN) * wg::kRowBytes + kW);
-        for (int k = kb; k < kb + steps; ++k, ++kk) {  // kk: the ring's step count over all tiles
+        auto stage = [&](int k, int kk, Meta (&q)[2 * C]) {  // kk: the ring's step count over all tiles
           const int st = kk % S;
           if (kk >= S) cuda::mbar_wait(&empty[st], ((kk / S) - 1) & 1);
-          cuda::mbar_expect(&full[st], bytes);
-          cuda::tma_load_2d(xs + st * kX, mx, k * 64, n0, &full[st]);
-          cuda::tma_load_2d(wsm + st * kW, &tmW, (k * Fmt::kPrefillStepBytes) & ~15, m0, &full[st]);
-        }
+          if constexpr (W > 0) {
+#pragma unroll
+            for (int i = 0; i < 2 * C; ++i) {
+              uint32_t w[W];
+              f.template prefill_meta_words<H>(q[i], w);
+              store_meta_words(meta + st * kMeta + (lane + 32 * i) * W, w);
+            }
+            if (k + 2 < kb + steps) load(true, m0, k + 2, q);
+            else load(has_next, m0_next, k + 2 - steps, q);
+            __syncwarp();  // (lane 0's arrive below then releases every lane's words)
+          }
+          if (lane == 0) {
+            cuda::mbar_expect(&full[st], bytes);
+            cuda::tma_load_2d(xs + st * kX, mx, k * 64, n0, &full[st]);
+            cuda::tma_load_2d(wsm + st * kW, &tmW, (k * Fmt::kPrefillStepBytes) & ~15, m0, &full[st]);
+          }
+        };
+        for (int k = kb; k < kb + steps; k += 2, kk += 2) stage(k, kk, p0), stage(k + 1, kk + 1, p1);
       }
+    }
     return;
   }
   if constexpr (BN > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2;
   const int r0 = wgi * 64 + warp * 16 + g;  // this lane's tile rows r0 and r0 + 8
-  const int gsteps = f.prefill_group_steps();
   const uint32_t xa = cuda::smem_u32(xs);
   // The epilogue goes through this warp's two buffers: stmatrix.trans turns each 8 x 8 block of
   // accumulators (a lane: 2 columns of one row) into 16-byte runs of 8 rows of one column, which is
@@ -262,27 +345,41 @@ __launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
   float d[NT][4];
   for (int tile = blockIdx.x / splits, kk0 = 0; tile < tiles; tile += gridDim.x / splits, kk0 += steps) {
     const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
-    // (rows past M read row M - 1's metadata; the TMA brings zeros for their codes and their
-    // outputs are not stored)
+    // The bias of this lane's rows, for the epilogue (rows past M take row M - 1's, as the copy
+    // warp gives them row M - 1's metadata; the TMA brings zeros for their codes, and their outputs
+    // are not stored).
     const int ma = min(m0 + r0, M - 1), mb = min(m0 + r0 + 8, M - 1);
-    // (the bias of rows ma and mb, for the epilogue)
     using qf::cuda::unitwise::load_f32;
     const float bias_a = bias != nullptr ? load_f32(bias[ma]) : 0.f;
     const float bias_b = bias != nullptr ? load_f32(bias[mb]) : 0.f;
-    // The metadata of the next group is loaded while the current group's steps run (its latency
-    // would otherwise sit between a step's wait and its decode).
-    // (local step k is the weight's step kb + k; a span may start inside a group)
-    int group = kb / gsteps, left = 0, skip = kb % gsteps;
-    typename Fmt::PrefillMeta na = f.prefill_meta(ma, group), nb = f.prefill_meta(mb, group), ca = na, cb = nb;
+    // Where the consumers load the metadata: the next group's is loaded while the current group's
+    // steps run (its latency would otherwise sit between a step's wait and its decode); local step k
+    // is the weight's step kb + k, and a span may start inside a group.
+    [[maybe_unused]] int group = 0, left = 0, skip = 0, gsteps = 1;
+    typename prefill_meta_words<Fmt>::Meta na{}, nb{}, ca{}, cb{};
+    if constexpr (!kCopied && kMW > 0) {
+      gsteps = f.prefill_group_steps(), group = kb / gsteps, skip = kb % gsteps;
+      na = f.prefill_meta(ma, group * gsteps), nb = f.prefill_meta(mb, group * gsteps), ca = na, cb = nb;
+    }
     auto decode = [&](int k, uint32_t (&a)[4][4]) {
-      if (left == 0) {
-        ca = na, cb = nb, left = gsteps - skip, skip = 0, ++group;
-        if (group * gsteps < kb + steps) na = f.prefill_meta(ma, group), nb = f.prefill_meta(mb, group);
-      }
-      --left;
       const int st = (kk0 + k) % S;
-      cuda::mbar_wait(&full[st], ((kk0 + k) / S) & 1);
-      f.template prefill_decode<H>(wsm + st * kW + (((kb + k) * Fmt::kPrefillStepBytes) & 15), r0, lane, table, ca, cb, a);
+      const uint8_t* const tile_w = wsm + st * kW + (((kb + k) * Fmt::kPrefillStepBytes) & 15);
+      if constexpr (!kCopied && kMW > 0) {
+        if (left == 0) {
+          ca = na, cb = nb, left = gsteps - skip, skip = 0, ++group;
+          if (group * gsteps < kb + steps) na = f.prefill_meta(ma, group * gsteps), nb = f.prefill_meta(mb, group * gsteps);
+        }
+        --left;
+        uint32_t wa[kMW], wb[kMW];
+        f.template prefill_meta_words<H>(ca, wa);
+        f.template prefill_meta_words<H>(cb, wb);
+        cuda::mbar_wait(&full[st], ((kk0 + k) / S) & 1);
+        f.template prefill_decode<H>(tile_w, r0, lane, table, wa, wb, a);
+      } else {
+        cuda::mbar_wait(&full[st], ((kk0 + k) / S) & 1);
+        const uint32_t* const ms = meta + st * kMeta;
+        f.template prefill_decode<H>(tile_w, r0, lane, table, ms + r0 * W, ms + (r0 + 8) * W, a);
+      }
     };
 #pragma unroll
     for (int i = 0; i < NT; ++i)

@@ -102,14 +102,25 @@ struct Int4 {
   static constexpr int kPrefillWideStages = 5;  // 0.2-3.3% faster than 4 (benchmarks/README.md)
   bool prefill_ok() const { return gshift >= 1; }
   const void* prefill_codes() const { return qweight; }
+  // A step's metadata: the group's scale as an H pair, and magic + zero for the decode's HSUB2,
+  // loaded by the consumers a group ahead (through the copy warp it measured slower:
+  // benchmarks/README.md, "Per-row metadata through the copy warp").
+  static constexpr int kPrefillMetaWords = 2;
+  static constexpr bool kPrefillMetaInConsumers = true;
   __device__ int prefill_group_steps() const { return 1 << (gshift - 1); }
   struct PrefillMeta {
     float scale;
     uint32_t zero;  // the stored zero point; 8 for symmetric codes
   };
-  __device__ PrefillMeta prefill_meta(int m, int group) const {
-    const int64_t g = int64_t(m) * (K >> (gshift + 5)) + group;
+  __device__ PrefillMeta prefill_meta(int m, int k) const {
+    const int64_t g = int64_t(m) * (K >> (gshift + 5)) + (k >> (gshift - 1));
     return {__ldg(scales + g), zeros ? uint32_t(__ldg(zeros + g)) : 8u};
+  }
+  template <class H>
+  __device__ void prefill_meta_words(const PrefillMeta& p, uint32_t (&w)[2]) const {
+    using PN = cuda_wo::PrefillNibbles<H>;
+    w[0] = cuda_wo::PairOps<H>::splat(p.scale);
+    w[1] = cuda_wo::halves(PN::lo_minus(p.zero), PN::hi_minus(p.zero));
   }
   // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and
   // r + 8: byte t of words 2j and 2j + 1 (low nibble first). PrefillNibbles<H>::byte_both puts that
@@ -119,16 +130,14 @@ struct Int4 {
   // magic + z and HMUL2 multiplies by (s, s): four instructions per pair (five for bf16), each
   // weight (q - z) s rounded once to H from an H s.
   template <class H>
-  __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const PrefillMeta& ma,
-                                 const PrefillMeta& mb, uint32_t (&a)[4][4]) const {
+  __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const uint32_t* wa,
+                                 const uint32_t* wb, uint32_t (&a)[4][4]) const {
     using namespace cuda_wo;
     using Ops = PairOps<H>;
     using PN = PrefillNibbles<H>;
     constexpr uint32_t kMagic2 = halves(PN::kLo, PN::kHi), kMask2 = halves(PN::kLoMask, PN::kHiMask);
     const uint32_t t = lane & 3, flip = zeros ? kMagic2 : kMagic2 ^ PN::kFlip;
-    const uint32_t za = halves(PN::lo_minus(ma.zero), PN::hi_minus(ma.zero));
-    const uint32_t zb = halves(PN::lo_minus(mb.zero), PN::hi_minus(mb.zero));
-    const uint32_t sa = Ops::splat(ma.scale), sb = Ops::splat(mb.scale);
+    const uint32_t sa = wa[0], za = wa[1], sb = wb[0], zb = wb[1];
     byte_pair_fragments(
         tile, r,
         [&](uint32_t w, int h) {

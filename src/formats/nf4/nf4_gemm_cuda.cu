@@ -94,12 +94,18 @@ struct Nf4 {
   const void* prefill_codes() const { return packed; }
 // (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
 #pragma nv_diag_suppress 177
-  __device__ int prefill_group_steps() const { return 1 << (log2_bs - 6); }
+  // A step's metadata: its block's absmax as an H pair, which the copy warp stores with the step's
+  // codes (benchmarks/README.md, "Per-row metadata through the copy warp").
+  static constexpr int kPrefillMetaWords = 1;
   struct PrefillMeta {
     float absmax;
   };
-  __device__ PrefillMeta prefill_meta(int m, int block) const {
-    return {__ldg(absmax + ((int64_t(m) * K) >> log2_bs) + block)};
+  __device__ PrefillMeta prefill_meta(int m, int k) const {
+    return {__ldg(absmax + ((int64_t(m) * K) >> log2_bs) + (k >> (log2_bs - 6)))};
+  }
+  template <class H>
+  __device__ void prefill_meta_words(const PrefillMeta& p, uint32_t (&w)[1]) const {
+    w[0] = cuda_wo::PairOps<H>::splat(p.absmax);
   }
   template <class H>
   __device__ void prefill_table(uint32_t* lut) const {
@@ -108,10 +114,10 @@ struct Nf4 {
   // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and
   // r + 8: byte t of words 2j and 2j + 1, one lookup each, times the block's absmax.
   template <class H>
-  __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t* lut, const PrefillMeta& ma,
-                                 const PrefillMeta& mb, uint32_t (&a)[4][4]) const {
+  __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t* lut, const uint32_t* wa,
+                                 const uint32_t* wb, uint32_t (&a)[4][4]) const {
     using Ops = cuda_wo::PairOps<H>;
-    const uint32_t sel = 0x4440u | uint32_t(lane & 3), sa = Ops::splat(ma.absmax), sb = Ops::splat(mb.absmax);
+    const uint32_t sel = 0x4440u | uint32_t(lane & 3), sa = *wa, sb = *wb;
     cuda_wo::byte_pair_fragments(
         tile, r, [&](uint32_t w, int h) { return Ops::mul(lut[(__byte_perm(w, 0u, sel) << 5) | lane], h ? sb : sa); },
         a);

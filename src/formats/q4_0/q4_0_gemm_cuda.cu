@@ -149,11 +149,8 @@ struct Q4_0 {
   static constexpr int kPrefillMinRows = 16;
   bool prefill_ok() const { return nb % 8 == 0 && cuda::aligned16(blocks); }
   const void* prefill_codes() const { return blocks; }
-  struct PrefillMeta {};
 // (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
 #pragma nv_diag_suppress 177
-  __device__ int prefill_group_steps() const { return 1 << 30; }
-  __device__ PrefillMeta prefill_meta(int, int) const { return {}; }
   // In k16 slice 2b + h (block b of the step, nibble h), lane (g, t = lane & 3) needs values 2t,
   // 2t + 1 and 2t + 8, 2t + 9 of rows r and r + 8: nibble h of qs[2t], qs[2t + 1] and of qs[2t + 8],
   // qs[2t + 9], two halfword loads per block and row. A PRMT spreads a halfword's bytes over the
@@ -162,8 +159,8 @@ struct Q4_0 {
   // shift); HSUB2 takes off magic + 8, HMUL2 multiplies by (d, d): 3.5 instructions per pair (4 for
   // bf16), each weight (q - 8) d rounded once (bf16: from d rounded to bf16).
   template <class H>
-  __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const PrefillMeta&,
-                                 const PrefillMeta&, uint32_t (&a)[4][4]) const {
+  __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t*, const uint32_t*,
+                                 const uint32_t*, uint32_t (&a)[4][4]) const {
     using namespace cuda_wo;
     using Ops = PairOps<H>;
     using PN = PrefillNibbles<H>;

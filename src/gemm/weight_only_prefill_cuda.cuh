@@ -215,6 +215,9 @@ __device__ __forceinline__ void store_meta_words(uint32_t* dst, const uint32_t (
   }
 }
 
+// Threads of a CTA: C consumer warpgroups and the copies' warp (warpgroup where BN > 128, below).
+constexpr int prefill_threads(int BN, int C) { return 128 * C + (BN > 128 ? 128 : 32); }
+
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
 // serializes the wgmma of the branches that depend on it: C7518).
 __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0); }
@@ -226,7 +229,7 @@ __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffff
 // spills and serializes the wgmma, C7512). C = 1 runs two CTAs per SM.
 template <class Fmt, class H, int BN, int S, int C>
 __global__ void
-__launch_bounds__(128 * C + (BN > 128 ? 128 : 32), C == 1 ? 2 : 1)
+__launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
     weight_only_prefill_kernel(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmXl,
                                const __grid_constant__ CUtensorMap tmW,
                                const Fmt f, H* __restrict__ Y, const H* __restrict__ bias, int N, int M, int K) {
@@ -505,14 +508,6 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
         cuda::cc_major() != 9)
       return false;
     constexpr int kSB = Fmt::kPrefillStepBytes, kBox = prefill_box_bytes<Fmt>::value;
-    constexpr int kWS = prefill_wide_stages<Fmt>::value;
-    constexpr auto kWide = weight_only_prefill_kernel<Fmt, H, 256, kWS, 2>,
-                   k192 = weight_only_prefill_kernel<Fmt, H, 192, 6, 2>,
-                   kMid = weight_only_prefill_kernel<Fmt, H, 128, 6, 2>,
-                   kLow = weight_only_prefill_kernel<Fmt, H, 128, 4, 1>;
-    constexpr int kWideSmem = prefill_smem_bytes<Fmt, 256, kWS, 2>(), k192Smem = prefill_smem_bytes<Fmt, 192, 6, 2>(),
-                  kMidSmem = prefill_smem_bytes<Fmt, 128, 6, 2>(),
-                  kLowSmem = prefill_smem_bytes<Fmt, 128, 4, 1>();
     const int sms = cuda::sm_count();
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -523,29 +518,33 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     // Each tile's kernel, with its threads and shared memory set in cfg, handed to fn: one table
     // for the occupancy queries and the launch.
     auto with_kernel = [&](int bm, int bn, auto&& fn) {
-      auto use = [&](auto kernel, int threads, int smem) {
+      // the kernel of BN activation rows, S stages and C consumer warpgroups (C * 64 weight rows)
+      auto use = [&](auto bn_c, auto s_c, auto c_c) {
+        constexpr int B = decltype(bn_c)::value, S = decltype(s_c)::value, C = decltype(c_c)::value;
+        constexpr auto kernel = weight_only_prefill_kernel<Fmt, H, B, S, C>;
         cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
-        cfg.blockDim = dim3(unsigned(threads));
-        cfg.dynamicSmemBytes = size_t(smem);
+        cfg.blockDim = dim3(unsigned(prefill_threads(B, C)));
+        cfg.dynamicSmemBytes = size_t(prefill_smem_bytes<Fmt, B, S, C>());
         return fn(kernel);
       };
-      if (bn == 256) return use(kWide, 384, kWideSmem);
-      if (bn == 192) return use(k192, 384, k192Smem);
+      using I2 = std::integral_constant<int, 2>;
+      using I1 = std::integral_constant<int, 1>;
+      if (bn == 256) return use(std::integral_constant<int, 256>{}, std::integral_constant<int, prefill_wide_stages<Fmt>::value>{}, I2{});
+      if (bn == 192) return use(std::integral_constant<int, 192>{}, std::integral_constant<int, 6>{}, I2{});
       // Up to 64 rows, tiles as narrow as the rows allow (wgmma n16 / n32 / n64: the multiplies
       // shrink with them, the decode does not), with more stages in the smaller X tiles' room;
       // n16 and n32 only where the format starts below 33 rows.
-      auto narrow = [&](auto bn_c) {
-        constexpr int B = decltype(bn_c)::value;
-        if (bm == 128) return use(weight_only_prefill_kernel<Fmt, H, B, 8, 2>, 288, prefill_smem_bytes<Fmt, B, 8, 2>());
-        return use(weight_only_prefill_kernel<Fmt, H, B, 6, 1>, 160, prefill_smem_bytes<Fmt, B, 6, 1>());
+      auto small_tile = [&](auto bn_c) {
+        if (bm == 128) return use(bn_c, std::integral_constant<int, 8>{}, I2{});
+        return use(bn_c, std::integral_constant<int, 6>{}, I1{});
       };
       if constexpr (prefill_min_rows<Fmt>::value <= 32) {
-        if (bn == 16) return narrow(std::integral_constant<int, 16>{});
-        if (bn == 32) return narrow(std::integral_constant<int, 32>{});
+        if (bn == 16) return small_tile(std::integral_constant<int, 16>{});
+        if (bn == 32) return small_tile(std::integral_constant<int, 32>{});
       }
-      if (bn == 64) return narrow(std::integral_constant<int, 64>{});
-      if (bm == 128) return use(kMid, 288, kMidSmem);
-      return use(kLow, 160, kLowSmem);
+      if (bn == 64) return small_tile(std::integral_constant<int, 64>{});
+      if (bm == 128) return use(std::integral_constant<int, 128>{}, std::integral_constant<int, 6>{}, I2{});
+      return use(std::integral_constant<int, 128>{}, std::integral_constant<int, 4>{}, I1{});
     };
     // Whether `tiles` clusters of s CTAs of that kind run at once on this device.
     const PrefillPlan plan = plan_prefill(N, M, K, sms, [&](PrefillKind kind, int s, int64_t tiles) {

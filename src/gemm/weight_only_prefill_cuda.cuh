@@ -8,7 +8,8 @@
 //   decoded once per BN rows;
 // - warp specialization: one thread of the copy warp (or warpgroup) issues each step's TMA copies
 //   (X tile [BN, 64], packed weights [BM rows, one step]) into an S-stage ring as soon as a stage
-//   is released; C consumer warpgroups wait on the stage's mbarrier, decode their 64 rows into A
+//   is released (the warp's lanes storing the rows' metadata words with it, for formats whose
+//   metadata comes that way); C consumer warpgroups wait on the stage's mbarrier, decode their 64 rows into A
 //   registers (wgmma m64nBNk16, A from registers) and release the stage when its batch is done.
 //   While step k's batch runs on the tensor cores, the warps decode step k + 1;
 // - the consumers store their outputs through a small per-warp buffer (stmatrix.trans), so that a

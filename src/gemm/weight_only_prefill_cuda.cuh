@@ -205,19 +205,14 @@ __device__ __forceinline__ uint32_t prefill_out_bits(float v, bool has_bias, flo
 // older stages' values; they only reach accumulator columns past N, which are never stored.
 QF_HOST_DEVICE constexpr int prefill_last_x_rows(int N, int BN) { return (N - (N - 1) / BN * BN + 7) / 8 * 8; }
 
-// Stores a row's metadata words (8 bytes in one store; rows are 4 W bytes apart).
-template <int W>
-__device__ __forceinline__ void store_meta_words(uint32_t* dst, const uint32_t (&w)[W]) {
-  if constexpr (W == 2) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < W; ++j) dst[j] = w[j];
-  }
-}
-
 // Threads of a CTA: C consumer warpgroups and the copies' warp (warpgroup where BN > 128, below).
 constexpr int prefill_threads(int BN, int C) { return 128 * C + (BN > 128 ? 128 : 32); }
+
+// A kernel's tile, as the launcher names it: BN activation rows, S stages, C consumer warpgroups.
+template <int BN, int S, int C>
+struct PrefillTile {
+  static constexpr int kBN = BN, kS = S, kC = C;
+};
 
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
 // serializes the wgmma of the branches that depend on it: C7518).
@@ -310,7 +305,8 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
             for (int i = 0; i < 2 * C; ++i) {
               uint32_t w[W];
               f.template prefill_meta_words<H>(q[i], w);
-              store_meta_words(meta + st * kMeta + (lane + 32 * i) * W, w);
+#pragma unroll
+              for (int j = 0; j < W; ++j) meta[st * kMeta + (lane + 32 * i) * W + j] = w[j];
             }
             if (k + 2 < kb + steps) load(true, m0, k + 2, q);
             else load(has_next, m0_next, k + 2 - steps, q);
@@ -519,33 +515,31 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     // Each tile's kernel, with its threads and shared memory set in cfg, handed to fn: one table
     // for the occupancy queries and the launch.
     auto with_kernel = [&](int bm, int bn, auto&& fn) {
-      // the kernel of BN activation rows, S stages and C consumer warpgroups (C * 64 weight rows)
-      auto use = [&](auto bn_c, auto s_c, auto c_c) {
-        constexpr int B = decltype(bn_c)::value, S = decltype(s_c)::value, C = decltype(c_c)::value;
-        constexpr auto kernel = weight_only_prefill_kernel<Fmt, H, B, S, C>;
+      auto use = [&](auto tile) {
+        using T = decltype(tile);
+        constexpr auto kernel = weight_only_prefill_kernel<Fmt, H, T::kBN, T::kS, T::kC>;
         cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
-        cfg.blockDim = dim3(unsigned(prefill_threads(B, C)));
-        cfg.dynamicSmemBytes = size_t(prefill_smem_bytes<Fmt, B, S, C>());
+        cfg.blockDim = dim3(unsigned(prefill_threads(T::kBN, T::kC)));
+        cfg.dynamicSmemBytes = size_t(prefill_smem_bytes<Fmt, T::kBN, T::kS, T::kC>());
         return fn(kernel);
       };
-      using I2 = std::integral_constant<int, 2>;
-      using I1 = std::integral_constant<int, 1>;
-      if (bn == 256) return use(std::integral_constant<int, 256>{}, std::integral_constant<int, prefill_wide_stages<Fmt>::value>{}, I2{});
-      if (bn == 192) return use(std::integral_constant<int, 192>{}, std::integral_constant<int, 6>{}, I2{});
+      if (bn == 256) return use(PrefillTile<256, prefill_wide_stages<Fmt>::value, 2>{});
+      if (bn == 192) return use(PrefillTile<192, 6, 2>{});
       // Up to 64 rows, tiles as narrow as the rows allow (wgmma n16 / n32 / n64: the multiplies
       // shrink with them, the decode does not), with more stages in the smaller X tiles' room;
       // n16 and n32 only where the format starts below 33 rows.
       auto small_tile = [&](auto bn_c) {
-        if (bm == 128) return use(bn_c, std::integral_constant<int, 8>{}, I2{});
-        return use(bn_c, std::integral_constant<int, 6>{}, I1{});
+        constexpr int B = decltype(bn_c)::value;
+        if (bm == 128) return use(PrefillTile<B, 8, 2>{});
+        return use(PrefillTile<B, 6, 1>{});
       };
       if constexpr (prefill_min_rows<Fmt>::value <= 32) {
         if (bn == 16) return small_tile(std::integral_constant<int, 16>{});
         if (bn == 32) return small_tile(std::integral_constant<int, 32>{});
       }
       if (bn == 64) return small_tile(std::integral_constant<int, 64>{});
-      if (bm == 128) return use(std::integral_constant<int, 128>{}, std::integral_constant<int, 6>{}, I2{});
-      return use(std::integral_constant<int, 128>{}, std::integral_constant<int, 4>{}, I1{});
+      if (bm == 128) return use(PrefillTile<128, 6, 2>{});
+      return use(PrefillTile<128, 4, 1>{});
     };
     // Whether `tiles` clusters of s CTAs of that kind run at once on this device.
     const PrefillPlan plan = plan_prefill(N, M, K, sms, [&](PrefillKind kind, int s, int64_t tiles) {

@@ -204,6 +204,19 @@ def empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
     return np.empty(shape, dtype=dtype)
 
 
+def gemm_workspace(x: Any, N: int, M: int) -> Any:
+    """The device workspace of a CUDA weight-only GEMM of ``N`` activation rows by ``M`` weight
+    rows on ``x``'s device (an uninitialized uint8 tensor from torch's caching allocator), or None
+    where it takes none (the CPU; a GPU or shape without the prefill kernel's stream-K schedule,
+    ``src/gemm/weight_only_prefill_cuda.cuh``). Call it with ``x``'s device current
+    (:func:`stream_for`)."""
+    if not is_cuda(x):
+        return None
+    from ._runtime import _native as runtime
+    nbytes = runtime.weight_only_workspace_bytes(N, M)
+    return empty(x, (nbytes,), "uint8") if nbytes else None
+
+
 def is_cuda(x: Any) -> bool:
     """True for a torch tensor on a CUDA device."""
     return is_torch(x) and x.device.type == "cuda"

@@ -40,9 +40,11 @@ class LinearKernel:
 
     Attributes:
         run: the native ``Linear`` object of the format's extension (``src/bindings/linear.h``):
-            ``run(x, out, bias, stream)`` with x ``[..., K]`` float32/float16/bfloat16 on the
-            weight's device, out ``[N, M]`` (x's dtype on CUDA, float32 on the CPU), bias
-            ``[M]`` of out's dtype or None, stream a ``cudaStream_t`` as an int (0 on the CPU).
+            ``run(x, out, bias, stream, workspace=None)`` with x ``[..., K]``
+            float32/float16/bfloat16 on the weight's device, out ``[N, M]`` (x's dtype on CUDA,
+            float32 on the CPU), bias ``[M]`` of out's dtype or None, stream a ``cudaStream_t``
+            as an int (0 on the CPU), workspace None or uint8 of ``run.gemm_workspace(N)`` bytes
+            on the weight's device (CUDA; faster where it is > 0).
         derived: tensors computed from the packed buffers that ``run`` reads (nf4's decoded
             ``absmax``, mixed2bit's CUDA chunk index), by name; a module that keeps the kernel
             registers them as non-persistent buffers so that they move and stay alive with it.

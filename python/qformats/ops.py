@@ -164,7 +164,9 @@ def run_linear(run: Callable, x: torch.Tensor, bias: Optional[torch.Tensor], M: 
     x's dtype: on CUDA the kernel writes it (bias cast to x's dtype, added in the kernel's
     epilogue exactly as ``y + bias`` in that dtype would); on the CPU the float32 product plus
     a float32 bias, cast to x's dtype. Launches on torch's current stream of x's device, which
-    must be the current device. ``run`` checks what it is given: ValueError for a device,
+    must be the current device; on CUDA with the device workspace the kernel asks for
+    (``run.gemm_workspace(rows)`` bytes, torch's caching allocator; the prefill kernel's stream-K
+    partial sums), freed on return. ``run`` checks what it is given: ValueError for a device,
     shape or size that does not fit the bound weight, TypeError for a dtype."""
     if not x.is_contiguous():
         x = x.contiguous()
@@ -174,7 +176,9 @@ def run_linear(run: Callable, x: torch.Tensor, bias: Optional[torch.Tensor], M: 
         out = torch.empty((*x.shape[:-1], M), dtype=x.dtype, device=x.device)
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             bias = bias.to(x.dtype).contiguous()
-        run(x, out, bias, _stream(x.device))
+        ws_bytes = run.gemm_workspace(out.numel() // M) if M else 0
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=x.device) if ws_bytes else None
+        run(x, out, bias, _stream(x.device), ws)
         return out
     out = torch.empty((*x.shape[:-1], M), dtype=torch.float32)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):

@@ -129,9 +129,10 @@ struct Int4Linear {
   int64_t M, K, group_size;
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
-  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
-    gemm::int4_gemm_cuda(x, N, K, M, qweight, scales, zeros, group_size, y, bias, stream);
+  void cuda(const T* x, int64_t N, T* y, const T* bias, gemm::GemmWorkspace ws, void* stream) const {
+    gemm::int4_gemm_cuda(x, N, K, M, qweight, scales, zeros, group_size, y, bias, ws, stream);
   }
+  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M); }
   template <class T>
   void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
     qf::int4::dequantize_cuda(qweight, scales, zeros, M * K / group_size, group_size, w, stream);
@@ -168,12 +169,12 @@ PackedLinear<Int4Linear> make_linear(const InArray& qweight, const InArray& scal
 // x converted to float32 exactly, out float32 [N, M]. CUDA: out [N, M] in x's dtype.
 void weight_only_gemm(const InArray& x, const InArray& qweight, const InArray& scales,
                       const std::optional<InArray>& zeros, const OutArray& out, int64_t N, int64_t K, int64_t M,
-                      int64_t group_size, uintptr_t stream) {
+                      int64_t group_size, uintptr_t stream, const std::optional<OutArray>& workspace) {
   nonneg(N, "N");
   nonneg(K, "K");
   nonneg(M, "M");
   require_numel(x, mul(N, K, "N * K"), "x");
-  make_linear(qweight, scales, zeros, M, K, group_size)(x, out, std::nullopt, stream);
+  make_linear(qweight, scales, zeros, M, K, group_size)(x, out, std::nullopt, workspace, stream);
 }
 
 // a: uint8 [N, K/2], b: uint8 [M, K/2] (symmetric packed codes); out: int32 [N, M].
@@ -213,7 +214,7 @@ NB_MODULE(_native, m) {
   m.def("unpack", &unpack, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
         nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), nb::arg("stream") = 0,
-        release_gil());
+        nb::arg("workspace").none() = nb::none(), release_gil());
   bind_linear<Int4Linear>(m, "An int4 weight [M, K] bound for repeated x . W^T (+ bias) calls.");
   m.def("make_linear", &make_linear, nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(), nb::arg("M"),
         nb::arg("K"), nb::arg("group_size"));

@@ -138,9 +138,10 @@ struct Int8Linear {
   int64_t M, K, unit, scale_stride;
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
-  void cuda(const T*, int64_t, T*, const T*, void*) const {
+  void cuda(const T*, int64_t, T*, const T*, gemm::GemmWorkspace, void*) const {
     throw std::invalid_argument("int8: no CUDA weight-only kernel");
   }
+  int64_t workspace_cuda(int64_t) const { return 0; }
   template <class T>
   void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
     int8::dequantize_cuda(q, scales, n_units(), unit_len(), w, stream);
@@ -189,7 +190,7 @@ void weight_only_gemm(const InArray& x, const InArray& q, const InArray& scale, 
   nonneg(K, "K");
   nonneg(M, "M");
   require_numel(x, mul(N, K, "N * K"), "x");
-  make_linear(q, scale, M, K, unit_len)(x, out, std::nullopt, 0);
+  make_linear(q, scale, M, K, unit_len)(x, out, std::nullopt, std::nullopt, 0);
 }
 
 }  // namespace

@@ -9,8 +9,11 @@
 // contiguity, sizes, alignment), so a direct call cannot reach a kernel with a wrong pointer.
 //
 // Impl provides
-//   template <class T> void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const;
-//       (CUDA builds; y and bias in x's dtype, bias may be nullptr)
+//   template <class T> void cuda(const T* x, int64_t N, T* y, const T* bias, gemm::GemmWorkspace ws,
+//                                void* stream) const;
+//       (CUDA builds; y and bias in x's dtype, bias may be nullptr; ws: the caller's workspace,
+//       gemm/weight_only_cuda.h, maybe empty)
+//   int64_t workspace_cuda(int64_t N) const;   bytes of workspace a product of N rows may use (CUDA builds)
 //   void cpu(const float* x, int64_t N, float* y) const;     float32 activations and output
 // and, for the dense path above the kernel's rows (W decoded, then a dense GEMM), W [M, K]
 // decoded exactly as the format's dequantize decodes it, T float / half_t / bf16_t:
@@ -31,6 +34,7 @@
 #include "bindings/bind_args.h"
 #include "bindings/dlpack_exchange.h"
 #include "bindings/nb_common.h"
+#include "gemm/weight_only_cuda.h"
 
 namespace qf::bind {
 
@@ -44,8 +48,12 @@ struct PackedLinear {
   // x [..., K] (float32 / float16 / bfloat16, C-contiguous) on the weight's device; out [N, M]
   // with N = numel(x) / K: x's dtype on CUDA, float32 on the CPU; bias [M] of out's dtype or None.
   // CUDA: launched on `stream` of the current device (the caller makes the weight's device
-  // current), x and out 16-byte aligned. CPU: threaded; the bias is added after the product.
-  void operator()(const InArray& x, const OutArray& out, const std::optional<InArray>& bias, uintptr_t stream) const {
+  // current), x and out 16-byte aligned; workspace: uint8 on that device (16-byte aligned), of
+  // gemm_workspace(N) bytes where that is > 0 (a smaller one or none: the same product to within
+  // float32 rounding, maybe slower), its contents overwritten. CPU: threaded; the bias is added
+  // after the product, and the workspace is not used.
+  void operator()(const InArray& x, const OutArray& out, const std::optional<InArray>& bias,
+                  const std::optional<OutArray>& workspace, uintptr_t stream) const {
     Device d = device_of(x, stream, "x");
     if (d.cuda != dev.cuda || (d.cuda && d.id != dev.id))
       throw std::invalid_argument("x: all arrays of a call must be on the same device (x is not on the weight's)");
@@ -63,13 +71,19 @@ struct PackedLinear {
       if (bias->dtype() != out.dtype()) throw nb::type_error("bias: expected the dtype of out");
     }
     if (d.cuda) {
+      gemm::GemmWorkspace ws;
+      if (workspace) {
+        require<uint8_t>(*workspace, "workspace", d);
+        ws = {mptr<void>(*workspace), numel(*workspace, "workspace")};
+      }
       dispatch_cuda_x_out(x, out, d, [&](auto* px, auto* py) {
         using T = std::remove_pointer_t<decltype(py)>;
         const T* pb = bias ? cptr<T>(*bias) : nullptr;
         if (N == 0 || M == 0) return;  // no output (nb_common.h)
-        QF_ON_CUDA(impl.cuda(px, N, py, pb, d.stream));
+        QF_ON_CUDA(impl.cuda(px, N, py, pb, ws, d.stream));
         (void)pb;
       });
+      (void)ws;
       return;
     }
     require<float>(out, "out");
@@ -115,6 +129,16 @@ struct PackedLinear {
     });
   }
 
+  // Device workspace bytes that a product of `rows` activation rows may use (0: none; always 0 on
+  // the CPU). CUDA: for the current device, which must be the weight's.
+  int64_t gemm_workspace(int64_t rows) const {
+#if defined(QFORMATS_WITH_CUDA)
+    if (dev.cuda && rows > 0) return impl.workspace_cuda(rows);
+#endif
+    (void)rows;
+    return 0;
+  }
+
   // Device workspace bytes that dequantize needs (0: none).
   int64_t workspace_bytes() const {
 #if defined(QFORMATS_WITH_CUDA)
@@ -133,19 +157,22 @@ struct PackedLinear {
 
   // The Python-facing call: arguments imported without the __dlpack__ protocol where their type
   // allows (bindings/dlpack_exchange.h), then the product without the GIL.
-  void call(nb::handle x, nb::handle out, nb::handle bias, uintptr_t stream) const {
+  void call(nb::handle x, nb::handle out, nb::handle bias, uintptr_t stream, nb::handle workspace) const {
     const InArray xa = import_array<InArray>(x, "x");
     const OutArray oa = import_array<OutArray>(out, "out");
     std::optional<InArray> ba;
     if (!bias.is_none()) ba = import_array<InArray>(bias, "bias");
+    std::optional<OutArray> wa;
+    if (!workspace.is_none()) wa = import_array<OutArray>(workspace, "workspace");
     nb::gil_scoped_release release;
-    (*this)(xa, oa, ba, stream);
+    (*this)(xa, oa, ba, wa, stream);
   }
 };
 
 // Binds PackedLinear<Impl> as `<module>.<name>` (default Linear; one name per Impl of a module): call(x, out,
-// bias=None, stream=0) and dequantize(out, workspace=None, stream=0) without the GIL, and read-only M, K,
-// dequantize_workspace (bytes), device ("cpu" or "cuda:<id>").
+// bias=None, stream=0, workspace=None) and dequantize(out, workspace=None, stream=0) without the GIL,
+// gemm_workspace(rows) (bytes), and read-only M, K, dequantize_workspace (bytes), device ("cpu" or
+// "cuda:<id>").
 template <class Impl>
 void bind_linear(nb::module_& m, const char* doc, const char* name = "Linear") {
   using L = PackedLinear<Impl>;
@@ -154,7 +181,14 @@ void bind_linear(nb::module_& m, const char* doc, const char* name = "Linear") {
   nb::set_leak_warnings(false);
   nb::class_<L>(m, name, doc)
       .def("__call__", &L::call, nb::arg("x"), nb::arg("out"), nb::arg("bias").none() = nb::none(),
-           nb::arg("stream") = 0)
+           nb::arg("stream") = 0, nb::arg("workspace").none() = nb::none(),
+           "out [N, M] = x [..., K] . W^T (+ bias [M]); stream: a cudaStream_t as an int (CUDA); workspace: "
+           "None or uint8 on the weight's device of gemm_workspace(N) bytes (CUDA; the product may run "
+           "faster with it, same numbers to within float32 rounding). ValueError for another device, shape "
+           "or size, TypeError for another dtype.")
+      .def("gemm_workspace", &L::gemm_workspace, nb::arg("rows"),
+           "Bytes of device workspace that a product of `rows` activation rows may use (0: none; the "
+           "weight's device must be the current one).")
       .def("dequantize", &L::dequantize_call, nb::arg("out"), nb::arg("workspace").none() = nb::none(),
            nb::arg("stream") = 0,
            "Decode W into out [M, K] (float32 / float16 / bfloat16, C-contiguous, on the weight's device) "

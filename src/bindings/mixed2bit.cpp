@@ -197,9 +197,10 @@ struct Mixed2Linear {
   std::shared_ptr<const ::qf::gemm::Mixed2bitCpuIndex> cpu_index;  // CPU only
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
-  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
+  void cuda(const T* x, int64_t N, T* y, const T* bias, ::qf::gemm::GemmWorkspace, void* stream) const {
     ::qf::gemm::mixed2bit_gemm_cuda(x, N, q, d, index, y, bias, stream);
   }
+  int64_t workspace_cuda(int64_t) const { return 0; }
   template <class T>
   void dequantize_cuda(T* w, void* workspace, int64_t workspace_bytes, void* stream) const {
     m2::dequantize_cuda(q, d, w, workspace, workspace_bytes, stream);
@@ -254,7 +255,7 @@ void weight_only_gemm(const InArray& x, int64_t rows, int64_t K, int64_t group_s
                       const InArray& n4_before, uintptr_t stream) {
   if (x.ndim() != 2 || static_cast<int64_t>(x.shape(1)) != K) throw std::invalid_argument("x: expected float [N, K]");
   make_linear(rows, K, group_size, scale_block, n4, n_out, group_map, codes2, codes4, scales2, scales4, so2, so4,
-              outlier_idx, outlier_val, n4_before)(x, out, std::nullopt, stream);
+              outlier_idx, outlier_val, n4_before)(x, out, std::nullopt, std::nullopt, stream);
 }
 
 // n4_before: int64 [rows * ceil(groups_per_row / 32) + 1] on the device of group_map, filled
@@ -434,9 +435,10 @@ struct TiledLinear {
   m2t::Dims d;
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
-  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
+  void cuda(const T* x, int64_t N, T* y, const T* bias, ::qf::gemm::GemmWorkspace, void* stream) const {
     m2t::gemm_cuda(x, N, q, d, y, bias, stream);
   }
+  int64_t workspace_cuda(int64_t) const { return 0; }
   template <class T>
   void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
     m2t::dequantize_cuda(q, d, w, stream);

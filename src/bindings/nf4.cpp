@@ -122,9 +122,10 @@ struct Nf4Linear {
   int64_t M, K, blocksize;
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
-  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
-    gemm::nf4_gemm_cuda(x, N, K, M, packed, absmax, blocksize, y, bias, stream);
+  void cuda(const T* x, int64_t N, T* y, const T* bias, gemm::GemmWorkspace ws, void* stream) const {
+    gemm::nf4_gemm_cuda(x, N, K, M, packed, absmax, blocksize, y, bias, ws, stream);
   }
+  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M); }
   template <class T>
   void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
     nf4::dequantize_cuda(packed, absmax, M * K, blocksize, w, stream);
@@ -158,9 +159,9 @@ PackedLinear<Nf4Linear> make_linear(const InArray& packed, const InArray& absmax
 
 // x: float [N, K] (float32, float16 or bfloat16); out: CPU float32 [N, M], CUDA x's dtype.
 void gemm_nf4(const InArray& x, const InArray& packed, const InArray& absmax, const OutArray& out, int64_t M, int64_t K,
-              int64_t blocksize, uintptr_t stream) {
+              int64_t blocksize, uintptr_t stream, const std::optional<OutArray>& workspace) {
   if (x.ndim() != 2) throw std::invalid_argument("x: expected shape [N, " + std::to_string(K) + "]");
-  make_linear(packed, absmax, M, K, blocksize)(x, out, std::nullopt, stream);
+  make_linear(packed, absmax, M, K, blocksize)(x, out, std::nullopt, workspace, stream);
 }
 
 // The format's constants as the native code sees them (tests compare them with the reference).
@@ -197,7 +198,8 @@ NB_MODULE(_native, m) {
   m.def("make_linear", &make_linear, nb::arg("packed"), nb::arg("absmax"), nb::arg("M"), nb::arg("K"),
         nb::arg("blocksize"));
   m.def("gemm", &gemm_nf4, nb::arg("x"), nb::arg("packed"), nb::arg("absmax"), nb::arg("out"), nb::arg("M"),
-        nb::arg("K"), nb::arg("blocksize"), nb::arg("stream") = 0, release_gil());
+        nb::arg("K"), nb::arg("blocksize"), nb::arg("stream") = 0, nb::arg("workspace").none() = nb::none(),
+        release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
   m.def("mean_torch_order", &mean_torch_order, nb::arg("x"));
   m.def("constants", &constants);

@@ -151,9 +151,10 @@ struct Q4_0Linear {
   bool q8_1_activations;
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
-  void cuda(const T* x, int64_t N, T* y, const T* bias, void* stream) const {
-    gemm::q4_0_gemm_cuda(x, N, K, M, w, y, bias, stream);
+  void cuda(const T* x, int64_t N, T* y, const T* bias, gemm::GemmWorkspace ws, void* stream) const {
+    gemm::q4_0_gemm_cuda(x, N, K, M, w, y, bias, ws, stream);
   }
+  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M); }
   template <class T>
   void dequantize_cuda(T* out, void*, int64_t, void* stream) const {
     q4_0::dequantize_cuda(w, M * K / q4_0::QK, out, stream);
@@ -184,11 +185,11 @@ PackedLinear<Q4_0Linear> make_linear(const InArray& w, int64_t M, int64_t K, boo
 // Weight-only: out [N, M] = x . W^T, W decoded a tile at a time (CPU: float32 out) or in
 // registers (CUDA: out in x's dtype).
 void weight_only_gemm(const InArray& x, const InArray& w, const OutArray& out, int64_t M, int64_t N, int64_t K,
-                      uintptr_t stream) {
+                      uintptr_t stream, const std::optional<OutArray>& workspace) {
   nonneg(N, "N");
   nonneg(K, "K");
   require_numel(x, mul(N, K, "N * K"), "x");
-  make_linear(w, M, K, false)(x, out, std::nullopt, stream);
+  make_linear(w, M, K, false)(x, out, std::nullopt, workspace, stream);
 }
 
 }  // namespace
@@ -206,6 +207,6 @@ NB_MODULE(_native, m) {
   bind_linear<Q4_0Linear>(m, "A q4_0 weight [M, K] bound for repeated x . W^T (+ bias) calls.");
   m.def("make_linear", &make_linear, nb::arg("w"), nb::arg("M"), nb::arg("K"), nb::arg("q8_1_activations"));
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("M"), nb::arg("N"), nb::arg("K"),
-        nb::arg("stream") = 0, release_gil());
+        nb::arg("stream") = 0, nb::arg("workspace").none() = nb::none(), release_gil());
   m.def("gemm_isa", &gemm_isa, "Instruction set of the CPU GEMM kernels in use (QFORMATS_GEMM_ISA lowers it).");
 }

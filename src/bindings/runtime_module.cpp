@@ -10,6 +10,7 @@
 #include "common/runtime.h"
 #include "common/thread_pool.h"
 #include "gemm/prefill_plan.h"
+#include "gemm/weight_only_cuda.h"
 
 namespace nb = nanobind;
 
@@ -29,23 +30,38 @@ NB_MODULE(_native, m) {
   m.def("pool_workers", &qf::pool_workers,
         "Worker threads of the CPU pool alive now (0 before the first parallel job).");
   m.def(
+      "weight_only_workspace_bytes",
+      [](int64_t N, int64_t M) -> int64_t {
+#if defined(QFORMATS_WITH_CUDA)
+        if (N > 0 && M > 0) return qf::gemm::weight_only_workspace_bytes_cuda(N, M);
+#endif
+        (void)N, (void)M;
+        return 0;
+      },
+      nb::arg("N"), nb::arg("M"),
+      "Bytes of device workspace that a CUDA weight-only GEMM of N activation rows by M weight rows "
+      "may use on the current device (int4, nf4 and q4_0's `gemm(..., workspace=)`; 0: none, and "
+      "always 0 in a CPU-only build). A product with a smaller one or none gives the same numbers to "
+      "within float32 rounding and may be slower.");
+  m.def(
       "prefill_plan",
-      [](int64_t N, int64_t M, int64_t K, int sms, nb::callable fits) {
+      [](int64_t N, int64_t M, int64_t K, int sms, nb::callable fits, bool stream_k) {
         constexpr int64_t kLimit = int64_t(1) << 31;
         if (N < 1 || M < 1 || N >= kLimit || M >= kLimit || K < 128 || K >= kLimit || K % 128 || sms < 1)
           throw nb::value_error(
               "prefill_plan: needs 1 <= N, M < 2^31, K a positive multiple of 128 below 2^31, sms >= 1");
-        const qf::gemm::PrefillPlan p =
-            qf::gemm::plan_prefill(N, M, K, sms, [&](qf::gemm::PrefillKind kind, int s, int64_t tiles) {
-              return nb::cast<bool>(fits(int(kind), s, tiles));
-            });
-        return std::make_tuple(p.bm, p.bn, p.split);
+        const qf::gemm::PrefillPlan p = qf::gemm::plan_prefill(
+            N, M, K, sms,
+            [&](qf::gemm::PrefillKind kind, int s, int64_t tiles) { return nb::cast<bool>(fits(int(kind), s, tiles)); },
+            stream_k);
+        return std::make_tuple(p.bm, p.bn, p.split, p.stream_k_tiles);
       },
-      nb::arg("N"), nb::arg("M"), nb::arg("K"), nb::arg("sms"), nb::arg("fits"),
+      nb::arg("N"), nb::arg("M"), nb::arg("K"), nb::arg("sms"), nb::arg("fits"), nb::arg("stream_k") = false,
       "The CUDA prefill kernel's tile for Y [N, M] = X [N, K] . W [M, K]^T (N activation rows, M "
       "weight rows, K in elements) on a device of `sms` SMs, by the launcher's rules "
       "(src/gemm/prefill_plan.h; for tests, no GPU needed): a tuple of ints (bm weight rows, bn "
-      "activation rows, split CTAs per tile along K), or (0, 0, 0) where the kernel declines. "
+      "activation rows, split CTAs per tile along K, the last tiles shared out by stream-K), or (0, 0, "
+      "0, 0) where the kernel declines; stream_k: as with the workspace that stream-K needs. "
       "fits(kind, s, tiles) -> bool says whether `tiles` clusters of s CTAs run at once (kind 0: "
       "128 x 256, 1: 128 x 128, 2: 64 x 128, 3: 128 x 192). Raises ValueError unless 1 <= N, M < 2^31, K is a "
       "positive multiple of 128 below 2^31 and sms >= 1; an exception from fits propagates.");

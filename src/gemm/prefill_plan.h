@@ -19,10 +19,28 @@ enum class PrefillKind : int {
 };
 
 struct PrefillPlan {
-  int bm = 0;     // weight rows of a tile (64 or 128); 0: the prefill kernel declines the shape
-  int bn = 0;     // activation rows of a tile (16, 32, 64, 128, 192 or 256)
-  int split = 0;  // CTAs of a cluster sharing a tile, each a K span (1: no split)
+  int bm = 0;                  // weight rows of a tile (64 or 128); 0: the prefill kernel declines the shape
+  int bn = 0;                  // activation rows of a tile (16, 32, 64, 128, 192 or 256)
+  int split = 0;               // CTAs of a cluster sharing a tile, each a K span (1: no split)
+  int64_t stream_k_tiles = 0;  // the last tiles shared out by stream-K (prefill_stream_k_tiles); 0: none
 };
+
+// Stream-K over the last waves (after CUTLASS's data-parallel + stream-K hybrid): where `tiles`
+// unsplit tiles run on `ctas` persistent CTAs (one per SM) and the last wave leaves SMs idle, the
+// tiles of the last two waves (`ctas` + tiles % ctas of them) are shared out as equal spans of
+// their K steps, so that every CTA ends after tiles / ctas tiles' work instead of
+// ceil(tiles / ctas); a tile cut between two CTAs is summed through a workspace in global memory.
+// Returns how many tiles (the last ones) are shared out that way; 0: none, where there is no
+// second wave or the last one is more than 70% full. On an H200 a run shared out that way took
+// about a quarter of a wave more than tiles / ctas (the flags' memset, the cut tiles' partial sums;
+// benchmarks/README.md, "Stream-K over the last waves"), so it gains where the last wave leaves
+// more than a quarter of the SMs idle. Each CTA's span is at least one tile's steps, so a tile is
+// cut at most once.
+constexpr int64_t prefill_stream_k_tiles(int64_t tiles, int64_t ctas) {
+  if (ctas <= 0 || tiles <= ctas) return 0;
+  const int64_t rem = tiles % ctas;
+  return rem == 0 || 10 * rem > 7 * ctas ? 0 : ctas + rem;
+}
 
 // The tile for Y [N, M] = X [N, K] . W [M, K]^T on a device of `sms` SMs; `fits(kind, s, tiles)`
 // says whether `tiles` clusters of s CTAs of that kind run at once (one wave). By the first rule
@@ -43,12 +61,18 @@ struct PrefillPlan {
 // - 64 x 128 (two CTAs per SM), with K split as above where its tiles alone are too few.
 // Up to 64 rows the tiles of 128 activation rows are cut to 16, 32 or 64 (the fewest that hold N;
 // the same grid and split, fewer multiplies).
+// With `stream_k` (the caller has the workspace), unsplit tiles of 128 weight rows by 128 or more
+// activation rows on `sms` CTAs take prefill_stream_k_tiles where it applies, and from 129 rows
+// 128 x 192 is chosen over 128 x 256 where it multiplies no more activation columns per SM, a
+// shared-out run counted as tiles / sms + 1/4 waves (e.g. 11008 weight rows at 1024 rows: 344
+// tiles of 128 x 256 shared out, 2.9 waves, rather than 516 of 128 x 192 in four); without it, by
+// whole waves as above.
 // Up to 128 rows it declines the shapes whose tiles, split or not, leave the GPU short of the rule
 // (few weight rows, e.g. a grouped-query attention's key / value projection): the wgmma kernel
 // splits K more finely (64 unsplit 64 x 128 tiles of 4096x4096 measured slower than it).
 // N, M >= 1 and K a positive multiple of 128 (the launcher checks).
 template <class Fits>
-PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits) {
+PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits, bool stream_k = false) {
   const int64_t fill = 3 * int64_t(sms) / 4, steps = K / 64;
   auto ctas = [&](int bm, int bn) { return ((M + bm - 1) / bm) * ((N + bn - 1) / bn); };
   auto waves = [&](int64_t tiles) { return (tiles + sms - 1) / sms; };
@@ -61,18 +85,31 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits) 
     }
     return 0;
   };
+  // An unsplit plan of 128 weight rows, with its stream-K tiles where `stream_k`.
+  auto unsplit = [&](int b) {
+    PrefillPlan p{128, b, 1};
+    if (stream_k && b >= 128) p.stream_k_tiles = prefill_stream_k_tiles(ctas(128, b), sms);
+    return p;
+  };
   // 128 x 128 tiles, else 64 x 128 (two CTAs per SM), K split where their tiles are too few.
   auto narrow = [&]() -> PrefillPlan {
-    if (ctas(128, 128) >= fill) return {128, 128, 1};
+    if (ctas(128, 128) >= fill) return unsplit(128);
     if (const int s = split_for(PrefillKind::kMid, ctas(128, 128), 8)) return {128, 128, s};
     const int s = ctas(64, 128) < fill ? split_for(PrefillKind::kLow, ctas(64, 128), 8) : 0;
     return {64, 128, std::max(s, 1)};
   };
+  // (activation columns an SM multiplies, times 4 sms: a shared-out run as tiles / sms + 1/4 waves)
+  auto columns = [&](int bn) {
+    const int64_t t = ctas(128, bn);
+    return prefill_stream_k_tiles(t, sms) ? bn * (4 * t + sms) : 4 * bn * waves(t) * sms;
+  };
+  const bool shared =
+      stream_k && (prefill_stream_k_tiles(ctas(128, 192), sms) || prefill_stream_k_tiles(ctas(128, 256), sms));
   int bn = 256;
-  if (N > 128 && waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
+  if (N > 128 && (shared ? columns(192) <= columns(256) : waves(ctas(128, 192)) <= waves(ctas(128, 256)))) bn = 192;
   if (N > 128 && ctas(128, bn) < fill) {
     const int s256 = split_for(PrefillKind::kWide, ctas(128, 256), 8);
-    if (!s256 && ctas(128, 128) > sms) return {128, bn, 1};
+    if (!s256 && ctas(128, 128) > sms) return PrefillPlan{128, bn, 1};
     // The plan otherwise taken, and 128 x 192 split instead where each SM then multiplies fewer
     // activation columns per weight row (192 / s against bn / split; e.g. 4096 weight rows at
     // 257-384 activation rows: 64 tiles of 128 x 192 split in two, not of 128 x 256).
@@ -85,9 +122,27 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits) 
     PrefillPlan p = narrow();
     if (ctas(p.bm, p.bn) * p.split < fill) return {};
     p.bn = N <= 16 ? 16 : N <= 32 ? 32 : N <= 64 ? 64 : 128;
-    return p;
+    return p.split == 1 && p.bm == 128 ? unsplit(p.bn) : p;
   }
-  return {128, bn, 1};
+  return unsplit(bn);
+}
+
+// The stream-K workspace of `ctas` CTAs of 128 weight rows by bn activation rows: a flag word per
+// CTA (the region padded to 256 bytes), then each CTA's partial sums of one tile in float32.
+constexpr int64_t prefill_stream_k_flag_bytes(int64_t ctas) { return (4 * ctas + 255) / 256 * 256; }
+constexpr int64_t prefill_stream_k_bytes(int64_t ctas, int bn) {
+  return prefill_stream_k_flag_bytes(ctas) + ctas * 128 * int64_t(bn) * 4;
+}
+
+// Bytes of workspace that a product of N activation rows by M weight rows may take on a device of
+// `sms` SMs (0: stream-K cannot apply): an upper bound over the tiles plan_prefill may share out
+// (from 65 rows; 128, 192 or 256 activation rows, at most 128 up to 128 rows and 192 up to 192),
+// so that a caller can allocate it before the plan is made.
+inline int64_t prefill_workspace_bytes(int64_t N, int64_t M, int sms) {
+  if (N <= 64 || M <= 0 || sms <= 0) return 0;
+  const int bn_max = N <= 128 ? 128 : N <= 192 ? 192 : 256;
+  if ((M + 127) / 128 * ((N + 127) / 128) <= sms) return 0;
+  return prefill_stream_k_bytes(sms, bn_max);
 }
 
 }  // namespace qf::gemm

@@ -4,7 +4,7 @@
 // Dimensions (the GEMM terms of every GEMM entry point, docs/developer.md): Y [N, M] = X [N, K] .
 // W^T, with N activation rows, K the reduction, M weight rows (output features); the weight W
 // [M, K] is in the format's packed buffers. Arguments in the order X, N, K, M, W's buffers, Y,
-// bias, stream.
+// bias, workspace (where the format's GEMM can use one), stream.
 //
 // X [N, K] of T (float, half_t or bf16_t), Y [N, M] of T (the activations' dtype), device
 // pointers, launched on `stream` (a cudaStream_t) of the current device. X and Y 16-byte aligned,
@@ -14,10 +14,25 @@
 // `y += bias` in T would. Formats' extra conditions are in their headers (std::invalid_argument
 // otherwise). With 16-bit activations on sm_80+ the products run on tensor cores with each weight
 // rounded to the activations' type first (gemm/weight_only_mma_cuda.cuh).
+//
+// Workspace: device scratch that the caller allocates (with its array library, on the stream's
+// device) and passes beside the stream; weight_only_workspace_bytes_cuda(N, M) says how many bytes
+// a product of N activation rows by M weight rows may use (0: none). With a smaller or no
+// workspace the product is the same to within float32 rounding, and may be slower: the prefill
+// kernel's stream-K schedule (gemm/weight_only_prefill_cuda.cuh) sums the K spans of a tile cut
+// between two CTAs there.
 #pragma once
 #include <cstdint>
 
 namespace qf::gemm {
+
+struct GemmWorkspace {
+  void* ptr = nullptr;  // device memory, 16-byte aligned, or nullptr
+  int64_t bytes = 0;
+};
+
+// Bytes of workspace a weight-only product of N x M may use on the current device (CUDA builds).
+int64_t weight_only_workspace_bytes_cuda(int64_t N, int64_t M);
 
 // log2(v) for a power of two v >= 1, else -1.
 inline int log2_exact(int64_t v) {

@@ -72,11 +72,11 @@ __device__ __forceinline__ uint32_t xpair_lo_first(const uint32_t (&x)[16], int 
 // benchmarks/README.md, "Design measurements behind kernel choices").
 template <class Fmt, class T>
 void launch_weight_only_any(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, const T* bias,
-                            void* stream) {
+                            GemmWorkspace ws, void* stream) {
   if constexpr (!std::is_same_v<T, float>) {
     if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma()) {
       if constexpr (Fmt::kUnit == 32) {  // (the wide kernel's unit)
-        if (launch_weight_only_prefill(f, X, N, K, M, Y, bias, stream)) return;
+        if (launch_weight_only_prefill(f, X, N, K, M, Y, bias, ws, stream)) return;
         if (launch_weight_only_wgmma(f, X, N, K, M, Y, bias, stream)) return;
         if (launch_weight_only_wide(f, X, N, K, M, Y, bias, stream)) return;
       }

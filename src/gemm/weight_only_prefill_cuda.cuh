@@ -13,7 +13,10 @@
 //   registers (wgmma m64nBNk16, A from registers) and release the stage when its batch is done.
 //   While step k's batch runs on the tensor cores, the warps decode step k + 1;
 // - the consumers store their outputs through a small per-warp buffer (stmatrix.trans), so that a
-//   lane writes 16 contiguous bytes of Y instead of 2-byte pieces.
+//   lane writes 16 contiguous bytes of Y instead of 2-byte pieces;
+// - persistent CTAs take the tiles in turn; with the caller's workspace, the tiles of a partly idle
+//   last wave are shared out by stream-K (K spans, a cut tile's two partial sums added through the
+//   workspace; gemm/prefill_plan.h, prefill_stream_k_tiles).
 // A format opts in with Fmt::kPrefill and supplies (int4, nf4 and q4_0 do, in their *_gemm_cuda.cu):
 //   kPrefillStepBytes           bytes of one weight row per 64 values;
 //   kPrefillBoxBytes            optional: the TMA box's width per row (the shared-memory row pitch),
@@ -212,7 +215,41 @@ constexpr int prefill_threads(int BN, int C) { return 128 * C + (BN > 128 ? 128 
 template <int BN, int S, int C>
 struct PrefillTile {
   static constexpr int kBN = BN, kS = S, kC = C;
+  static constexpr bool kStreamK = BN >= 128 && C == 2;  // a tile that stream-K may share out (prefill_plan.h)
 };
+
+// Stream-K (gemm/prefill_plan.h, prefill_stream_k_tiles): the last `tiles` tiles are shared out
+// as spans of K steps; part and flags are the caller's workspace (prefill_stream_k_bytes).
+struct PrefillStreamK {
+  float4* part = nullptr;     // CTA b's partial sums of a cut tile: [NT][consumer threads] float4 at b
+  uint32_t* flags = nullptr;  // flags[b] != 0 once CTA b's partial sums are written (zeroed per launch)
+  int tiles = 0;              // 0: no stream-K
+};
+
+// One piece of a CTA's work: a tile (weight-row tiles fastest), its steps kb .. kb + steps - 1.
+struct PrefillPiece {
+  int tile, kb, steps;  // tile < 0: no more pieces
+};
+
+// Piece i of CTA `cta` of `ctas` (the tile stride): without stream-K, tile cta + i ctas, K span z
+// of `splits`; with it, first the whole tiles before the last sk.tiles, then the CTA's span of
+// those tiles' steps, in pairs. The spans go to the CTAs in reverse order (CTA ctas - 1 takes the
+// first), so that the CTA taking the start of a cut tile's steps (at the end of its span, last in
+// its run) has the higher index, and the one it waits for (taking the rest, first in its run) was
+// launched before it.
+__device__ __forceinline__ PrefillPiece prefill_piece(int i, int cta, int ctas, int z, int splits, int tiles,
+                                                      int ksteps, int sk_tiles) {
+  const int whole = (tiles - sk_tiles) / ctas;  // rounds of whole tiles (all of them without stream-K)
+  if (sk_tiles == 0 || i < whole) {
+    const int t = cta + i * ctas, s = ksteps / splits;
+    return {t < tiles ? t : -1, z * s, s};
+  }
+  const int64_t P = ksteps / 2, I = int64_t(sk_tiles) * P, j = ctas - 1 - cta;
+  const int64_t first = j * I / ctas, end = (j + 1) * I / ctas, t0 = first / P, q = i - whole;
+  const int64_t a = q == 0 ? first : (t0 + q) * P, e = min(end, (t0 + q + 1) * P);
+  if (a >= end) return {-1, 0, 0};
+  return {int(tiles - sk_tiles + t0 + q), int(2 * (a - (t0 + q) * P)), int(2 * (e - a))};
+}
 
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
 // serializes the wgmma of the branches that depend on it: C7518).
@@ -222,13 +259,15 @@ __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffff
 // 96 float32 accumulators a thread) needs more registers than a CTA of 288 threads may have
 // (ptxas caps it at 168, as for 384: int4 at BN = 192 spilled): the copies then get a whole
 // warpgroup, which hands its registers to the consumers (setmaxnreg 40 / 232; without it ptxas
-// spills and serializes the wgmma, C7512). C = 1 runs two CTAs per SM.
-template <class Fmt, class H, int BN, int S, int C>
+// spills and serializes the wgmma, C7512). C = 1 runs two CTAs per SM. kSK: the stream-K schedule
+// (sk; its own instance, so that the others' registers and main loop are those without it).
+template <class Fmt, class H, int BN, int S, int C, bool kSK>
 __global__ void
 __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
     weight_only_prefill_kernel(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmXl,
                                const __grid_constant__ CUtensorMap tmW,
-                               const Fmt f, H* __restrict__ Y, const H* __restrict__ bias, int N, int M, int K) {
+                               const Fmt f, H* __restrict__ Y, const H* __restrict__ bias, const PrefillStreamK sk,
+                               int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128 || BN == 192 || BN == 256, "wgmma n16 ... n256");
   constexpr int NT = BN / 8, kX = BN * wg::kRowBytes, kW = 64 * C * prefill_box_bytes<Fmt>::value;
@@ -252,14 +291,16 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
   uint8_t* const epi = reinterpret_cast<uint8_t*>(table) + prefill_table_bytes<Fmt>::value;  // 16-byte aligned
   const int tid = threadIdx.x, wgi = warpgroup_index();
   // Persistent CTAs: tile b, b + gridDim.x, ... (weight-row tiles fastest). The ring runs on across
-  // a CTA's tiles, so the copies of the next tile's first S steps land while the consumers store
-  // the last tile's outputs, and a CTA pays the pipeline's fill once, not once per tile.
+  // a CTA's pieces of work (prefill_piece), so the copies of the next piece's first S steps land
+  // while the consumers store the last one's outputs, and a CTA pays the pipeline's fill once.
   // Split K: a cluster of `splits` CTAs along x shares a tile, CTA z taking its z-th span of steps;
   // the launcher then gives each cluster one tile (the partial sums overwrite the ring).
+  // Stream-K (sk.tiles > 0, no split): the last tiles cut into spans of steps (prefill_piece).
   namespace cg = cooperative_groups;
   const int splits = int(cg::this_cluster().num_blocks()), z = int(blockIdx.x) % splits;
-  const int mtiles = (M + 64 * C - 1) / (64 * C), tiles = mtiles * ((N + BN - 1) / BN);
-  const int steps = K / 64 / splits, kb = z * steps;  // this CTA's steps kb .. kb + steps - 1
+  const int mtiles = (M + 64 * C - 1) / (64 * C), tiles = mtiles * ((N + BN - 1) / BN), ksteps = K / 64;
+  const int cta = int(blockIdx.x) / splits, ctas = int(gridDim.x) / splits;
+  auto piece = [&](int i) { return prefill_piece(i, cta, ctas, z, splits, tiles, ksteps, kSK ? sk.tiles : 0); };
   if (tid == 0) {
     for (int i = 0; i < S; ++i) cuda::mbar_init(full + i, 1), cuda::mbar_init(empty + i, C);
     cuda::mbar_init_fence();
@@ -278,7 +319,6 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
     // warp".)
     if (lane < (W > 0 ? 32 : 1)) {
       using Meta = typename prefill_meta_words<Fmt>::Meta;
-      const int tstride = int(gridDim.x) / splits;
       auto load = [&](bool valid, int m0, int k, Meta (&q)[2 * C]) {
         if constexpr (W > 0) {
           if (!valid) return;
@@ -287,17 +327,14 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
         }
       };
       Meta p0[2 * C], p1[2 * C];
-      const int tile0 = int(blockIdx.x) / splits;
-      load(tile0 < tiles, tile0 % mtiles * 64 * C, kb, p0);
-      load(tile0 < tiles, tile0 % mtiles * 64 * C, kb + 1, p1);
-      for (int tile = tile0, kk = 0; tile < tiles; tile += tstride) {
-        const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
-        const bool has_next = tile + tstride < tiles;
-        const int m0_next = (tile + tstride) % mtiles * 64 * C;
+      // The copies of one piece (tile, steps kb .. kb + steps - 1; kk: the ring's step count at its
+      // start); the next piece (tile2, from step kb2), whose first metadata the last steps load.
+      auto copy_piece = [&](int tile, int kb, int steps, bool has_next, int tile2, int kb2, int kk) {
+        const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN, m0_next = tile2 % mtiles * 64 * C;
         const bool lastn = n0 + BN >= N;  // the last column of tiles takes X through tmXl
         const CUtensorMap* const mx = lastn ? &tmXl : &tmX;
         const uint32_t bytes = uint32_t((lastn ? prefill_last_x_rows(N, BN) : BN) * wg::kRowBytes + kW);
-        auto stage = [&](int k, int kk, Meta (&q)[2 * C]) {  // kk: the ring's step count over all tiles
+        auto stage = [&](int k, int kk, Meta (&q)[2 * C]) {
           const int st = kk % S;
           if (kk >= S) cuda::mbar_wait(&empty[st], ((kk / S) - 1) & 1);
           if constexpr (W > 0) {
@@ -309,7 +346,7 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
               for (int j = 0; j < W; ++j) meta[st * kMeta + (lane + 32 * i) * W + j] = w[j];
             }
             if (k + 2 < kb + steps) load(true, m0, k + 2, q);
-            else load(has_next, m0_next, k + 2 - steps, q);
+            else load(has_next, m0_next, kb2 + k + 2 - kb - steps, q);
             __syncwarp();  // (lane 0's arrive below then releases every lane's words)
           }
           if (lane == 0) {
@@ -319,6 +356,23 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
           }
         };
         for (int k = kb; k < kb + steps; k += 2, kk += 2) stage(k, kk, p0), stage(k + 1, kk + 1, p1);
+      };
+      if constexpr (!kSK) {
+        const int steps = ksteps / splits, kb = z * steps;
+        load(cta < tiles, cta % mtiles * 64 * C, kb, p0);
+        load(cta < tiles, cta % mtiles * 64 * C, kb + 1, p1);
+        for (int tile = cta, kk = 0; tile < tiles; tile += ctas, kk += steps)
+          copy_piece(tile, kb, steps, tile + ctas < tiles, tile + ctas, kb, kk);
+      } else {
+        PrefillPiece pc = piece(0);
+        load(pc.tile >= 0, pc.tile % mtiles * 64 * C, pc.kb, p0);
+        load(pc.tile >= 0, pc.tile % mtiles * 64 * C, pc.kb + 1, p1);
+        for (int i = 0, kk = 0; pc.tile >= 0; ++i) {
+          const PrefillPiece pn = piece(i + 1);
+          copy_piece(pc.tile, pc.kb, pc.steps, pn.tile >= 0, pn.tile, pn.kb, kk);
+          kk += pc.steps;
+          pc = pn;
+        }
       }
     }
     return;
@@ -343,7 +397,8 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
   const bool epi_vec = M % 8 == 0 && (reinterpret_cast<uintptr_t>(Y) & 15) == 0;
   int epi_buf = 0;  // the buffer of the next 16 columns (alternate, so one __syncwarp per pair)
   float d[NT][4];
-  for (int tile = blockIdx.x / splits, kk0 = 0; tile < tiles; tile += gridDim.x / splits, kk0 += steps) {
+  // One piece of work: tile, steps kb .. kb + steps - 1, the ring's step count kk0 at its start.
+  auto run_piece = [&](int tile, int kb, int steps, int kk0) {
     const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
     // The bias of this lane's rows, for the epilogue (rows past M take row M - 1's, as the copy
     // warp gives them row M - 1's metadata; the TMA brings zeros for their codes, and their outputs
@@ -445,6 +500,37 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
           if (m + q < M) y[q].bits = uint16_t(wv[q / 2] >> (16 * (q & 1)));
       }
     };
+    constexpr int T = 128 * C;  // consumer threads
+    if (kSK && steps < ksteps) {
+      // A tile cut by stream-K: the CTA with its later steps (kb > 0: the start of that CTA's span,
+      // early in its run) writes its partial sums and raises its flag; the one with its first steps
+      // (the end of its span, the next higher index) waits for that flag, adds them and stores.
+      float4* const mine = sk.part + int64_t(cta) * NT * T;
+      if (kb > 0) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) wg::pin(d[i][e]);
+          mine[i * T + tid] = make_float4(d[i][0], d[i][1], d[i][2], d[i][3]);
+        }
+        asm volatile("bar.sync 1, %0;\n" ::"n"(T) : "memory");  // every consumer's sums written
+        if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(sk.flags + cta) : "memory");
+        return;
+      }
+      if (tid == 0) {
+        uint32_t ready = 0;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(ready) : "l"(sk.flags + cta - 1) : "memory");
+        } while (ready == 0);
+      }
+      asm volatile("bar.sync 1, %0;\n" ::"n"(T) : "memory");  // (thread 0's acquire, then everyone reads)
+      const float4* const other = mine - NT * T;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const float4 u = __ldcg(other + i * T + tid);
+        d[i][0] += u.x, d[i][1] += u.y, d[i][2] += u.z, d[i][3] += u.w;
+      }
+    }
     if (splits == 1) {
 #pragma unroll
       for (int i = 0; i < NT; i += 2) {
@@ -457,7 +543,6 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
       // over its ring (float4 (i, thread): d[i][0..3]), and CTA z sums its share of the column
       // tiles i (columns 8 i .. 8 i + 7), pairs [z NT / 2 / splits, (z + 1) NT / 2 / splits), from
       // every CTA in turn.
-      constexpr int T = 128 * C;
       asm volatile("bar.sync 1, %0;\n" ::"n"(T) : "memory");  // no consumer's wgmma still reads the ring
       float4* const red = reinterpret_cast<float4*>(xs);
 #pragma unroll
@@ -484,6 +569,17 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
       }
       cluster.sync();  // no CTA leaves while the others read its shared memory
     }
+  };
+  if constexpr (!kSK) {
+    const int steps = ksteps / splits, kb = z * steps;  // this CTA's steps kb .. kb + steps - 1
+    for (int tile = cta, kk0 = 0; tile < tiles; tile += ctas, kk0 += steps) run_piece(tile, kb, steps, kk0);
+  } else {
+    for (int i = 0, kk0 = 0;; ++i) {
+      const PrefillPiece pc = piece(i);
+      if (pc.tile < 0) break;
+      run_piece(pc.tile, pc.kb, pc.steps, kk0);
+      kk0 += pc.steps;
+    }
   }
 #else
   __trap();  // never launched: the host takes this kernel only from a build with sm_90a code
@@ -493,10 +589,12 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
 // Launches the prefill kernel on `stream` when it applies: a format with the hooks, fp16 or bf16
 // activations, prefill_min_rows or more rows, compute capability 9.0 and sm_90a code in the build, K a
 // multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(), and a tile
-// that gemm/prefill_plan.h's rules take; returns false (nothing launched) otherwise.
+// that gemm/prefill_plan.h's rules take; returns false (nothing launched) otherwise. `ws`: the
+// caller's workspace (gemm/weight_only_cuda.h); stream-K runs only where it holds the plan's
+// prefill_stream_k_bytes (16-byte aligned), else the tiles run whole.
 template <class Fmt, class H>
 bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, const H* bias,
-                                void* stream) {
+                                GemmWorkspace ws, void* stream) {
   if constexpr (!has_prefill<Fmt>::value || !(std::is_same_v<H, half_t> || std::is_same_v<H, bf16_t>)) {
     return false;
   } else {
@@ -514,14 +612,20 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     cfg.attrs = attr;
     // Each tile's kernel, with its threads and shared memory set in cfg, handed to fn: one table
     // for the occupancy queries and the launch.
-    auto with_kernel = [&](int bm, int bn, auto&& fn) {
+    // sk: the stream-K instance (PrefillTile::kStreamK tiles only).
+    auto with_kernel = [&](int bm, int bn, auto&& fn, bool sk = false) {
       auto use = [&](auto tile) {
         using T = decltype(tile);
-        constexpr auto kernel = weight_only_prefill_kernel<Fmt, H, T::kBN, T::kS, T::kC>;
-        cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
-        cfg.blockDim = dim3(unsigned(prefill_threads(T::kBN, T::kC)));
-        cfg.dynamicSmemBytes = size_t(prefill_smem_bytes<Fmt, T::kBN, T::kS, T::kC>());
-        return fn(kernel);
+        auto run = [&](auto kernel) {
+          cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
+          cfg.blockDim = dim3(unsigned(prefill_threads(T::kBN, T::kC)));
+          cfg.dynamicSmemBytes = size_t(prefill_smem_bytes<Fmt, T::kBN, T::kS, T::kC>());
+          return fn(kernel);
+        };
+        if constexpr (T::kStreamK) {
+          if (sk) return run(weight_only_prefill_kernel<Fmt, H, T::kBN, T::kS, T::kC, true>);
+        }
+        return run(weight_only_prefill_kernel<Fmt, H, T::kBN, T::kS, T::kC, false>);
       };
       if (bn == 256) return use(PrefillTile<256, prefill_wide_stages<Fmt>::value, 2>{});
       if (bn == 192) return use(PrefillTile<192, 6, 2>{});
@@ -541,6 +645,9 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
       if (bm == 128) return use(PrefillTile<128, 6, 2>{});
       return use(PrefillTile<128, 4, 1>{});
     };
+    // Stream-K where the caller's workspace holds what any plan for N x M may need.
+    const int64_t ws_need = prefill_workspace_bytes(N, M, sms);
+    const bool sk_ok = ws_need > 0 && ws.ptr != nullptr && cuda::aligned16(ws.ptr) && ws.bytes >= ws_need;
     // Whether `tiles` clusters of s CTAs of that kind run at once on this device.
     const PrefillPlan plan = plan_prefill(N, M, K, sms, [&](PrefillKind kind, int s, int64_t tiles) {
       const int bm = kind == PrefillKind::kLow ? 64 : 128,
@@ -551,7 +658,7 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
         cfg.numAttrs = 1;
         return tiles <= max_active_clusters(reinterpret_cast<const void*>(kernel), cfg, s);
       });
-    });
+    }, sk_ok);
     if (!plan.bm) return false;
     const int bm = plan.bm, bn = plan.bn, split = plan.split;
     CUtensorMap tx, txl, tw;
@@ -569,14 +676,24 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     const int64_t tiles = int64_t(cuda::grid_for(M, bm)) * cuda::grid_for(N, bn),
                   resident = int64_t(sms) * (bm == 64 ? 2 : 1);
     if (tiles * split >= (int64_t(1) << 31)) return false;
-    cfg.gridDim = dim3(unsigned(split > 1 ? tiles * split : std::min(tiles, resident)));
+    const int64_t grid = split > 1 ? tiles * split : std::min(tiles, resident);
+    // Stream-K: the plan's shared-out tiles over one CTA per SM (grid == sms, as the plan assumed),
+    // the flags zeroed on the stream before the kernel.
+    PrefillStreamK sk;
+    if (plan.stream_k_tiles > 0 && sk_ok && grid == sms) {
+      sk.flags = static_cast<uint32_t*>(ws.ptr);
+      sk.part = reinterpret_cast<float4*>(static_cast<uint8_t*>(ws.ptr) + prefill_stream_k_flag_bytes(grid));
+      sk.tiles = int(plan.stream_k_tiles);
+      cuda::check(cudaMemsetAsync(sk.flags, 0, size_t(4 * grid), cfg.stream), "weight-only GEMM (prefill): flags");
+    }
+    cfg.gridDim = dim3(unsigned(grid));
     attr[0].val.clusterDim.x = unsigned(split);
     cfg.numAttrs = split > 1 ? 1 : 0;  // (a cluster dimension of 1 measured 2-7% slower than none)
     if (one_map) tx = txl;
     with_kernel(bm, bn, [&](auto kernel) {
-      cuda::check(cudaLaunchKernelEx(&cfg, kernel, tx, txl, tw, f, Y, bias, int(N), int(M), int(K)),
+      cuda::check(cudaLaunchKernelEx(&cfg, kernel, tx, txl, tw, f, Y, bias, sk, int(N), int(M), int(K)),
                   "weight-only GEMM (prefill)");
-    });
+    }, sk.tiles > 0);
     cuda::check_launch("weight-only GEMM (prefill)");
     return true;
   }

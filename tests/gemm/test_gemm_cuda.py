@@ -276,6 +276,57 @@ def test_prefill_bias_and_streams(fmt, n, m, k, dtype):
     assert torch.equal(y1, y0)
 
 
+# Stream-K (gemm/prefill_plan.h, prefill_stream_k_tiles): where the tiles fill more than one wave
+# of the GPU's SMs and the last wave is at most 85% full, the last two waves' tiles are shared out
+# as equal spans of their K steps, a tile cut between two CTAs summed through the workspace. The
+# weight rows are set from the device's SM count (sms) so that every shape takes it: whole tiles
+# of 128 x 256 (N = 256, 1.5 waves, all tiles shared out, spans of 7 or 8 step pairs over tiles of
+# 6), 128 x 192 (N = 300: two columns, two waves and two tiles, so one round of whole tiles
+# first), 128 x 192 at 129 rows (2.33 waves) and 128 x 128 at 80 rows; M and N leave partial tiles.
+STREAM_K_SHAPES = {"256 x 1.5 waves": (256, lambda sms: 128 * (sms + sms // 2) + 77, 768),
+                   "300 x 2 waves + 2": (300, lambda sms: 128 * sms + 1, 1024),
+                   "129 x 2.33 waves": (129, lambda sms: 128 * (2 * sms + sms // 3), 512),
+                   "80 x 1.5 waves": (80, lambda sms: 128 * (sms + sms // 2) - 5, 1024)}
+
+
+@pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 256, "symmetric": True}),
+                                        ("nf4", {}), ("nf4", {"blocksize": 256, "compress_statistics": True}),
+                                        ("q4_0", {})], ids=str)
+@pytest.mark.parametrize("shape", list(STREAM_K_SHAPES))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_prefill_stream_k(fmt, params, shape, dtype):
+    """With the workspace that gemm_workspace asks for (filled with 0xFF bytes first), the prefill
+    kernel's stream-K schedule agrees with float64, adds the bias bitwise as the kernel without a
+    workspace does, and differs from that kernel only by float32 rounding (a cut tile's two K
+    spans summed in another order); NaN-filled outputs all overwritten. On a compute capability
+    9.0 device the workspace is asked for."""
+    if dtype == "bfloat16" and shape != "256 x 1.5 waves":
+        pytest.skip("bf16: one shape")
+    from qformats import format_spec
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n, m_of, k = STREAM_K_SHAPES[shape]
+    m = m_of(sms)
+    mod, q, qc, w64 = weight(fmt, m, k, k + n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(DTYPES[dtype]).cuda()
+    bias = torch.randn(m, generator=torch.Generator().manual_seed(m)).to(DTYPES[dtype]).cuda()
+    run = format_spec(fmt).make_linear(qc).run
+    nbytes = run.gemm_workspace(n)
+    if torch.cuda.get_device_capability() == (9, 0):  # (a build for the device: sm_90a code)
+        assert nbytes > 0
+    ws = torch.full((max(nbytes, 1),), 255, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    y, yb, y0 = (torch.full((n, m), float("nan"), device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
+    run(x, y, None, stream, ws)
+    run(x, yb, bias, stream, ws)
+    run(x, y0, None, stream)
+    torch.cuda.synchronize()
+    assert_close(y, x, w64, TOL[dtype])
+    assert torch.equal(yb, y + bias)
+    d = (y.float() - y0.float()).abs()
+    assert bool((d <= 2 * TOL[dtype] * y0.float().abs() + 1e-3).all()), float(d.max())
+
+
 @pytest.mark.parametrize("fmt,params", WIDE_FORMATS, ids=str)
 @pytest.mark.parametrize("n,m,k", [(24, 300, 14336), (64, 17000, 512)])
 def test_weight_only_wide_bias(fmt, params, n, m, k):

@@ -23,7 +23,15 @@ def h200_fits(kind: int, s: int, tiles: int) -> bool:
 
 
 def plan(n: int, m: int, k: int, sms: int = SMS, fits=h200_fits) -> tuple:
-    return tuple(_native.prefill_plan(n, m, k, sms, fits))
+    """(bm, bn, split) without stream-K (no workspace)."""
+    bm, bn, split, sk = _native.prefill_plan(n, m, k, sms, fits)
+    assert sk == 0
+    return bm, bn, split
+
+
+def plan_sk(n: int, m: int, k: int, sms: int = SMS, fits=h200_fits) -> tuple:
+    """(bm, bn, split, stream-K tiles) with the workspace."""
+    return tuple(_native.prefill_plan(n, m, k, sms, fits, stream_k=True))
 
 
 @pytest.mark.parametrize("n,m,k,want", [
@@ -93,6 +101,47 @@ def test_plan_invariants(n, m, k, sms):
         assert split in (1, 2, 4) and n > 128
     if n <= 128:
         assert bn == next(b for b in (16, 32, 64, 128) if n <= b)
+
+
+@pytest.mark.parametrize("n,m,k,want", [
+    # 14336 x 4096 at 512 rows: 224 tiles of 128 x 256, 1.7 waves: all shared out
+    (512, 14336, 4096, (128, 256, 1, 224)),
+    # at 1024 rows: 448 tiles, 3.4 waves: the last 132 + 52; at 2048 rows 896 tiles, 6.8 waves: the
+    # last wave 79% full, not shared out
+    (1024, 14336, 4096, (128, 256, 1, 184)), (2048, 14336, 4096, (128, 256, 1, 0)),
+    # 11008 x 4096: at 300 rows 172 tiles of 128 x 192 (two columns either way); at 512 rows 258 of
+    # 128 x 192 in two waves (the second 95% full) rather than 172 of 128 x 256 shared out (1.3 +
+    # 1/4 waves of wider tiles); at 1024 rows 344 of 128 x 256 shared out (2.9 waves) rather than
+    # 516 of 128 x 192 in four; at 256 rows 86 of 128 x 256 in one wave (not 172 of 128 x 192
+    # shared out)
+    (300, 11008, 4096, (128, 192, 1, 172)), (512, 11008, 4096, (128, 192, 1, 0)),
+    (1024, 11008, 4096, (128, 256, 1, 212)), (2048, 11008, 4096, (128, 256, 1, 160)),
+    # split plans and the few-tile shapes do not change; nor do tiles of up to 64 rows
+    (512, 4096, 14336, (128, 256, 2, 0)), (256, 11008, 4096, (128, 256, 1, 0)), (64, 28672, 4096, (128, 64, 1, 0)),
+    # 65-128 rows: 128 x 128 tiles shared out (28672 weight rows: 224 tiles)
+    (128, 28672, 4096, (128, 128, 1, 224)),
+    # the shapes of test_gemm_cuda.py's test_prefill_stream_k, with 132 SMs
+    (256, 128 * 198 + 77, 768, (128, 256, 1, 199)), (300, 128 * 132 + 1, 1024, (128, 192, 1, 134)),
+    (129, 128 * 308, 512, (128, 192, 1, 176)), (80, 128 * 198 - 5, 1024, (128, 128, 1, 198)),
+])
+def test_stream_k_plan_on_a_modeled_h200(n, m, k, want):
+    assert plan_sk(n, m, k) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 5000), m=st.integers(1, 40000), k=st.integers(1, 160).map(lambda u: 128 * u),
+       sms=st.sampled_from([16, 78, 114, 132]))
+def test_stream_k_plan_invariants(n, m, k, sms):
+    """With the workspace, stream-K only on unsplit tiles of 128 x 128 or more, over more than one
+    wave of `sms`, with the tiles of the last two waves; the tile otherwise as without it, but for
+    the choice between 128 x 256 and 128 x 192 where shared-out waves change which is the cheaper."""
+    bm, bn, split, sk = plan_sk(n, m, k, sms)
+    base = plan(n, m, k, sms)
+    assert (bm, bn, split) == base or ((bm, split) == base[::2] and {base[1], bn} == {192, 256})
+    if sk:
+        tiles = -(-m // bm) * -(-n // bn)
+        assert bm == 128 and split == 1 and bn >= 128 and tiles > sms
+        assert sk == sms + tiles % sms and tiles % sms
 
 
 @pytest.mark.parametrize("args", [(0, 100, 512), (100, 0, 512), (100, 100, 100), (100, 100, 0), (2**31, 1, 128),

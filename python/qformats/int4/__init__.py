@@ -273,7 +273,7 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         raise ValueError(f"int4.gemm on CUDA needs group_size = 32 * 2^j, got {gs}")
     x, out = A.gemm_operands(x, N, M)
     with A.stream_for(x) as stream:
-        _native.gemm(x, qweight, scales, zeros, out, N, K, M, gs, stream)
+        _native.gemm(x, qweight, scales, zeros, out, N, K, M, gs, stream, A.gemm_workspace(x, N, M))
     return out
 
 # -- the format's face --------------------------------------------------------------------------

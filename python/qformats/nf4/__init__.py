@@ -291,7 +291,8 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     absmax = decoded_absmax(w)
     x, out = A.gemm_operands(x, x.shape[0], M)
     with A.stream_for(x) as stream:
-        _native.gemm(x, w.buffers["packed"], absmax, out, M, K, blocksize, stream)
+        _native.gemm(x, w.buffers["packed"], absmax, out, M, K, blocksize, stream,
+                     A.gemm_workspace(x, x.shape[0], M))
     return out
 
 # -- the format's face --------------------------------------------------------------------------

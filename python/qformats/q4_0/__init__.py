@@ -233,7 +233,7 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
     blocks = A.check_array(w.buffers["blocks"], "blocks", "uint8", (M, K // QK, BLOCK_BYTES))
     x, out = A.gemm_operands(x, N, M)
     with A.stream_for(x) as stream:
-        _native.gemm(x, blocks, out, M, N, K, stream)
+        _native.gemm(x, blocks, out, M, N, K, stream, A.gemm_workspace(x, N, M))
     return out
 
 # -- the format's face --------------------------------------------------------------------------

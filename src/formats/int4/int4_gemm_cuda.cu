@@ -152,15 +152,16 @@ struct Int4 {
 
 template <class T>
 void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, void* stream) {
+                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, GemmWorkspace ws, void* stream) {
   if (!int4_gemm_cuda_supports(gs) || K % gs)
     throw std::invalid_argument("int4 CUDA GEMM: group_size must be 32 * 2^j dividing K");
-  cuda_wo::launch_weight_only_any(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, bias, stream);
+  cuda_wo::launch_weight_only_any(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, bias, ws,
+                                  stream);
 }
 
 #define QF_INSTANTIATE(T)                                                                                            \
   template void int4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*, const uint8_t*, \
-                                  int64_t, T*, const T*, void*);
+                                  int64_t, T*, const T*, GemmWorkspace, void*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

@@ -10,7 +10,7 @@ namespace qf::gemm {
 
 template <class T>
 void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, void* stream);
+                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, GemmWorkspace ws, void* stream);
 
 // The group sizes the CUDA kernel takes (the Python layers ask before choosing one).
 inline bool int4_gemm_cuda_supports(int64_t group_size) {

@@ -129,15 +129,15 @@ struct Nf4 {
 
 template <class T>
 void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
-                   int64_t blocksize, T* Y, const T* bias, void* stream) {
+                   int64_t blocksize, T* Y, const T* bias, GemmWorkspace ws, void* stream) {
   const int lb = log2_exact(blocksize);
   if (K % 32 || lb < 5) throw std::invalid_argument("nf4 CUDA GEMM: K must be a multiple of 32");
-  cuda_wo::launch_weight_only_any(Nf4{packed, absmax, K, lb}, X, N, K, M, Y, bias, stream);
+  cuda_wo::launch_weight_only_any(Nf4{packed, absmax, K, lb}, X, N, K, M, Y, bias, ws, stream);
 }
 
 #define QF_INSTANTIATE(T)                                                                                        \
   template void nf4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*, int64_t, T*, \
-                                 const T*, void*);
+                                 const T*, GemmWorkspace, void*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

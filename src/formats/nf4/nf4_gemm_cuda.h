@@ -10,6 +10,6 @@ namespace qf::gemm {
 
 template <class T>
 void nf4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* packed, const float* absmax,
-                   int64_t blocksize, T* Y, const T* bias, void* stream);
+                   int64_t blocksize, T* Y, const T* bias, GemmWorkspace ws, void* stream);
 
 }  // namespace qf::gemm

@@ -191,14 +191,15 @@ struct Q4_0 {
 
 template <class T>
 void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, const T* bias,
-                    void* stream) {
+                    GemmWorkspace ws, void* stream) {
   if (K % q4_0::QK) throw std::invalid_argument("q4_0 CUDA GEMM: K must be a multiple of 32");
-  cuda_wo::launch_weight_only_any(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, bias,
+  cuda_wo::launch_weight_only_any(Q4_0{reinterpret_cast<const uint16_t*>(W), K / q4_0::QK}, X, N, K, M, Y, bias, ws,
                                   stream);
 }
 
-#define QF_INSTANTIATE(T) \
-  template void q4_0_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const q4_0::block_q4_0*, T*, const T*, void*);
+#define QF_INSTANTIATE(T)                                                                                     \
+  template void q4_0_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const q4_0::block_q4_0*, T*, const T*, \
+                                  GemmWorkspace, void*);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

@@ -10,6 +10,6 @@ namespace qf::gemm {
 
 template <class T>
 void q4_0_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const q4_0::block_q4_0* W, T* Y, const T* bias,
-                    void* stream);
+                    GemmWorkspace ws, void* stream);
 
 }  // namespace qf::gemm

@@ -292,16 +292,14 @@ STREAM_K_SHAPES = {"256 x 1.5 waves": (256, lambda sms: 128 * (sms + sms // 2) +
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 128}), ("int4", {"group_size": 256, "symmetric": True}),
                                         ("nf4", {}), ("nf4", {"blocksize": 256, "compress_statistics": True}),
                                         ("q4_0", {})], ids=str)
-@pytest.mark.parametrize("shape", list(STREAM_K_SHAPES))
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape,dtype", [(s, "float16") for s in STREAM_K_SHAPES] + [("256 x 1.5 waves", "bfloat16")],
+                         ids=str)
 def test_prefill_stream_k(fmt, params, shape, dtype):
     """With the workspace that gemm_workspace asks for (filled with 0xFF bytes first), the prefill
     kernel's stream-K schedule agrees with float64, adds the bias bitwise as the kernel without a
     workspace does, and differs from that kernel only by float32 rounding (a cut tile's two K
     spans summed in another order); NaN-filled outputs all overwritten. On a compute capability
     9.0 device the workspace is asked for."""
-    if dtype == "bfloat16" and shape != "256 x 1.5 waves":
-        pytest.skip("bf16: one shape")
     from qformats import format_spec
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -3,9 +3,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "common/runtime.h"
 #include "common/thread_pool.h"
@@ -43,6 +45,27 @@ NB_MODULE(_native, m) {
       "may use on the current device (int4, nf4 and q4_0's `gemm(..., workspace=)`; 0: none, and "
       "always 0 in a CPU-only build). A product with a smaller one or none gives the same numbers to "
       "within float32 rounding and may be slower.");
+  m.def(
+      "prefill_pieces",
+      [](int cta, int ctas, int tiles, int ksteps, int sk_tiles) {
+        if (ctas < 1 || cta < 0 || cta >= ctas || tiles < 0 || ksteps < 2 || ksteps % 2 || sk_tiles < 0 ||
+            sk_tiles > tiles || (sk_tiles > 0 && ((tiles - sk_tiles) % ctas || sk_tiles < ctas)))
+          throw nb::value_error(
+              "prefill_pieces: needs 0 <= cta < ctas, tiles >= 0, an even ksteps >= 2, and sk_tiles 0 or at "
+              "least ctas with tiles - sk_tiles a multiple of ctas");
+        std::vector<std::tuple<int, int, int>> out;
+        for (int i = 0;; ++i) {
+          const qf::gemm::PrefillPiece p = qf::gemm::prefill_piece(i, cta, ctas, 0, 1, tiles, ksteps, sk_tiles);
+          if (p.tile < 0) break;
+          out.emplace_back(p.tile, p.kb, p.steps);
+        }
+        return out;
+      },
+      nb::arg("cta"), nb::arg("ctas"), nb::arg("tiles"), nb::arg("ksteps"), nb::arg("sk_tiles"),
+      "The pieces of work of CTA `cta` of `ctas` persistent CTAs in the CUDA prefill kernel (no K "
+      "split; src/gemm/prefill_plan.h's prefill_piece; for tests, no GPU needed): a list of (tile, "
+      "first step, steps), `tiles` tiles of `ksteps` steps of 64 values, the last `sk_tiles` of them "
+      "shared out by stream-K (0: none). Raises ValueError for arguments the kernel never gets.");
   m.def(
       "prefill_plan",
       [](int64_t N, int64_t M, int64_t K, int sms, nb::callable fits, bool stream_k) {

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/fp16.h"  // (QF_HOST_DEVICE)
+
 namespace qf::gemm {
 
 // The CTA shapes whose K the launcher can split over a cluster (weight x activation rows).
@@ -125,6 +127,31 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits, 
     return p.split == 1 && p.bm == 128 ? unsplit(p.bn) : p;
   }
   return unsplit(bn);
+}
+
+// One piece of a CTA's work: a tile (weight-row tiles fastest), its steps kb .. kb + steps - 1.
+struct PrefillPiece {
+  int tile, kb, steps;  // tile < 0: no more pieces
+};
+
+// Piece i of CTA `cta` of `ctas` (the tile stride) in the prefill kernel: without stream-K
+// (sk_tiles = 0), tile cta + i ctas, K span z of `splits`; with it (no split), first the whole
+// tiles before the last sk_tiles, then the CTA's span of those tiles' ksteps steps, in pairs. The spans go to the CTAs
+// in reverse order (CTA ctas - 1 takes the first), so that the CTA taking the start of a cut tile's steps (at the end
+// of its span, last in its run) has the higher index, and the one it waits for (taking the rest, first in its run) was
+// launched before it.
+QF_HOST_DEVICE PrefillPiece prefill_piece(int i, int cta, int ctas, int z, int splits, int tiles, int ksteps,
+                                          int sk_tiles) {
+  const int whole = (tiles - sk_tiles) / ctas;  // rounds of whole tiles (all of them without stream-K)
+  if (sk_tiles == 0 || i < whole) {
+    const int t = cta + i * ctas, s = ksteps / splits;
+    return {t < tiles ? t : -1, z * s, s};
+  }
+  const int64_t P = ksteps / 2, I = int64_t(sk_tiles) * P, j = ctas - 1 - cta;
+  const int64_t first = j * I / ctas, end = (j + 1) * I / ctas, t0 = first / P, q = i - whole;
+  const int64_t a = q == 0 ? first : (t0 + q) * P, e = end < (t0 + q + 1) * P ? end : (t0 + q + 1) * P;
+  if (a >= end) return {-1, 0, 0};
+  return {int(tiles - sk_tiles + t0 + q), int(2 * (a - (t0 + q) * P)), int(2 * (e - a))};
 }
 
 // The stream-K workspace of `ctas` CTAs of 128 weight rows by bn activation rows: a flag word per

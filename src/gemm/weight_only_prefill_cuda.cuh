@@ -226,31 +226,6 @@ struct PrefillStreamK {
   int tiles = 0;              // 0: no stream-K
 };
 
-// One piece of a CTA's work: a tile (weight-row tiles fastest), its steps kb .. kb + steps - 1.
-struct PrefillPiece {
-  int tile, kb, steps;  // tile < 0: no more pieces
-};
-
-// Piece i of CTA `cta` of `ctas` (the tile stride): without stream-K, tile cta + i ctas, K span z
-// of `splits`; with it, first the whole tiles before the last sk.tiles, then the CTA's span of
-// those tiles' steps, in pairs. The spans go to the CTAs in reverse order (CTA ctas - 1 takes the
-// first), so that the CTA taking the start of a cut tile's steps (at the end of its span, last in
-// its run) has the higher index, and the one it waits for (taking the rest, first in its run) was
-// launched before it.
-__device__ __forceinline__ PrefillPiece prefill_piece(int i, int cta, int ctas, int z, int splits, int tiles,
-                                                      int ksteps, int sk_tiles) {
-  const int whole = (tiles - sk_tiles) / ctas;  // rounds of whole tiles (all of them without stream-K)
-  if (sk_tiles == 0 || i < whole) {
-    const int t = cta + i * ctas, s = ksteps / splits;
-    return {t < tiles ? t : -1, z * s, s};
-  }
-  const int64_t P = ksteps / 2, I = int64_t(sk_tiles) * P, j = ctas - 1 - cta;
-  const int64_t first = j * I / ctas, end = (j + 1) * I / ctas, t0 = first / P, q = i - whole;
-  const int64_t a = q == 0 ? first : (t0 + q) * P, e = min(end, (t0 + q + 1) * P);
-  if (a >= end) return {-1, 0, 0};
-  return {int(tiles - sk_tiles + t0 + q), int(2 * (a - (t0 + q) * P)), int(2 * (e - a))};
-}
-
 // This thread's warpgroup, through a shuffle so that ptxas sees it warp-uniform (otherwise it
 // serializes the wgmma of the branches that depend on it: C7518).
 __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x) >> 7, 0); }

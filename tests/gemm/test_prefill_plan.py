@@ -3,7 +3,8 @@ the launcher takes for a shape, given a device's SM count and how many clusters 
 run at once. The device here is modeled on an H200 (132 SMs; 30 clusters of 4 of the 128 x 256,
 128 x 192 or 128 x 128 CTAs at once, as measured there for 128 x 256 and 128 x 128, else SMs x CTAs
 per SM / cluster size), so the shapes
-that tests/gemm/test_gemm_cuda.py names for each tile are checked to take it."""
+that tests/gemm/test_gemm_cuda.py names for each tile are checked to take it. With the workspace,
+the stream-K plans, and how the kernel shares the tiles out among its CTAs (prefill_piece)."""
 from __future__ import annotations
 
 import pytest
@@ -142,6 +143,63 @@ def test_stream_k_plan_invariants(n, m, k, sms):
         tiles = -(-m // bm) * -(-n // bn)
         assert bm == 128 and split == 1 and bn >= 128 and tiles > sms
         assert sk == sms + tiles % sms and tiles % sms
+
+
+def check_stream_k_pieces(tiles: int, ctas: int, ksteps: int, sk: int) -> None:
+    """Every step of every tile taken once; a tile cut at most once, into the first steps (the
+    last piece of a CTA's run) and the rest (the first stream-K piece of the next lower CTA's
+    run), so the CTA that waits for a cut tile's partial sums has the higher index; every CTA's
+    stream-K work within one step pair of the others'."""
+    seen = {}
+    cut_head, cut_tail, work = {}, {}, []
+    for cta in range(ctas):
+        pieces = _native.prefill_pieces(cta, ctas, tiles, ksteps, sk)
+        total = 0
+        for i, (tile, kb, steps) in enumerate(pieces):
+            assert 0 <= tile < tiles and steps >= 2 and steps % 2 == 0 and kb % 2 == 0 and kb + steps <= ksteps
+            for k in range(kb, kb + steps):
+                assert (tile, k) not in seen
+                seen[tile, k] = cta
+            if steps < ksteps:
+                assert sk and tile >= tiles - sk
+                if kb == 0:
+                    assert i == len(pieces) - 1 and tile not in cut_head
+                    cut_head[tile] = cta
+                else:
+                    assert kb + steps == ksteps and tile not in cut_tail
+                    cut_tail[tile] = cta
+            if tile >= tiles - sk:
+                total += steps
+        work.append(total)
+    assert len(seen) == tiles * ksteps
+    assert set(cut_head) == set(cut_tail)
+    for tile, cta in cut_head.items():
+        assert cut_tail[tile] == cta - 1
+    if sk:
+        assert max(work) - min(work) <= 2
+
+
+@pytest.mark.parametrize("n,m,k", [(512, 14336, 4096), (1024, 14336, 4096), (300, 11008, 4096), (1024, 11008, 4096),
+                                   (2048, 11008, 4096), (128, 28672, 4096), (256, 128 * 198 + 77, 768),
+                                   (300, 128 * 132 + 1, 1024), (129, 128 * 308, 512), (80, 128 * 198 - 5, 1024)])
+def test_stream_k_pieces_of_the_plans(n, m, k):
+    """The pieces of the modeled H200's stream-K plans (those above and test_gemm_cuda.py's)."""
+    bm, bn, split, sk = plan_sk(n, m, k)
+    assert sk > 0
+    check_stream_k_pieces(-(-m // bm) * -(-n // bn), SMS, k // 64, sk)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ctas=st.integers(1, 140), tiles_over=st.integers(1, 400), pairs=st.integers(1, 40), data=st.data())
+def test_stream_k_pieces(ctas, tiles_over, pairs, data):
+    """The same for any tile count above one wave, step count and shared-out tail (the last
+    `ctas` + tiles % ctas tiles, or more whole waves), and without stream-K."""
+    tiles = ctas + tiles_over
+    whole = data.draw(st.integers(0, (tiles - ctas) // ctas))
+    sk = tiles - whole * ctas if data.draw(st.booleans()) else 0
+    if sk and sk < ctas:
+        sk = 0
+    check_stream_k_pieces(tiles, ctas, 2 * pairs, sk)
 
 
 @pytest.mark.parametrize("args", [(0, 100, 512), (100, 0, 512), (100, 100, 100), (100, 100, 0), (2**31, 1, 128),

@@ -205,15 +205,15 @@ def empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
 
 
 def gemm_workspace(x: Any, N: int, M: int) -> Any:
-    """The device workspace of a CUDA weight-only GEMM of ``N`` activation rows by ``M`` weight
-    rows on ``x``'s device (an uninitialized uint8 tensor from torch's caching allocator), or None
-    where it takes none (the CPU; a GPU or shape without the prefill kernel's stream-K schedule,
-    ``src/gemm/weight_only_prefill_cuda.cuh``). Call it with ``x``'s device current
-    (:func:`stream_for`)."""
+    """The device workspace of a CUDA weight-only GEMM of ``x`` (``N`` activation rows, its last
+    dimension deep) by ``M`` weight rows on ``x``'s device (an uninitialized uint8 tensor from
+    torch's caching allocator), or None where it takes none (the CPU; a GPU or shape without the
+    prefill kernel's stream-K schedule, ``src/gemm/weight_only_prefill_cuda.cuh``). Call it with
+    ``x``'s device current (:func:`stream_for`)."""
     if not is_cuda(x):
         return None
     from ._runtime import _native as runtime
-    nbytes = runtime.weight_only_workspace_bytes(N, M)
+    nbytes = runtime.weight_only_workspace_bytes(N, M, x.shape[-1])
     return empty(x, (nbytes,), "uint8") if nbytes else None
 
 

@@ -132,7 +132,7 @@ struct Int4Linear {
   void cuda(const T* x, int64_t N, T* y, const T* bias, gemm::GemmWorkspace ws, void* stream) const {
     gemm::int4_gemm_cuda(x, N, K, M, qweight, scales, zeros, group_size, y, bias, ws, stream);
   }
-  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M); }
+  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M, K); }
   template <class T>
   void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
     qf::int4::dequantize_cuda(qweight, scales, zeros, M * K / group_size, group_size, w, stream);

@@ -70,12 +70,20 @@ struct PackedLinear {
       require_numel(*bias, M, "bias");
       if (bias->dtype() != out.dtype()) throw nb::type_error("bias: expected the dtype of out");
     }
+    gemm::GemmWorkspace ws;
+    if (workspace) {
+      require<uint8_t>(*workspace, "workspace", d);
+      ws = {mptr<void>(*workspace), numel(*workspace, "workspace")};
+      // (the kernel writes it while it reads x and writes out)
+      auto overlaps = [&](const void* p, size_t n) {
+        const auto* a = static_cast<const uint8_t*>(ws.ptr);
+        const auto* b = static_cast<const uint8_t*>(p);
+        return ws.bytes > 0 && n > 0 && a < b + n && b < a + ws.bytes;
+      };
+      if (overlaps(x.data(), x.nbytes()) || overlaps(out.data(), out.nbytes()))
+        throw std::invalid_argument("workspace: must not overlap x or out");
+    }
     if (d.cuda) {
-      gemm::GemmWorkspace ws;
-      if (workspace) {
-        require<uint8_t>(*workspace, "workspace", d);
-        ws = {mptr<void>(*workspace), numel(*workspace, "workspace")};
-      }
       dispatch_cuda_x_out(x, out, d, [&](auto* px, auto* py) {
         using T = std::remove_pointer_t<decltype(py)>;
         const T* pb = bias ? cptr<T>(*bias) : nullptr;
@@ -83,7 +91,6 @@ struct PackedLinear {
         QF_ON_CUDA(impl.cuda(px, N, py, pb, ws, d.stream));
         (void)pb;
       });
-      (void)ws;
       return;
     }
     require<float>(out, "out");

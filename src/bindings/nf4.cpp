@@ -125,7 +125,7 @@ struct Nf4Linear {
   void cuda(const T* x, int64_t N, T* y, const T* bias, gemm::GemmWorkspace ws, void* stream) const {
     gemm::nf4_gemm_cuda(x, N, K, M, packed, absmax, blocksize, y, bias, ws, stream);
   }
-  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M); }
+  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M, K); }
   template <class T>
   void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
     nf4::dequantize_cuda(packed, absmax, M * K, blocksize, w, stream);

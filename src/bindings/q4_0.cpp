@@ -154,7 +154,7 @@ struct Q4_0Linear {
   void cuda(const T* x, int64_t N, T* y, const T* bias, gemm::GemmWorkspace ws, void* stream) const {
     gemm::q4_0_gemm_cuda(x, N, K, M, w, y, bias, ws, stream);
   }
-  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M); }
+  int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M, K); }
   template <class T>
   void dequantize_cuda(T* out, void*, int64_t, void* stream) const {
     q4_0::dequantize_cuda(w, M * K / q4_0::QK, out, stream);

@@ -33,16 +33,17 @@ NB_MODULE(_native, m) {
         "Worker threads of the CPU pool alive now (0 before the first parallel job).");
   m.def(
       "weight_only_workspace_bytes",
-      [](int64_t N, int64_t M) -> int64_t {
+      [](int64_t N, int64_t M, int64_t K) -> int64_t {
 #if defined(QFORMATS_WITH_CUDA)
-        if (N > 0 && M > 0) return qf::gemm::weight_only_workspace_bytes_cuda(N, M);
-#endif
-        (void)N, (void)M;
+        return qf::gemm::weight_only_workspace_bytes_cuda(N, M, K);
+#else
+        (void)N, (void)M, (void)K;
         return 0;
+#endif
       },
-      nb::arg("N"), nb::arg("M"),
-      "Bytes of device workspace that a CUDA weight-only GEMM of N activation rows by M weight rows "
-      "may use on the current device (int4, nf4 and q4_0's `gemm(..., workspace=)`; 0: none, and "
+      nb::arg("N"), nb::arg("M"), nb::arg("K"),
+      "Bytes of device workspace that a CUDA weight-only GEMM of N activation rows by M weight rows, "
+      "K deep, may use on the current device (int4, nf4 and q4_0's `gemm(..., workspace=)`; 0: none, and "
       "always 0 in a CPU-only build). A product with a smaller one or none gives the same numbers to "
       "within float32 rounding and may be slower.");
   m.def(

@@ -35,9 +35,9 @@ struct PrefillPlan {
 // Returns how many tiles (the last ones) are shared out that way; 0: none, where there is no
 // second wave or the last one is more than 70% full. On an H200 a run shared out that way took
 // about a quarter of a wave more than tiles / ctas (the flags' memset, the cut tiles' partial sums;
-// benchmarks/README.md, "Stream-K over the last waves"), so it gains where the last wave leaves
-// more than a quarter of the SMs idle. Each CTA's span is at least one tile's steps, so a tile is
-// cut at most once.
+// benchmarks/README.md, "Stream-K over the last waves"), so the rule asks for at least 30% of the
+// SMs idle in the last wave. Each CTA's span is at least one tile's steps, so a tile is cut at most
+// once.
 constexpr int64_t prefill_stream_k_tiles(int64_t tiles, int64_t ctas) {
   if (ctas <= 0 || tiles <= ctas) return 0;
   const int64_t rem = tiles % ctas;
@@ -65,10 +65,10 @@ constexpr int64_t prefill_stream_k_tiles(int64_t tiles, int64_t ctas) {
 // the same grid and split, fewer multiplies).
 // With `stream_k` (the caller has the workspace), unsplit tiles of 128 weight rows by 128 or more
 // activation rows on `sms` CTAs take prefill_stream_k_tiles where it applies, and from 129 rows
-// 128 x 192 is chosen over 128 x 256 where it multiplies no more activation columns per SM, a
-// shared-out run counted as tiles / sms + 1/4 waves (e.g. 11008 weight rows at 1024 rows: 344
-// tiles of 128 x 256 shared out, 2.9 waves, rather than 516 of 128 x 192 in four); without it, by
-// whole waves as above.
+// 128 x 192 or 128 x 256 is the one that multiplies fewer activation columns per SM, a shared-out
+// run counted as tiles / sms + 1/4 waves, where that one is shared out (e.g. 11008 weight rows at
+// 1024 rows: 344 tiles of 128 x 256 shared out, 2.9 waves, rather than 516 of 128 x 192 in four);
+// otherwise, and without it, by whole waves as above.
 // Up to 128 rows it declines the shapes whose tiles, split or not, leave the GPU short of the rule
 // (few weight rows, e.g. a grouped-query attention's key / value projection): the wgmma kernel
 // splits K more finely (64 unsplit 64 x 128 tiles of 4096x4096 measured slower than it).
@@ -105,10 +105,14 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits, 
     const int64_t t = ctas(128, bn);
     return prefill_stream_k_tiles(t, sms) ? bn * (4 * t + sms) : 4 * bn * waves(t) * sms;
   };
-  const bool shared =
-      stream_k && (prefill_stream_k_tiles(ctas(128, 192), sms) || prefill_stream_k_tiles(ctas(128, 256), sms));
+  // Above 128 rows: by whole waves; with stream-K by the columns, where the cheaper width is itself
+  // shared out.
   int bn = 256;
-  if (N > 128 && (shared ? columns(192) <= columns(256) : waves(ctas(128, 192)) <= waves(ctas(128, 256)))) bn = 192;
+  if (N > 128) {
+    if (waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
+    const int cheaper = columns(192) <= columns(256) ? 192 : 256;
+    if (stream_k && prefill_stream_k_tiles(ctas(128, cheaper), sms)) bn = cheaper;
+  }
   if (N > 128 && ctas(128, bn) < fill) {
     const int s256 = split_for(PrefillKind::kWide, ctas(128, 256), 8);
     if (!s256 && ctas(128, 128) > sms) return PrefillPlan{128, bn, 1};

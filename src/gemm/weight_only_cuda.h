@@ -16,8 +16,8 @@
 // rounded to the activations' type first (gemm/weight_only_mma_cuda.cuh).
 //
 // Workspace: device scratch that the caller allocates (with its array library, on the stream's
-// device) and passes beside the stream; weight_only_workspace_bytes_cuda(N, M) says how many bytes
-// a product of N activation rows by M weight rows may use (0: none). With a smaller or no
+// device) and passes beside the stream; weight_only_workspace_bytes_cuda(N, M, K) says how many
+// bytes a product of N activation rows by M weight rows, K deep, may use (0: none). With a smaller or no
 // workspace the product is the same to within float32 rounding, and may be slower: the prefill
 // kernel's stream-K schedule (gemm/weight_only_prefill_cuda.cuh) sums the K spans of a tile cut
 // between two CTAs there.
@@ -31,8 +31,9 @@ struct GemmWorkspace {
   int64_t bytes = 0;
 };
 
-// Bytes of workspace a weight-only product of N x M may use on the current device (CUDA builds).
-int64_t weight_only_workspace_bytes_cuda(int64_t N, int64_t M);
+// Bytes of workspace a weight-only product of N x M, K deep, may use on the current device (CUDA
+// builds; row counts that never take one return 0 without a CUDA call).
+int64_t weight_only_workspace_bytes_cuda(int64_t N, int64_t M, int64_t K);
 
 // log2(v) for a power of two v >= 1, else -1.
 inline int log2_exact(int64_t v) {

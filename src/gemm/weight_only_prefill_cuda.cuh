@@ -480,6 +480,9 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
       // A tile cut by stream-K: the CTA with its later steps (kb > 0: the start of that CTA's span,
       // early in its run) writes its partial sums and raises its flag; the one with its first steps
       // (the end of its span, the next higher index) waits for that flag, adds them and stores.
+      // The wait ends as long as CTAs start in index order (the grid is one CTA per SM; CUDA does
+      // not promise the order, CUTLASS's stream-K counts on it too): a CTA only waits for a lower
+      // one, which is running or done.
       float4* const mine = sk.part + int64_t(cta) * NT * T;
       if (kb > 0) {
 #pragma unroll
@@ -565,8 +568,8 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
 // activations, prefill_min_rows or more rows, compute capability 9.0 and sm_90a code in the build, K a
 // multiple of 128, N, M, K below 2^31, X 16-byte aligned, the format's prefill_ok(), and a tile
 // that gemm/prefill_plan.h's rules take; returns false (nothing launched) otherwise. `ws`: the
-// caller's workspace (gemm/weight_only_cuda.h); stream-K runs only where it holds the plan's
-// prefill_stream_k_bytes (16-byte aligned), else the tiles run whole.
+// caller's workspace (gemm/weight_only_cuda.h); stream-K is planned only where it holds
+// prefill_workspace_bytes(N, M, SMs) (16-byte aligned), else the tiles run whole.
 template <class Fmt, class H>
 bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, int64_t M, H* Y, const H* bias,
                                 GemmWorkspace ws, void* stream) {

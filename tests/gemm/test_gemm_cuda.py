@@ -277,11 +277,11 @@ def test_prefill_bias_and_streams(fmt, n, m, k, dtype):
 
 
 # Stream-K (gemm/prefill_plan.h, prefill_stream_k_tiles): where the tiles fill more than one wave
-# of the GPU's SMs and the last wave is at most 85% full, the last two waves' tiles are shared out
+# of the GPU's SMs and the last wave is at most 70% full, the last two waves' tiles are shared out
 # as equal spans of their K steps, a tile cut between two CTAs summed through the workspace. The
 # weight rows are set from the device's SM count (sms) so that every shape takes it: whole tiles
-# of 128 x 256 (N = 256, 1.5 waves, all tiles shared out, spans of 7 or 8 step pairs over tiles of
-# 6), 128 x 192 (N = 300: two columns, two waves and two tiles, so one round of whole tiles
+# of 128 x 256 (N = 256, 1.5 waves, all tiles shared out, spans of 9 or 10 step pairs over tiles
+# of 6), 128 x 192 (N = 300: two columns, two waves and two tiles, so one round of whole tiles
 # first), 128 x 192 at 129 rows (2.33 waves) and 128 x 128 at 80 rows; M and N leave partial tiles.
 STREAM_K_SHAPES = {"256 x 1.5 waves": (256, lambda sms: 128 * (sms + sms // 2) + 77, 768),
                    "300 x 2 waves + 2": (300, lambda sms: 128 * sms + 1, 1024),
@@ -310,7 +310,8 @@ def test_prefill_stream_k(fmt, params, shape, dtype):
     bias = torch.randn(m, generator=torch.Generator().manual_seed(m)).to(DTYPES[dtype]).cuda()
     run = format_spec(fmt).make_linear(qc).run
     nbytes = run.gemm_workspace(n)
-    if torch.cuda.get_device_capability() == (9, 0):  # (a build for the device: sm_90a code)
+    sk = torch.cuda.get_device_capability() == (9, 0)  # (a build for the device: sm_90a code)
+    if sk:
         assert nbytes > 0
     ws = torch.full((max(nbytes, 1),), 255, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -323,6 +324,8 @@ def test_prefill_stream_k(fmt, params, shape, dtype):
     assert torch.equal(yb, y + bias)
     d = (y.float() - y0.float()).abs()
     assert bool((d <= 2 * TOL[dtype] * y0.float().abs() + 1e-3).all()), float(d.max())
+    if sk:  # the cut tiles' sums in another order: some outputs round differently
+        assert not torch.equal(y, y0)
 
 
 @pytest.mark.parametrize("fmt,params", WIDE_FORMATS, ids=str)

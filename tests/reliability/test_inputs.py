@@ -268,6 +268,33 @@ def test_native_linear_reads_a_read_only_map_in_place(tmp_path):
     assert not np.array_equal(first, second)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "nf4", "q4_0", "int8", "mixed2bit"])
+def test_native_linear_workspace_checked(fmt):
+    """A bound weight's workspace (the CUDA product's scratch, unused on the CPU) is checked on
+    every device: uint8 only (TypeError), never overlapping x or out (ValueError, out untouched);
+    a valid one leaves the product as without it, and the CPU asks for none."""
+    from qformats import format_spec
+
+    q = getattr(qformats, fmt).quantize(_weight(64, 8, 1))
+    run = format_spec(fmt).make_linear(q).run
+    x = _weight(3, 8, 2)
+    ref = np.empty((3, 64), np.float32)
+    run(x, ref, None, 0)
+    assert run.gemm_workspace(512) == 0
+    out = np.empty((3, 64), np.float32)
+    run(x, out, None, 0, np.zeros(64, np.uint8))
+    assert np.array_equal(out, ref)
+    with pytest.raises(TypeError, match="workspace"):
+        run(x, out, None, 0, np.zeros(16, np.float32))
+    buf = np.full(out.nbytes + 64, 7, np.uint8)
+    inside = buf[: out.nbytes].view(np.float32).reshape(out.shape)
+    with pytest.raises(ValueError, match="overlap"):
+        run(x, inside, None, 0, buf[16:])
+    assert (buf == 7).all()
+    with pytest.raises(ValueError, match="overlap"):
+        run(x, out, None, 0, x.view(np.uint8))
+
+
 def test_read_only_outputs_are_still_refused():
     """An output must be writable: a direct native call given a read-only one raises (nanobind's
     TypeError) instead of writing through it."""

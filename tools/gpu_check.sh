@@ -9,8 +9,9 @@
 # gemm:     benchmarks/gemm.py (GEMV/GEMM table against cuBLAS fp16, _int_mm, bitsandbytes)
 # generate: benchmarks/generate.py (decode tokens/s of a Llama-shaped 7B, fp16 vs each format)
 # prefill:  the prefill kernels (gemm/weight_only_prefill_cuda.cuh) in one go: their GPU tests, memcheck and
-#           racecheck over them, gemm.py at 256-2048 rows (each format's kernel against its dequantize +
-#           cuBLAS), benchmarks/prefill.py (a 16-layer 7B-shaped HF forward over 256-2048-token prompts)
+#           racecheck over 135 of those tests (fp16: seven shapes of different tiles and splits, the
+#           stream-K and small-scale tests; PREFILL_SANITIZE: another -k), gemm.py at 256-2048 rows (each
+#           format's kernel against its dequantize + cuBLAS), benchmarks/prefill.py (a 16-layer 7B-shaped HF forward over 256-2048-token prompts)
 # sanitize: compute-sanitizer memcheck and racecheck over the GPU tests (PATTERN below)
 # profile:  Nsight Compute (clocks left alone) on one format's quantize, dequantize and one-row GEMV:
 #           PROFILE_FMT (mixed2bit), PROFILE_PARAMS ("layout=tiled"), PROFILE_SHAPE ("4096 14336")
@@ -20,6 +21,7 @@ OUT=${OUT:-/tmp/qformats-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
 stages=${*:-build test bench sanitize}
+PREFILL_SANITIZE_DEFAULT="prefill and float16 and (stream_k or 129-300 or 40-3150 or 300-1800 or 40-4050 or 20-14333 or 16-3150 or small_scales)"
 . "$(dirname "$0")/carried_wheels.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 status=0
@@ -46,9 +48,11 @@ for stage in $stages; do
       python3 -m pytest -q -p no:cacheprovider tests/gemm/test_gemm_cuda.py tests/model/test_nn_cuda.py \
         -k "prefill or many_rows or crossover or dense_path" 2>&1 | tee "$OUT/prefill-tests.log" | tail -3
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      # (all of them under racecheck would take well over the 10 minutes of one device call)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 python3 -m pytest -q -p no:cacheprovider \
-          tests/gemm/test_gemm_cuda.py -k prefill >"$OUT/prefill-$tool.log" 2>&1 || status=1
+          tests/gemm/test_gemm_cuda.py -k "${PREFILL_SANITIZE:-$PREFILL_SANITIZE_DEFAULT}" >"$OUT/prefill-$tool.log" 2>&1 ||
+          status=1
         echo "$tool: $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/prefill-$tool.log" | tail -2 | tr '\n' ' ')"
       done
       python3 benchmarks/gemm.py --shapes 4096x14336,14336x4096 --n 256,512,1024,2048 \

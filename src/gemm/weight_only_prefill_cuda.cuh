@@ -7,10 +7,10 @@
 // - a CTA owns BM = 64 C weight rows and BN = 16 ... 256 activation rows, so a weight value is
 //   decoded once per BN rows;
 // - warp specialization: one thread of the copy warp (or warpgroup) issues each step's TMA copies
-//   (X tile [BN, 64], packed weights [BM rows, one step]) into an S-stage ring as soon as a stage
-//   is released (the warp's lanes storing the rows' metadata words with it, for formats whose
-//   metadata comes that way); C consumer warpgroups wait on the stage's mbarrier, decode their 64 rows into A
-//   registers (wgmma m64nBNk16, A from registers) and release the stage when its batch is done.
+//   (X tile [BN, 64], packed weights [BM rows, one step], and for formats with a metadata array
+//   the rows' entries around the step's) into an S-stage ring as soon as a stage is released; C
+//   consumer warpgroups wait on the stage's mbarrier, decode their 64 rows into A registers
+//   (wgmma m64nBNk16, A from registers) and release the stage when its batch is done.
 //   While step k's batch runs on the tensor cores, the warps decode step k + 1;
 // - the consumers store their outputs through a small per-warp buffer (stmatrix.trans), so that a
 //   lane writes 16 contiguous bytes of Y instead of 2-byte pieces;
@@ -33,23 +33,31 @@
 //   prefill_ok()                host: this weight can take the kernel;
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
 //   kPrefillMetaWords           optional: 32-bit words of per-row metadata a step needs beside its
-//                               codes (default 0: none, or it comes with the codes), with
+//                               codes (default 0: none, or it comes with the codes), which the
+//                               consumers load a group ahead and convert at every step, with
 //     PrefillMeta, prefill_meta(m, k)            row m's metadata of step k, loaded from global memory,
-//     prefill_meta_words<H>(meta, w)             ... as the kPrefillMetaWords words the decode takes;
-//                               the copy warp loads them two steps ahead and stores the words with
-//                               the step's stage, so the consumers read them from shared memory;
-//     kPrefillMetaInConsumers, prefill_group_steps()   optional: the consumers instead load each
-//                               group of prefill_group_steps() steps' metadata a group ahead and
-//                               convert it at every step (measured faster for int4, slower for nf4:
-//                               benchmarks/README.md, "Per-row metadata through the copy warp");
+//     prefill_meta_words<H>(meta, w)             ... as the kPrefillMetaWords words the decode takes,
+//     prefill_group_steps()                      the steps that share one PrefillMeta;
+//   kPrefillMetaTma             optional: the metadata is one 32-bit word per row and step,
+//                               entry (m, prefill_meta_col(k)) of a row-major array [M, cols] that
+//                               the copies bring by TMA with each stage (a box of 4 entries a row,
+//                               the step's among them; K / 64 steps may share an entry), with
+//     prefill_meta_base(), prefill_meta_cols()   host: the array and its cols,
+//     prefill_meta_tma_ok()                      host: cols is a multiple of 4 and the base
+//                               16-byte aligned (a tensor map's rule), else the kernel takes the
+//                               format's kPrefillMetaWords hooks above, which it must then have,
+//     prefill_meta_col(k)                        the entry of step k
+//                               (nf4 measured faster by TMA than with the consumers' loads:
+//                               benchmarks/README.md, "nf4's block scales by TMA");
 //   kPrefillTableBytes, prefill_table<H>(table)   optional: a per-CTA table in shared memory that
 //                               the CTA's threads fill together before the main loop;
 //   prefill_decode<H>(tile, r, lane, table, wa, wb, a)   lane (g, t)'s A fragments of one step for
 //                               tile rows r and r + 8 (a[j]: k16 slice j, m16n8k16's A layout), as
 //                               pairs of H (half_t or bf16_t, the activations' type); the step's
 //                               bytes of row r start at tile + r * kPrefillBoxBytes, its metadata
-//                               words at wa (row r) and wb (row r + 8): in shared memory, or in the
-//                               consumers' registers with kPrefillMetaInConsumers.
+//                               words at wa (row r) and wb (row r + 8): in the consumers' registers
+//                               (kPrefillMetaWords), or the array's entries in shared memory as
+//                               stored (kPrefillMetaTma).
 // Measurements and the tile choice: benchmarks/README.md, "A GEMM that decodes int4 in its main
 // loop, for prefill" and "The prefill kernel in the library".
 #pragma once
@@ -167,12 +175,21 @@ struct prefill_meta_words<Fmt, std::void_t<decltype(Fmt::kPrefillMetaWords)>>
   using Meta = typename Fmt::PrefillMeta;
 };
 
-// Metadata words per row that the copy warp stores with each stage (0 where the consumers load it).
+// Whether Fmt's metadata comes by TMA (Fmt::kPrefillMetaTma), and the bytes of a row's box.
 template <class Fmt, class = void>
-struct prefill_copied_words : prefill_meta_words<Fmt> {};
+struct prefill_meta_tma : std::false_type {};
 template <class Fmt>
-struct prefill_copied_words<Fmt, std::void_t<decltype(Fmt::kPrefillMetaInConsumers)>>
-    : std::integral_constant<int, Fmt::kPrefillMetaInConsumers ? 0 : prefill_meta_words<Fmt>::value> {};
+struct prefill_meta_tma<Fmt, std::void_t<decltype(Fmt::kPrefillMetaTma)>> : std::bool_constant<Fmt::kPrefillMetaTma> {};
+constexpr int kPrefillMetaBoxBytes = 16;  // 4 entries: a TMA box's least width
+
+// Fmt with its metadata loaded by the consumers (its kPrefillMetaWords hooks), for a weight whose
+// metadata array a tensor map cannot take (Fmt::prefill_meta_tma_ok() false), and for tiles where
+// the boxes would not leave room for the CTAs per SM that the tile is made for (PrefillFmt below).
+template <class Fmt>
+struct PrefillLoadedMeta : Fmt {
+  static constexpr bool kPrefillMetaTma = false;
+  PrefillLoadedMeta(const Fmt& f) : Fmt(f) {}  // (implicit: a launch coerces the Fmt it is given)
+};
 
 // Bytes of Fmt's per-CTA table (0: none).
 template <class Fmt, class = void>
@@ -185,13 +202,22 @@ struct prefill_table_bytes<Fmt, std::void_t<decltype(Fmt::kPrefillTableBytes)>>
 constexpr int kPrefillEpiBytes = 2 * 16 * 16 * 2;
 
 // Dynamic shared memory: S stages of an X tile (BN rows of 128 bytes), BM rows of packed weights
-// and their metadata words, 2 S mbarriers, the format's table, the consumer warps' epilogue
+// and their metadata boxes, 2 S mbarriers, the format's table, the consumer warps' epilogue
 // buffers, and the 1 KB that aligning the ring to the swizzle atom may skip.
 template <class Fmt, int BN, int S, int C>
 constexpr int prefill_smem_bytes() {
-  return S * (BN * wg::kRowBytes + 64 * C * (prefill_box_bytes<Fmt>::value + 4 * prefill_copied_words<Fmt>::value)) +
+  return S * (BN * wg::kRowBytes +
+              64 * C * (prefill_box_bytes<Fmt>::value + (prefill_meta_tma<Fmt>::value ? kPrefillMetaBoxBytes : 0))) +
          2 * S * 8 + prefill_table_bytes<Fmt>::value + 4 * C * kPrefillEpiBytes + 1024;
 }
+
+// The policy a tile's kernel takes: Fmt, or PrefillLoadedMeta<Fmt> where Fmt's metadata boxes would
+// keep a C = 1 tile (two CTAs per SM) from fitting twice into sm_90's 228 KB of shared memory per
+// SM, less 1 KB reserved per CTA (nf4's 128 x 128 tile of 4 stages: 64 bytes too many).
+template <class Fmt, int BN, int S, int C>
+using PrefillFmt = std::conditional_t<(prefill_meta_tma<Fmt>::value && C == 1 &&
+                                       2 * (prefill_smem_bytes<Fmt, BN, S, C>() + 1024) > 228 * 1024),
+                                      PrefillLoadedMeta<Fmt>, Fmt>;
 
 // Output bits of float32 sum v, as store_out writes them (b: the row's bias as float32, if any).
 template <class H>
@@ -240,7 +266,7 @@ template <class Fmt, class H, int BN, int S, int C, bool kSK>
 __global__ void
 __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
     weight_only_prefill_kernel(const __grid_constant__ CUtensorMap tmX, const __grid_constant__ CUtensorMap tmXl,
-                               const __grid_constant__ CUtensorMap tmW,
+                               const __grid_constant__ CUtensorMap tmW, const __grid_constant__ CUtensorMap tmM,
                                const Fmt f, H* __restrict__ Y, const H* __restrict__ bias, const PrefillStreamK sk,
                                int N, int M, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -254,12 +280,11 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
   // decode's loads then stall on the long scoreboard).
   uint8_t* const xs = prefill_smem + ((1024u - (cuda::smem_u32(prefill_smem) & 1023u)) & 1023u);
   uint8_t* const wsm = xs + S * kX;
-  // W: metadata words per row and step; the copy warp stores them with each stage (kMeta words) when
-  // kCopied, else the consumers load them (a group ahead).
-  constexpr int W = prefill_copied_words<Fmt>::value, kMeta = 64 * C * W;
-  constexpr int kMW = prefill_meta_words<Fmt>::value;
-  constexpr bool kCopied = W > 0;
-  uint32_t* const meta = reinterpret_cast<uint32_t*>(wsm + S * kW);
+  // kTma: each stage's metadata boxes (the tile rows' 4 entries around the step's) after the rings;
+  // kMW: metadata words that the consumers load instead.
+  constexpr bool kTma = prefill_meta_tma<Fmt>::value;
+  constexpr int kMeta = kTma ? 64 * C * kPrefillMetaBoxBytes : 0, kMW = kTma ? 0 : prefill_meta_words<Fmt>::value;
+  uint8_t* const meta = wsm + S * kW;
   uint64_t* const full = reinterpret_cast<uint64_t*>(meta + S * kMeta);  // stage's bytes landed
   uint64_t* const empty = full + S;                                  // every consumer done with it
   uint32_t* const table = reinterpret_cast<uint32_t*>(empty + S);
@@ -284,69 +309,33 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
   __syncthreads();
   if (wgi == C) {  // the copies, up to S steps ahead of the consumers
     if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    const int lane = tid & 127;
-    // One thread issues the TMA copies; with metadata, the warp's 32 lanes also store it, lane l
-    // rows l, l + 32, ... of the tile (2 C rows each). Once a lane has stored a step's words, it
-    // loads those of two steps later (the next tile's first two past the span's end) into the same
-    // registers: the step loop runs two steps per trip (steps is even), so the two sets keep their
-    // names and each load has two steps to land. (Loading a step's metadata in the step itself put
-    // the loads' latency on every stage: benchmarks/README.md, "Per-row metadata through the copy
-    // warp".)
-    if (lane < (W > 0 ? 32 : 1)) {
-      using Meta = typename prefill_meta_words<Fmt>::Meta;
-      auto load = [&](bool valid, int m0, int k, Meta (&q)[2 * C]) {
-        if constexpr (W > 0) {
-          if (!valid) return;
-#pragma unroll
-          for (int i = 0; i < 2 * C; ++i) q[i] = f.prefill_meta(min(m0 + lane + 32 * i, M - 1), k);
-        }
-      };
-      Meta p0[2 * C], p1[2 * C];
+    if ((tid & 127) == 0) {  // one thread issues the TMA copies
       // The copies of one piece (tile, steps kb .. kb + steps - 1; kk: the ring's step count at its
-      // start); the next piece (tile2, from step kb2), whose first metadata the last steps load.
-      auto copy_piece = [&](int tile, int kb, int steps, bool has_next, int tile2, int kb2, int kk) {
-        const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN, m0_next = tile2 % mtiles * 64 * C;
+      // start).
+      auto copy_piece = [&](int tile, int kb, int steps, int kk) {
+        const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
         const bool lastn = n0 + BN >= N;  // the last column of tiles takes X through tmXl
         const CUtensorMap* const mx = lastn ? &tmXl : &tmX;
-        const uint32_t bytes = uint32_t((lastn ? prefill_last_x_rows(N, BN) : BN) * wg::kRowBytes + kW);
-        auto stage = [&](int k, int kk, Meta (&q)[2 * C]) {
+        const uint32_t bytes = uint32_t((lastn ? prefill_last_x_rows(N, BN) : BN) * wg::kRowBytes + kW + kMeta);
+        for (int k = kb; k < kb + steps; ++k, ++kk) {
           const int st = kk % S;
           if (kk >= S) cuda::mbar_wait(&empty[st], ((kk / S) - 1) & 1);
-          if constexpr (W > 0) {
-#pragma unroll
-            for (int i = 0; i < 2 * C; ++i) {
-              uint32_t w[W];
-              f.template prefill_meta_words<H>(q[i], w);
-#pragma unroll
-              for (int j = 0; j < W; ++j) meta[st * kMeta + (lane + 32 * i) * W + j] = w[j];
-            }
-            if (k + 2 < kb + steps) load(true, m0, k + 2, q);
-            else load(has_next, m0_next, kb2 + k + 2 - kb - steps, q);
-            __syncwarp();  // (lane 0's arrive below then releases every lane's words)
-          }
-          if (lane == 0) {
-            cuda::mbar_expect(&full[st], bytes);
-            cuda::tma_load_2d(xs + st * kX, mx, k * 64, n0, &full[st]);
-            cuda::tma_load_2d(wsm + st * kW, &tmW, (k * Fmt::kPrefillStepBytes) & ~15, m0, &full[st]);
-          }
-        };
-        for (int k = kb; k < kb + steps; k += 2, kk += 2) stage(k, kk, p0), stage(k + 1, kk + 1, p1);
+          cuda::mbar_expect(&full[st], bytes);
+          cuda::tma_load_2d(xs + st * kX, mx, k * 64, n0, &full[st]);
+          cuda::tma_load_2d(wsm + st * kW, &tmW, (k * Fmt::kPrefillStepBytes) & ~15, m0, &full[st]);
+          // (rows past M arrive as zeros: their outputs are not stored)
+          if constexpr (kTma) cuda::tma_load_2d(meta + st * kMeta, &tmM, f.prefill_meta_col(k) & ~3, m0, &full[st]);
+        }
       };
       if constexpr (!kSK) {
         const int steps = ksteps / splits, kb = z * steps;
-        load(cta < tiles, cta % mtiles * 64 * C, kb, p0);
-        load(cta < tiles, cta % mtiles * 64 * C, kb + 1, p1);
-        for (int tile = cta, kk = 0; tile < tiles; tile += ctas, kk += steps)
-          copy_piece(tile, kb, steps, tile + ctas < tiles, tile + ctas, kb, kk);
+        for (int tile = cta, kk = 0; tile < tiles; tile += ctas, kk += steps) copy_piece(tile, kb, steps, kk);
       } else {
-        PrefillPiece pc = piece(0);
-        load(pc.tile >= 0, pc.tile % mtiles * 64 * C, pc.kb, p0);
-        load(pc.tile >= 0, pc.tile % mtiles * 64 * C, pc.kb + 1, p1);
-        for (int i = 0, kk = 0; pc.tile >= 0; ++i) {
-          const PrefillPiece pn = piece(i + 1);
-          copy_piece(pc.tile, pc.kb, pc.steps, pn.tile >= 0, pn.tile, pn.kb, kk);
+        for (int i = 0, kk = 0;; ++i) {
+          const PrefillPiece pc = piece(i);
+          if (pc.tile < 0) break;
+          copy_piece(pc.tile, pc.kb, pc.steps, kk);
           kk += pc.steps;
-          pc = pn;
         }
       }
     }
@@ -375,9 +364,9 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
   // One piece of work: tile, steps kb .. kb + steps - 1, the ring's step count kk0 at its start.
   auto run_piece = [&](int tile, int kb, int steps, int kk0) {
     const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
-    // The bias of this lane's rows, for the epilogue (rows past M take row M - 1's, as the copy
-    // warp gives them row M - 1's metadata; the TMA brings zeros for their codes, and their outputs
-    // are not stored).
+    // The bias of this lane's rows, for the epilogue (rows past M take row M - 1's bias, and its
+    // metadata where the consumers load it; the TMA brings zeros for their codes and metadata
+    // boxes, and their outputs are not stored).
     const int ma = min(m0 + r0, M - 1), mb = min(m0 + r0 + 8, M - 1);
     using qf::cuda::unitwise::load_f32;
     const float bias_a = bias != nullptr ? load_f32(bias[ma]) : 0.f;
@@ -387,14 +376,14 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
     // is the weight's step kb + k, and a span may start inside a group.
     [[maybe_unused]] int group = 0, left = 0, skip = 0, gsteps = 1;
     typename prefill_meta_words<Fmt>::Meta na{}, nb{}, ca{}, cb{};
-    if constexpr (!kCopied && kMW > 0) {
+    if constexpr (kMW > 0) {
       gsteps = f.prefill_group_steps(), group = kb / gsteps, skip = kb % gsteps;
       na = f.prefill_meta(ma, group * gsteps), nb = f.prefill_meta(mb, group * gsteps), ca = na, cb = nb;
     }
     auto decode = [&](int k, uint32_t (&a)[4][4]) {
       const int st = (kk0 + k) % S;
       const uint8_t* const tile_w = wsm + st * kW + (((kb + k) * Fmt::kPrefillStepBytes) & 15);
-      if constexpr (!kCopied && kMW > 0) {
+      if constexpr (kMW > 0) {
         if (left == 0) {
           ca = na, cb = nb, left = gsteps - skip, skip = 0, ++group;
           if (group * gsteps < kb + steps) na = f.prefill_meta(ma, group * gsteps), nb = f.prefill_meta(mb, group * gsteps);
@@ -405,10 +394,14 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
         f.template prefill_meta_words<H>(cb, wb);
         cuda::mbar_wait(&full[st], ((kk0 + k) / S) & 1);
         f.template prefill_decode<H>(tile_w, r0, lane, table, wa, wb, a);
+      } else if constexpr (kTma) {
+        cuda::mbar_wait(&full[st], ((kk0 + k) / S) & 1);
+        // the boxes of rows r0 and r0 + 8 (16 bytes a row: a warp's 8 rows in 8 distinct banks)
+        const uint32_t* const ms = reinterpret_cast<const uint32_t*>(meta + st * kMeta) + (f.prefill_meta_col(kb + k) & 3);
+        f.template prefill_decode<H>(tile_w, r0, lane, table, ms + 4 * r0, ms + 4 * (r0 + 8), a);
       } else {
         cuda::mbar_wait(&full[st], ((kk0 + k) / S) & 1);
-        const uint32_t* const ms = meta + st * kMeta;
-        f.template prefill_decode<H>(tile_w, r0, lane, table, ms + r0 * W, ms + (r0 + 8) * W, a);
+        f.template prefill_decode<H>(tile_w, r0, lane, table, nullptr, nullptr, a);
       }
     };
 #pragma unroll
@@ -580,6 +573,10 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
         M >= (int64_t(1) << 31) || K >= (int64_t(1) << 31) || !cuda::aligned16(X) || !f.prefill_ok() ||
         cuda::cc_major() != 9)
       return false;
+    if constexpr (prefill_meta_tma<Fmt>::value) {
+      if (!f.prefill_meta_tma_ok())
+        return launch_weight_only_prefill(PrefillLoadedMeta<Fmt>(f), X, N, K, M, Y, bias, ws, stream);
+    }
     constexpr int kSB = Fmt::kPrefillStepBytes, kBox = prefill_box_bytes<Fmt>::value;
     const int sms = cuda::sm_count();
     cudaLaunchAttribute attr[1];
@@ -594,16 +591,17 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     auto with_kernel = [&](int bm, int bn, auto&& fn, bool sk = false) {
       auto use = [&](auto tile) {
         using T = decltype(tile);
+        using F = PrefillFmt<Fmt, T::kBN, T::kS, T::kC>;
         auto run = [&](auto kernel) {
           cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
           cfg.blockDim = dim3(unsigned(prefill_threads(T::kBN, T::kC)));
-          cfg.dynamicSmemBytes = size_t(prefill_smem_bytes<Fmt, T::kBN, T::kS, T::kC>());
+          cfg.dynamicSmemBytes = size_t(prefill_smem_bytes<F, T::kBN, T::kS, T::kC>());
           return fn(kernel);
         };
         if constexpr (T::kStreamK) {
-          if (sk) return run(weight_only_prefill_kernel<Fmt, H, T::kBN, T::kS, T::kC, true>);
+          if (sk) return run(weight_only_prefill_kernel<F, H, T::kBN, T::kS, T::kC, true>);
         }
-        return run(weight_only_prefill_kernel<Fmt, H, T::kBN, T::kS, T::kC, false>);
+        return run(weight_only_prefill_kernel<F, H, T::kBN, T::kS, T::kC, false>);
       };
       if (bn == 256) return use(PrefillTile<256, prefill_wide_stages<Fmt>::value, 2>{});
       if (bn == 192) return use(PrefillTile<192, 6, 2>{});
@@ -649,6 +647,12 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
         !cuda::tensor_map_2d(&tw, f.prefill_codes(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(K / 64 * kSB),
                              uint64_t(M), kBox, bm, CU_TENSOR_MAP_SWIZZLE_NONE))
       return false;
+    CUtensorMap tm{};  // (left zero where the format has no metadata by TMA: the kernel does not read it)
+    if constexpr (prefill_meta_tma<Fmt>::value) {
+      if (!cuda::tensor_map_2d(&tm, f.prefill_meta_base(), CU_TENSOR_MAP_DATA_TYPE_UINT32, 4, uint64_t(f.prefill_meta_cols()),
+                               uint64_t(M), kPrefillMetaBoxBytes / 4, bm, CU_TENSOR_MAP_SWIZZLE_NONE))
+        return false;
+    }
     // Without a split: one CTA per tile up to the CTAs the GPU holds at once (two per SM for
     // 64-row tiles), each then taking further tiles in turn (the kernel's tile loop).
     const int64_t tiles = int64_t(cuda::grid_for(M, bm)) * cuda::grid_for(N, bn),
@@ -669,7 +673,7 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     cfg.numAttrs = split > 1 ? 1 : 0;  // (a cluster dimension of 1 measured 2-7% slower than none)
     if (one_map) tx = txl;
     with_kernel(bm, bn, [&](auto kernel) {
-      cuda::check(cudaLaunchKernelEx(&cfg, kernel, tx, txl, tw, f, Y, bias, sk, int(N), int(M), int(K)),
+      cuda::check(cudaLaunchKernelEx(&cfg, kernel, tx, txl, tw, tm, f, Y, bias, sk, int(N), int(M), int(K)),
                   "weight-only GEMM (prefill)");
     }, sk.tiles > 0);
     cuda::check_launch("weight-only GEMM (prefill)");

@@ -106,7 +106,6 @@ struct Int4 {
   // loaded by the consumers a group ahead (through the copy warp it measured slower:
   // benchmarks/README.md, "Per-row metadata through the copy warp").
   static constexpr int kPrefillMetaWords = 2;
-  static constexpr bool kPrefillMetaInConsumers = true;
   __device__ int prefill_group_steps() const { return 1 << (gshift - 1); }
   struct PrefillMeta {
     float scale;

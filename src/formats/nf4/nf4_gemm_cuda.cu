@@ -92,32 +92,42 @@ struct Nf4 {
   static constexpr int kPrefillTableBytes = 256 * 32 * 4;
   bool prefill_ok() const { return log2_bs >= 6 && K % (int64_t(1) << log2_bs) == 0; }
   const void* prefill_codes() const { return packed; }
-// (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
-#pragma nv_diag_suppress 177
-  // A step's metadata: its block's absmax as an H pair, which the copy warp stores with the step's
-  // codes (benchmarks/README.md, "Per-row metadata through the copy warp").
+  // A step's metadata, its block's absmax as stored (the decode makes it an H pair): by TMA with the
+  // step's codes, absmax viewed as [M, K / blocksize], where that array's row pitch is a multiple of
+  // 16 bytes (K / blocksize a multiple of 4: benchmarks/README.md, "nf4's block scales by TMA"),
+  // else loaded by the consumers a block ahead.
+  static constexpr bool kPrefillMetaTma = true;
+  bool prefill_meta_tma_ok() const { return (K >> log2_bs) % 4 == 0 && reinterpret_cast<uintptr_t>(absmax) % 16 == 0; }
+  const void* prefill_meta_base() const { return absmax; }
+  int64_t prefill_meta_cols() const { return K >> log2_bs; }
   static constexpr int kPrefillMetaWords = 1;
   struct PrefillMeta {
     float absmax;
   };
+// (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
+#pragma nv_diag_suppress 177
+  __device__ int prefill_meta_col(int k) const { return k >> (log2_bs - 6); }
+  __device__ int prefill_group_steps() const { return 1 << (log2_bs - 6); }
   __device__ PrefillMeta prefill_meta(int m, int k) const {
-    return {__ldg(absmax + ((int64_t(m) * K) >> log2_bs) + (k >> (log2_bs - 6)))};
+    return {__ldg(absmax + ((int64_t(m) * K) >> log2_bs) + prefill_meta_col(k))};
   }
   template <class H>
   __device__ void prefill_meta_words(const PrefillMeta& p, uint32_t (&w)[1]) const {
-    w[0] = cuda_wo::PairOps<H>::splat(p.absmax);
+    w[0] = __float_as_uint(p.absmax);
   }
   template <class H>
   __device__ void prefill_table(uint32_t* lut) const {
     for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) lut[i] = lut_entry<cuda_wo::PairOps<H>>(i >> 5);
   }
   // In k16 slice j, lane (g, t = lane & 3) needs values 2t, 2t + 1 and 2t + 8, 2t + 9 of rows r and
-  // r + 8: byte t of words 2j and 2j + 1, one lookup each, times the block's absmax.
+  // r + 8: byte t of words 2j and 2j + 1, one lookup each, times the block's absmax (rounded to H).
   template <class H>
   __device__ void prefill_decode(const uint8_t* tile, int r, int lane, const uint32_t* lut, const uint32_t* wa,
                                  const uint32_t* wb, uint32_t (&a)[4][4]) const {
     using Ops = cuda_wo::PairOps<H>;
-    const uint32_t sel = 0x4440u | uint32_t(lane & 3), sa = *wa, sb = *wb;
+    // wa, wb: the rows' absmax as stored (float32), made an H pair here
+    const uint32_t sel = 0x4440u | uint32_t(lane & 3), sa = Ops::splat(__uint_as_float(*wa)),
+                   sb = Ops::splat(__uint_as_float(*wb));
     cuda_wo::byte_pair_fragments(
         tile, r, [&](uint32_t w, int h) { return Ops::mul(lut[(__byte_perm(w, 0u, sel) << 5) | lane], h ? sb : sa); },
         a);

@@ -300,7 +300,22 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
   const int splits = int(cg::this_cluster().num_blocks()), z = int(blockIdx.x) % splits;
   const int mtiles = (M + 64 * C - 1) / (64 * C), tiles = mtiles * ((N + BN - 1) / BN), ksteps = K / 64;
   const int cta = int(blockIdx.x) / splits, ctas = int(gridDim.x) / splits;
-  auto piece = [&](int i) { return prefill_piece(i, cta, ctas, z, splits, tiles, ksteps, kSK ? sk.tiles : 0); };
+  // fn(tile, kb, steps, kk) for this CTA's pieces of work in turn (tile, its steps kb .. kb + steps
+  // - 1, the ring's step count kk at the piece's start): the copies and the consumers walk the same
+  // list.
+  auto for_each_piece = [&](auto&& fn) {
+    if constexpr (!kSK) {
+      const int steps = ksteps / splits, kb = z * steps;
+      for (int tile = cta, kk = 0; tile < tiles; tile += ctas, kk += steps) fn(tile, kb, steps, kk);
+    } else {
+      for (int i = 0, kk = 0;; ++i) {
+        const PrefillPiece pc = prefill_piece(i, cta, ctas, z, splits, tiles, ksteps, sk.tiles);
+        if (pc.tile < 0) break;
+        fn(pc.tile, pc.kb, pc.steps, kk);
+        kk += pc.steps;
+      }
+    }
+  };
   if (tid == 0) {
     for (int i = 0; i < S; ++i) cuda::mbar_init(full + i, 1), cuda::mbar_init(empty + i, C);
     cuda::mbar_init_fence();
@@ -310,8 +325,7 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
   if (wgi == C) {  // the copies, up to S steps ahead of the consumers
     if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if ((tid & 127) == 0) {  // one thread issues the TMA copies
-      // The copies of one piece (tile, steps kb .. kb + steps - 1; kk: the ring's step count at its
-      // start).
+      // The copies of one piece of work (for_each_piece).
       auto copy_piece = [&](int tile, int kb, int steps, int kk) {
         const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
         const bool lastn = n0 + BN >= N;  // the last column of tiles takes X through tmXl
@@ -327,17 +341,7 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
           if constexpr (kTma) cuda::tma_load_2d(meta + st * kMeta, &tmM, f.prefill_meta_col(k) & ~3, m0, &full[st]);
         }
       };
-      if constexpr (!kSK) {
-        const int steps = ksteps / splits, kb = z * steps;
-        for (int tile = cta, kk = 0; tile < tiles; tile += ctas, kk += steps) copy_piece(tile, kb, steps, kk);
-      } else {
-        for (int i = 0, kk = 0;; ++i) {
-          const PrefillPiece pc = piece(i);
-          if (pc.tile < 0) break;
-          copy_piece(pc.tile, pc.kb, pc.steps, kk);
-          kk += pc.steps;
-        }
-      }
+      for_each_piece(copy_piece);
     }
     return;
   }
@@ -361,7 +365,7 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
   const bool epi_vec = M % 8 == 0 && (reinterpret_cast<uintptr_t>(Y) & 15) == 0;
   int epi_buf = 0;  // the buffer of the next 16 columns (alternate, so one __syncwarp per pair)
   float d[NT][4];
-  // One piece of work: tile, steps kb .. kb + steps - 1, the ring's step count kk0 at its start.
+  // One piece of work (for_each_piece), kk0 the ring's step count at its start.
   auto run_piece = [&](int tile, int kb, int steps, int kk0) {
     const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
     // The bias of this lane's rows, for the epilogue (rows past M take row M - 1's bias, and its
@@ -541,17 +545,7 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
       cluster.sync();  // no CTA leaves while the others read its shared memory
     }
   };
-  if constexpr (!kSK) {
-    const int steps = ksteps / splits, kb = z * steps;  // this CTA's steps kb .. kb + steps - 1
-    for (int tile = cta, kk0 = 0; tile < tiles; tile += ctas, kk0 += steps) run_piece(tile, kb, steps, kk0);
-  } else {
-    for (int i = 0, kk0 = 0;; ++i) {
-      const PrefillPiece pc = piece(i);
-      if (pc.tile < 0) break;
-      run_piece(pc.tile, pc.kb, pc.steps, kk0);
-      kk0 += pc.steps;
-    }
-  }
+  for_each_piece(run_piece);
 #else
   __trap();  // never launched: the host takes this kernel only from a build with sm_90a code
 #endif

@@ -32,7 +32,7 @@
 //            group's Sx (one FFMA per row and group, no work per weight).
 //   kCenter  A = q - 8 exact (one HSUB2 or HFMA2 per pair more), B = x: smaller sums.
 //   kStream  the loads alone (XOR of the words), no decode, no mma.
-//   (kDirect, gemv_direct below: see there.)
+//   (kDirect, gemv_direct below, and gemv_row, on the int4 bytes as stored: see there.)
 // kMagic and kCenter stage X in shared memory in B-fragment order, with each group's Sx and
 // offset: each warp its own groups, while its first weight loads are in flight. NT rows of X
 // (1, 2 or 8) go in B's columns. A CTA owns R 16-row tiles; its W warps split K into contiguous
@@ -341,6 +341,104 @@ __global__ void __launch_bounds__(W * 32, D == 2 && R == 1 ? 1024 / (W * 32) : 1
   }
 }
 
+// kRow: the library's int4 bytes as stored (row-major, low nibble first): lane (g, t) loads values
+// 32t .. 32t + 31 of a chunk of rows g and g + 8 (a quad reads 64 bytes of a row); word j's
+// LOP3s give the lo pair (q[8j], q[8j + 4]) and, on w >> 8, (q[8j + 2], q[8j + 6]), so the mma's k
+// slots hold values in an order the same for every row, and X is permuted to it (PRMT) when
+// staged. ROWMETA: scales and zero points [M][K / 128] as stored, else the blocked copy. PAIRED:
+// the next two chunks' loads issued together (a quad's 128 contiguous bytes of a row at once)
+// after both slots are used, instead of one chunk after each.
+template <int W, bool PAIRED, bool ROWMETA>
+__global__ void __launch_bounds__(W * 32, 1024 / (W * 32))
+    gemv_row(const uint8_t* __restrict__ q, const float* __restrict__ sc, const uint8_t* __restrict__ zr,
+             const __half* __restrict__ x, __half* __restrict__ y, int M, int K) {
+  extern __shared__ __align__(16) uint8_t sm[];
+  const int KC = K / 128;
+  uint4* xs = reinterpret_cast<uint4*>(sm);
+  float2* sxc = reinterpret_cast<float2*>(xs + KC * 16);
+  __shared__ float red[W][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x;
+  const int c0 = KC * warp / W, n = KC * (warp + 1) / W - c0;
+  const uint8_t* qa = q + size_t(tile * 16 + g) * (K / 2) + c0 * 64 + t * 16;
+  const uint8_t* qb = qa + size_t(8) * (K / 2);
+  auto load = [&](int i, Slot<1>& sl) {
+    sl.c[0][0] = ld_stream(reinterpret_cast<const uint4*>(qa + i * 64));
+    sl.c[0][1] = ld_stream(reinterpret_cast<const uint4*>(qb + i * 64));
+    const int c = c0 + i;
+    const size_t ia = ROWMETA ? size_t(tile * 16 + g) * KC + c : (size_t(tile) * KC + c) * 16 + g;
+    const size_t ib = ROWMETA ? ia + size_t(8) * KC : ia + 8;
+    sl.s[0][0] = __ldg(sc + ia);
+    sl.s[0][1] = __ldg(sc + ib);
+    sl.z[0][0] = __ldg(zr + ia);
+    sl.z[0][1] = __ldg(zr + ib);
+  };
+  Slot<1> sl[2];
+  if (n > 0) load(0, sl[0]);
+  if (n > 1) load(1, sl[1]);
+  for (int base = 0; base < n * 16; base += 32) {
+    const int it = base + lane, c = c0 + (it >> 4), j = (it >> 2) & 3, tt = it & 3;
+    const bool ok = it < n * 16;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) v = __ldg(reinterpret_cast<const uint4*>(x + c * 128 + 32 * tt + 8 * j));
+    const uint32_t lo0 = __byte_perm(v.x, v.z, 0x5410), lo1 = __byte_perm(v.y, v.w, 0x5410);
+    const uint32_t hi0 = __byte_perm(v.x, v.z, 0x7632), hi1 = __byte_perm(v.y, v.w, 0x7632);
+    const float slo = hsum8(make_uint4(lo0, lo1, 0u, 0u)), shi = hsum8(make_uint4(hi0, hi1, 0u, 0u));
+    float sx = slo + shi, cc = 1024.f * slo + 64.f * shi;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) {
+      sx += __shfl_xor_sync(0xffffffffu, sx, o);
+      cc += __shfl_xor_sync(0xffffffffu, cc, o);
+    }
+    if (ok) {
+      xs[(c * 4 + j) * 4 + tt] = make_uint4(lo0, lo1, hmul2(hi0, 0x2C002C00u), hmul2(hi1, 0x2C002C00u));
+      if ((it & 15) == 0) sxc[c] = make_float2(sx, cc);
+    }
+  }
+  __syncwarp();
+  float acc[2] = {0.f, 0.f};
+  for (int i0 = 0; i0 < n; i0 += 2) {
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+      const int i = i0 + d, c = c0 + i;
+      if (i >= n) break;
+      float dl[4] = {0.f, 0.f, 0.f, 0.f}, dh[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 xq = xs[(c * 4 + j) * 4 + t];
+        const uint32_t wa = word(sl[d].c[0][0], j), wb = word(sl[d].c[0][1], j);
+        const uint32_t alo[4] = {lop3_or(wa, 0x000F000Fu), lop3_or(wb, 0x000F000Fu), lop3_or(wa >> 8, 0x000F000Fu),
+                                 lop3_or(wb >> 8, 0x000F000Fu)};
+        const uint32_t ahi[4] = {lop3_or(wa, 0x00F000F0u), lop3_or(wb, 0x00F000F0u), lop3_or(wa >> 8, 0x00F000F0u),
+                                 lop3_or(wb >> 8, 0x00F000F0u)};
+        mma(dl, alo, xq.x, xq.y);
+        mma(dh, ahi, xq.z, xq.w);
+      }
+      const float2 sx = sxc[c];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float u = fmaf(-u8f(sl[d].z[0][r]), sx.x, dl[2 * r] + dh[2 * r] - sx.y);
+        acc[r] = fmaf(sl[d].s[0][r], u, acc[r]);
+      }
+      if (!PAIRED && i + 2 < n) load(i + 2, sl[d]);
+    }
+    if (PAIRED) {
+      if (i0 + 2 < n) load(i0 + 2, sl[0]);
+      if (i0 + 3 < n) load(i0 + 3, sl[1]);
+    }
+  }
+  if (t == 0) {
+    red[warp][g] = acc[0];
+    red[warp][g + 8] = acc[1];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float v = 0.f;
+    for (int w = 0; w < W; ++w) v += red[w][threadIdx.x];
+    y[size_t(tile) * 16 + threadIdx.x] = __float2half(v);
+  }
+}
+
 struct FragSet {
   uint4* q;
   float* s;
@@ -450,6 +548,22 @@ static void run_direct(const char* name, int M, int K, const std::vector<FragSet
   time_it(name, M, K, 1, per_sm, smem, int(sets.size()), launch, y, &ref);
 }
 
+template <int W, bool PAIRED, bool ROWMETA>
+static void run_row(const char* name, int M, int K, const std::vector<FragSet>& sets, const __half* x, __half* y,
+                    const std::vector<double>& ref) {
+  if (M % 16 || K / 128 < W || (only && std::strcmp(name, only) != 0)) return;
+  auto kern = gemv_row<W, PAIRED, ROWMETA>;
+  const size_t smem = size_t(K / 128) * (256 + 8);
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, W * 32, smem));
+  auto launch = [&](int i) {
+    const FragSet& st = sets[i];
+    kern<<<M / 16, W * 32, smem>>>(reinterpret_cast<const uint8_t*>(st.q), st.s, st.z, x, y, M, K);
+  };
+  time_it(name, M, K, 1, per_sm, smem, int(sets.size()), launch, y, &ref);
+}
+
 int main(int argc, char** argv) {
   if (argc > 1) only = argv[1];
   const int shapes[2][2] = {{4096, 14336}, {14336, 4096}};
@@ -528,6 +642,20 @@ int main(int argc, char** argv) {
     run_direct<8, 1, 2, true>("direct smem W8 R1 D2", M, K, sets, x, y, ref);
     run_direct<16, 1, 2, true>("direct smem W16 R1 D2", M, K, sets, x, y, ref);
     run_direct<8, 1, 3, true>("direct smem W8 R1 D3", M, K, sets, x, y, ref);
+    // the int4 bytes as stored (row-major), first with the blocked scales, then with them as stored
+    for (auto& st : sets) CK(cudaMemcpy(st.q, h.q.data(), h.q.size(), cudaMemcpyHostToDevice));
+    run_row<8, false, false>("row W8", M, K, sets, x, y, ref);
+    run_row<16, false, false>("row W16", M, K, sets, x, y, ref);
+    run_row<8, true, false>("row paired W8", M, K, sets, x, y, ref);
+    run_row<16, true, false>("row paired W16", M, K, sets, x, y, ref);
+    for (auto& st : sets) {
+      CK(cudaMemcpy(st.s, h.s.data(), h.s.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(st.z, h.z.data(), h.z.size(), cudaMemcpyHostToDevice));
+    }
+    run_row<8, false, true>("row rowmeta W8", M, K, sets, x, y, ref);
+    run_row<16, false, true>("row rowmeta W16", M, K, sets, x, y, ref);
+    run_row<8, true, true>("row rowmeta paired W8", M, K, sets, x, y, ref);
+    run_row<16, true, true>("row rowmeta paired W16", M, K, sets, x, y, ref);
     for (auto& st : sets) {
       CK(cudaFree(st.q));
       CK(cudaFree(st.s));

@@ -47,6 +47,11 @@ __device__ __forceinline__ float magic_u4(uint32_t bytes, int b) {
 }
 constexpr float kMagic = 8388608.0f;  // 2^23
 
+// Word j (0..3) of a 16-byte unit.
+__device__ __forceinline__ uint32_t word_of(const uint4& q, int j) {
+  return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;  // j is a constant after unrolling
+}
+
 // Writes output y of weight row m from its float32 sum v. With a bias (x's dtype), v is rounded
 // to T, the bias added in float32 and the sum rounded again: the same two roundings as
 // `y = gemm(x, W); y += bias` in T (torch adds 16-bit tensors in float32 and rounds once), so

@@ -13,7 +13,9 @@
 // (or nullptr) is added to the rounded result in float32 and rounded again, as a separate
 // `y += bias` in T would. Formats' extra conditions are in their headers (std::invalid_argument
 // otherwise). With 16-bit activations on sm_80+ the products run on tensor cores with each weight
-// rounded to the activations' type first (gemm/weight_only_mma_cuda.cuh).
+// rounded to the activations' type first (gemm/weight_only_mma_cuda.cuh), except in the offset
+// GEMV (one fp16 row of formats with its hooks, gemm/weight_only_gemv_cuda.cuh), which multiplies
+// the exact codes and applies each scale to a float32 sum.
 //
 // Workspace: device scratch that the caller allocates (with its array library, on the stream's
 // device) and passes beside the stream; weight_only_workspace_bytes_cuda(N, M, K) says how many

@@ -3,10 +3,10 @@
 // from 9 rows on sm_90 gemm/weight_only_wgmma_cuda.cuh, for 9..64 gemm/weight_only_wide_cuda.cuh;
 // from 33 fp16 or bf16 rows (16 for q4_0) on sm_90a gemm/weight_only_prefill_cuda.cuh for the
 // formats with its hooks),
-// the decode helpers that several formats' policies share, and launch_weight_only_any, which
-// picks the driver. A format supplies only its policy struct (how a unit of one weight row is
-// loaded and decoded: the interfaces are written above weight_only_kernel and
-// weight_only_mma_kernel) and its launcher; the contract every launcher keeps is in
+// the offset GEMV for one fp16 row (gemm/weight_only_gemv_cuda.cuh, formats with its hooks), the decode helpers that
+// several formats' policies share, and launch_weight_only_any, which picks the driver. A format supplies only its
+// policy struct (how a unit of one weight row is loaded and decoded: the interfaces are written above
+// weight_only_kernel and weight_only_mma_kernel) and its launcher; the contract every launcher keeps is in
 // gemm/weight_only_cuda.h.
 //
 // Units hold the loaded registers only: whatever depends on them (zero points, XORs, fp16
@@ -18,6 +18,7 @@
 
 #include "common/cuda_utils.cuh"
 #include "gemm/weight_only_cuda.cuh"
+#include "gemm/weight_only_gemv_cuda.cuh"
 #include "gemm/weight_only_mma_cuda.cuh"
 #include "gemm/weight_only_prefill_cuda.cuh"
 #include "gemm/weight_only_wgmma_cuda.cuh"
@@ -48,11 +49,6 @@ __device__ __forceinline__ uint32_t spread2(uint32_t x) {
   return (x | (x << 2)) & 0x33333333u;
 }
 
-// Word j (0..3) of a 16-byte unit.
-__device__ __forceinline__ uint32_t word_of(const uint4& q, int j) {
-  return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;  // j is a constant after unrolling
-}
-
 // Fmt::xpair of the policies whose pairs are nibbles i and i + 4 of word j (elements 8j+i,
 // 8j+i+4: int4's low-nibble-first bytes, and mixed2bit's tensor-core decode).
 __device__ __forceinline__ uint32_t xpair_lo_first(const uint32_t (&x)[16], int p) {
@@ -61,20 +57,23 @@ __device__ __forceinline__ uint32_t xpair_lo_first(const uint32_t (&x)[16], int 
   return i & 1 ? hi_hi(a, b) : lo_lo(a, b);
 }
 
-// 16-bit activations on sm_80+: the tensor-core kernel (one decode serves up to 16 rows), from
-// N = Fmt::kMmaMinRows; from 9 rows (units of 32 values: not mixed2bit's 16) on compute
-// capability 9.0 the wgmma kernel of weight_only_wgmma_cuda.cuh when the build has sm_90a code,
-// else for 9..64 rows, where its launcher takes the shape, the wide kernel of
-// weight_only_wide_cuda.cuh; before both, from 33 rows (a format's kPrefillMinRows), the prefill kernel of
-// weight_only_prefill_cuda.cuh where its launcher takes the format and shape. Otherwise
-// (float32 activations, an older GPU, nf4 at N = 1) the float32 kernel; for nf4 at one row it
-// measured faster on the H200 (the tensor-core kernel builds its pair table in every CTA;
-// benchmarks/README.md, "Design measurements behind kernel choices").
+// 16-bit activations on sm_80+: for one fp16 row the offset GEMV of
+// weight_only_gemv_cuda.cuh where the format has its hooks and the shape suits it; else the
+// tensor-core kernel (one decode serves up to 16 rows), from N = Fmt::kMmaMinRows; from 9 rows
+// (units of 32 values: not mixed2bit's 16) on compute capability 9.0 the wgmma kernel of
+// weight_only_wgmma_cuda.cuh when the build has sm_90a code, else for 9..64 rows, where its
+// launcher takes the shape, the wide kernel of weight_only_wide_cuda.cuh; before both, from 33
+// rows (a format's kPrefillMinRows), the prefill kernel of weight_only_prefill_cuda.cuh where its
+// launcher takes the format and shape. Otherwise (float32 activations, an older GPU, nf4 at N =
+// 1) the float32 kernel; for nf4 at one row it measured faster on the H200 (the tensor-core
+// kernel builds its pair table in every CTA; benchmarks/README.md, "Design measurements behind
+// kernel choices").
 template <class Fmt, class T>
 void launch_weight_only_any(const Fmt& f, const T* X, int64_t N, int64_t K, int64_t M, T* Y, const T* bias,
                             GemmWorkspace ws, void* stream) {
   if constexpr (!std::is_same_v<T, float>) {
     if (N >= Fmt::kMmaMinRows && cuda::has_sm80_mma()) {
+      if (launch_weight_only_gemv(f, X, N, K, M, Y, bias, stream)) return;
       if constexpr (Fmt::kUnit == 32) {  // (the wide kernel's unit)
         if (launch_weight_only_prefill(f, X, N, K, M, Y, bias, ws, stream)) return;
         if (launch_weight_only_wgmma(f, X, N, K, M, Y, bias, stream)) return;

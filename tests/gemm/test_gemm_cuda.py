@@ -118,6 +118,43 @@ def test_weight_only_gemv_poison_and_partial_steps(fmt, params, k, n, dtype):
     assert_close(native_gemm_into_nan(fmt, mod, q, qc, x, m), x, w64, TOL[dtype])
 
 
+# The offset GEMV (gemm/weight_only_gemv_cuda.cuh) takes int4 with groups of >= 128 at one fp16
+# row. K in chunks of 128: 1 and 15 (4 warps a CTA, some with no chunk), 16 and 63 (8, an uneven
+# split), 64, 112 and 431 (16; x's table past 48 KB); 880 chunks is past the shared memory x
+# needs, so that product falls back to the tensor-core driver. M: partial 16-row CTAs and fewer
+# than 16 rows. Two rows run the tensor-core driver, under the same checks.
+OFFSET_GEMV_SHAPES = [(5, 128), (53, 128 * 15), (16, 2048), (53, 128 * 63), (37, 128 * 64), (21, 14336),
+                      (17, 128 * 431), (3, 128 * 880)]
+OFFSET_GEMV_PARAMS = [{"group_size": 128}, {"group_size": 256, "symmetric": True}, {"group_size": 512}]
+
+
+@pytest.mark.parametrize("params,m,k", [(p, m, k) for p in OFFSET_GEMV_PARAMS for m, k in OFFSET_GEMV_SHAPES
+                                        if k % p["group_size"] == 0], ids=str)
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("x_kind", ["normal", "offset"])
+def test_offset_gemv(params, m, k, n, x_kind):
+    """int4 at one (and two) fp16 rows against float64, NaN-filled outputs all overwritten, the same
+    bits on a second call, and the bias added bitwise as `y + bias` in fp16. "offset": X = 8 + 0.5 N(0,
+    1), so every chunk's sums of X are large and the decode's offsets (about 5e5 per chunk and row,
+    taken off in float32) must cancel to within the output's rounding."""
+    from qformats import format_spec
+
+    mod, q, qc, w64 = weight("int4", m, k, k + m + n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n))
+    if x_kind == "offset":
+        x = 8 + 0.5 * x
+    x = x.half().cuda()
+    y = native_gemm_into_nan("int4", mod, q, qc, x, m)
+    assert_close(y, x, w64, TOL["float16"])
+    assert torch.equal(native_gemm_into_nan("int4", mod, q, qc, x, m), y)
+    run = format_spec("int4").make_linear(qc).run
+    bias = torch.randn(m, generator=torch.Generator().manual_seed(m)).half().cuda()
+    yb = torch.full((n, m), float("nan"), device="cuda", dtype=torch.float16)
+    run(x, yb, bias, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert torch.equal(yb, y + bias)
+
+
 @pytest.mark.parametrize("params", [{"layout": "tiled"}, {"layout": "tiled", "ratio_4bit": 0.3, "scale_block": 4},
                                     {"layout": "tiled", "ratio_4bit": 1.0, "scale_block": 256},
                                     {"layout": "tiled", "ratio_4bit": 0.0}], ids=str)

@@ -92,6 +92,16 @@ struct Int4 {
   __device__ void pairs_in_pair(const Pair& pr, int i, int j, uint32_t (&p)[4]) const {
     pairs<Ops>(nullptr, 0, Unit{pr.q[i], pr.scale, pr.zero}, j, p);
   }
+  // The offset GEMV (gemm/weight_only_gemv_cuda.cuh, one fp16 row): a chunk of 128
+  // values is 64 bytes of a row as stored, and groups of >= 128 give it one scale and zero point.
+  static constexpr bool kGemvNibbles = true;
+  bool gemv_ok() const { return gshift >= 2; }
+  __host__ __device__ const uint8_t* gemv_codes() const { return qweight; }
+  __device__ cuda_wo::GemvMeta gemv_meta(int64_t m, int64_t chunk) const {
+    const int64_t g = m * (K >> (gshift + 5)) + (chunk >> (gshift - 2));
+    return {__ldg(scales + g), zeros ? uint32_t(__ldg(zeros + g)) : 8u};
+  }
+  __device__ uint32_t gemv_flip() const { return zeros ? 0u : 0x88888888u; }
   // The prefill kernel (gemm/weight_only_prefill_cuda.cuh, fp16 or bf16 activations): a step of 64
   // codes is 32 bytes of a row, so the packed rows are its TMA tiles as stored; groups of >= 64
   // values hold whole steps.

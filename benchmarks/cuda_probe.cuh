@@ -56,6 +56,30 @@ double median_cold_us(int iters, Prepare prepare, Launch launch, int64_t spin_cy
   return us[us.size() / 2];
 }
 
+// Median time in us of one call when `calls` launches run back to back (llama.cpp's perf mode with
+// the weight resident in L2, without a CUDA graph): the median of `rounds` event-timed batches.
+template <class Launch>
+double median_resident_us(Launch launch, int calls = 200, int rounds = 5) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> us;
+  for (int r = 0; r < rounds; ++r) {
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < calls; ++i) launch();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    us.push_back(ms * 1000 / calls);
+  }
+  CK(cudaGetLastError());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
 // Device helpers of the int4 probes: shared-memory addresses and mbarriers (the library's, in
 // common/tma_cuda.cuh), and the fp16 decode steps.
 using qf::cuda::mbar_arrive;

@@ -288,23 +288,9 @@ void run(const char* name, int M, int K, const std::vector<Set>& sets, const __h
         if (KS > 1) CK(cudaMemsetAsync(y32, 0, M * 4));
       },
       [&](int i) { launch(sets[i % sets.size()]); });
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> hot;
-  for (int r = 0; r < 5; ++r) {  // resident: one weight, 200 back-to-back launches
-    CK(cudaEventRecord(a));
-    for (int i = 0; i < 200; ++i) launch(sets[0]);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    hot.push_back(ms * 1000 / 200);
-  }
-  CK(cudaGetLastError());
-  std::sort(hot.begin(), hot.end());
+  const double resident = median_resident_us([&] { launch(sets[0]); });  // one weight, back to back
   std::printf("%-22s %5dx%-5d  CTAs/SM %d  smem %6zu  cold %6.1f us  resident %6.1f us  max|err|/max|y| %.2e\n", name,
-              M, K, per_sm, smem, cold, hot[hot.size() / 2], err / mx);
+              M, K, per_sm, smem, cold, resident, err / mx);
 }
 
 int main(int argc, char** argv) {

@@ -492,23 +492,9 @@ static void time_it(const char* name, int M, int K, int NT, int per_sm, size_t s
     rel = err / mx;
   }
   const double cold = median_cold_us(15, [](int) {}, [&](int i) { launch(i % nsets); });
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> hot;
-  for (int r = 0; r < 5; ++r) {  // resident: one weight, 200 back-to-back launches
-    CK(cudaEventRecord(a));
-    for (int i = 0; i < 200; ++i) launch(0);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    hot.push_back(ms * 1000 / 200);
-  }
-  CK(cudaGetLastError());
-  std::sort(hot.begin(), hot.end());
+  const double resident = median_resident_us([&] { launch(0); });  // one weight, back to back
   std::printf("%-24s %5dx%-5d N %d  CTAs/SM %2d  smem %6zu  cold %6.1f us  resident %6.1f us", name, M, K, NT, per_sm,
-              smem, cold, hot[hot.size() / 2]);
+              smem, cold, resident);
   if (ref) std::printf("  max|err|/max|y| %.2e", rel);
   std::printf("\n");
 }

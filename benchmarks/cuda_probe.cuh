@@ -1,7 +1,8 @@
 // What the standalone CUDA probes of benchmarks/ (mma_peak.cu, read_patterns.cu,
-// gemv_bulk_probe.cu, prefill_probe.cu) share: an error check that exits, a kernel that keeps the
-// GPU busy for a number of cycles before a timed launch (so that the launch, not the host, is
-// timed), and the int4 probes' random operands.
+// gemv_bulk_probe.cu, gemv_frag_probe.cu, prefill_probe.cu) share: an error check that exits, a
+// kernel that keeps the GPU busy for a number of cycles before a timed launch (so that the launch,
+// not the host, is timed), the resident-mode timing, and the int4 probes' random operands and
+// device helpers.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -101,6 +102,18 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   uint32_t r;
   asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
   return r;
+}
+// D += A B, m16n8k16, fp16 in, float32 accumulators
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// word j of 16 bytes (j a constant after unrolling)
+__device__ __forceinline__ uint32_t word(const uint4& q, int j) {
+  return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
 }
 __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t r;

@@ -51,7 +51,7 @@ namespace qf::gemm::cuda_wo {
 //                                             two's-complement codes to q + 8)
 struct GemvMeta {
   float scale;
-  uint32_t zero;  // the code of 0.0
+  uint32_t zero;  // the code of 0.0 (below 2^16)
 };
 template <class Fmt, class = void>
 struct HasGemv : std::false_type {};
@@ -70,11 +70,12 @@ __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
   return v;
 }
 
-// Per chunk and lane: rows g and g + 8's 16 bytes, scales and zero points.
+// Per chunk and lane: rows g and g + 8's 16 bytes, scales and zero points (row g + 8's in bits
+// 16..31: one register for both, so that two slots stay within 64 registers without spilling).
 struct GemvSlot {
   uint4 c[2];
   float s[2];
-  uint32_t z[2];
+  uint32_t z;
 };
 
 template <class Fmt, int W>
@@ -102,8 +103,7 @@ __launch_bounds__(W * 32, 1024 / (W * 32))
     const GemvMeta a = f.gemv_meta(ra, c0 + i), b = f.gemv_meta(rb, c0 + i);
     sl.s[0] = a.scale;
     sl.s[1] = b.scale;
-    sl.z[0] = a.zero;
-    sl.z[1] = b.zero;
+    sl.z = a.zero | b.zero << 16;
   };
   GemvSlot sl[2];
   if (n > 0) load(0, sl[0]);
@@ -159,7 +159,7 @@ __launch_bounds__(W * 32, 1024 / (W * 32))
       const float2 sc = sxc[c];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float u = fmaf(-float(sl[d].z[r]), sc.x, dl[2 * r] + dh[2 * r] - sc.y);
+        const float u = fmaf(-float((sl[d].z >> (16 * r)) & 0xFFFFu), sc.x, dl[2 * r] + dh[2 * r] - sc.y);
         acc[r] = fmaf(sl[d].s[r], u, acc[r]);
       }
       if (i + 2 < n) load(i + 2, sl[d]);

@@ -204,6 +204,16 @@ def empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
     return np.empty(shape, dtype=dtype)
 
 
+def permuted_copy(x: Any, shape: Sequence[int], axes: Sequence[int], out_shape: Sequence[int]) -> Any:
+    """``x`` seen as ``shape``, its axes put in the order ``axes``, copied to a new C-contiguous
+    array of ``out_shape`` in x's library and on x's device (one pass; torch on x's current
+    stream)."""
+    v = x.reshape(tuple(shape))
+    if is_torch(x):
+        return v.permute(*axes).contiguous().reshape(tuple(out_shape))
+    return np.ascontiguousarray(v.transpose(tuple(axes))).reshape(tuple(out_shape))
+
+
 def gemm_workspace(x: Any, N: int, M: int) -> Any:
     """The device workspace of a CUDA weight-only GEMM of ``x`` (``N`` activation rows, its last
     dimension deep) by ``M`` weight rows on ``x``'s device (an uninitialized uint8 tensor from

@@ -82,6 +82,9 @@ class FormatSpec:
             ``"blocksize"``), or None for fixed blocks.
         block: ``block(params) -> int``: the last dimension (in_features) must be a multiple
             of this for these params (1: any).
+        row_block: ``row_block(params) -> int``: the first dimension of a 2-D weight
+            (out_features) must be a multiple of this for these params (1: any; int4's tiles
+            layout: 16).
         with_group_size: ``with_group_size(params, group_size) -> params``: params with a
             generic group size folded in; ValueError if the format cannot take it.
         quantize: ``quantize(x, **params) -> QuantizedTensor``.
@@ -134,6 +137,7 @@ class FormatSpec:
     rounding: Optional[Callable[..., Any]] = None
     calibrated: Callable[[Mapping[str, Any]], bool] = lambda params: False
     ggml_type: Optional[str] = None
+    row_block: Callable[[Mapping[str, Any]], int] = lambda params: 1
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))

@@ -35,6 +35,12 @@ def block(fmt: str, params: dict) -> int:
     return int(format_spec(fmt).block(params))
 
 
+def row_block(fmt: str, params: dict) -> int:
+    """out_features must be a multiple of this for ``fmt`` with ``params`` (1: any): the
+    format's own :attr:`~qformats._spec.FormatSpec.row_block`."""
+    return int(format_spec(fmt).row_block(params))
+
+
 def _apply_group_size(fmt: str, params: dict, group_size: Optional[int]) -> dict:
     """Fold a generic ``group_size`` into ``fmt``'s own parameter
     (:attr:`~qformats._spec.FormatSpec.with_group_size`; ValueError where the format cannot
@@ -96,7 +102,7 @@ def resolve_spec(format: Optional[str] = None, bits: Optional[int] = None,
         raise ValueError(f"{fmt}: a block/group of {blk} values is larger than any weight row "
                          f"qformats quantizes (at most {MAX_BLOCK}); use a smaller group size")
     try:
-        mod.quantize(np.zeros((2, blk * -(-32 // blk)), np.float32), **base)
+        mod.quantize(np.zeros((max(2, row_block(fmt, base)), blk * -(-32 // blk)), np.float32), **base)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{fmt}: bad parameters {base}: {e}") from e
     return fmt, base

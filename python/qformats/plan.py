@@ -14,7 +14,7 @@ from torch import nn
 
 # The format choice itself (torch-free, qformats.choice), used here per layer and imported
 # from here by the model level.
-from .choice import BITS_FORMATS, block, resolve_spec  # noqa: F401
+from .choice import BITS_FORMATS, block, resolve_spec, row_block  # noqa: F401
 
 __all__ = ["DEFAULT_IGNORE", "matches", "LayerReport", "plan_layers", "set_submodule"]
 
@@ -169,6 +169,8 @@ def plan_layers(model: nn.Module, glob: dict, ignore: Optional[Sequence[str]],
             reason = f"in_features={in_f} is not a multiple of the {fmt} block of {blk}"
         elif m.weight.ndim != 2:
             reason = f"{fmt} needs a 2-D weight [out, in] (QuantizedLinear), got {m.weight.ndim}-D"
+        elif out_f % row_block(fmt, qparams):
+            reason = f"out_features={out_f} is not a multiple of the {fmt} row block of {row_block(fmt, qparams)}"
         if reason:
             msg = f"{name}: kept in float: {reason}"
             messages.append(msg)

@@ -69,20 +69,33 @@ void quantize(const InArray& x, const OutArray& qweight, const OutArray& scales,
   });
 }
 
-// out: float32, float16 or bfloat16 (decoded in float32, rounded once).
+// Checks `tiles_K` of the "tiles" layout (formats/int4/int4.h) for n values: 0 (the rows layout),
+// or the K of a weight [M, K] with M % 16 == 0 and K % group_size == 0; returns the groups per row
+// (0 for rows).
+int64_t tiles_groups(int64_t tiles_K, int64_t n, int64_t gs, const char* name) {
+  if (tiles_K == 0) return 0;
+  if (tiles_K < 0 || tiles_K % gs || n % tiles_K || (n / tiles_K) % int4::kTileRows)
+    throw std::invalid_argument(std::string(name) + "=" + std::to_string(tiles_K) +
+                                ": the tiles layout needs a weight [M, K] with M % 16 == 0 and K % group_size == 0");
+  return tiles_K / gs;
+}
+
+// out: float32, float16 or bfloat16 (decoded in float32, rounded once). tiles_K > 0: the buffers
+// are the "tiles" layout of a weight [numel(out) / tiles_K, tiles_K], decoded in row order.
 void dequantize(const InArray& qweight, const InArray& scales, const std::optional<InArray>& zeros, const OutArray& out,
-                int64_t group_size, uintptr_t stream) {
+                int64_t group_size, uintptr_t stream, int64_t tiles_K) {
   const Device dev = device_of(qweight, stream, "qweight");
   const int64_t n_groups = check_buffers(numel(out, "out"), group_size, qweight, scales, zeros, dev);
+  const int64_t tiles_C = tiles_groups(tiles_K, numel(out, "out"), group_size, "tiles_K");
   const auto* qw = cptr<uint8_t>(qweight);
   const auto* sc = cptr<float>(scales);
   const uint8_t* zp = zeros_ptr(zeros);
   dispatch_float_out(out, "out", dev, [&](auto* py) {
     if (n_groups == 0) return;  // no output (nb_common.h)
     if (dev.cuda) {
-      QF_ON_CUDA(qf::int4::dequantize_cuda(qw, sc, zp, n_groups, group_size, py, dev.stream));
+      QF_ON_CUDA(qf::int4::dequantize_cuda(qw, sc, zp, n_groups, group_size, py, dev.stream, tiles_C));
     } else {
-      qf::int4::dequantize_cpu(qw, sc, zp, n_groups, group_size, py);
+      qf::int4::dequantize_cpu(qw, sc, zp, n_groups, group_size, py, tiles_C);
     }
   });
 }
@@ -127,31 +140,34 @@ struct Int4Linear {
   const float* scales;
   const uint8_t* zeros;  // nullptr: symmetric
   int64_t M, K, group_size;
+  bool tiles;  // the "tiles" layout
+  int64_t tiles_C() const { return tiles ? K / group_size : 0; }
 #if defined(QFORMATS_WITH_CUDA)
   template <class T>
   void cuda(const T* x, int64_t N, T* y, const T* bias, gemm::GemmWorkspace ws, void* stream) const {
-    gemm::int4_gemm_cuda(x, N, K, M, qweight, scales, zeros, group_size, y, bias, ws, stream);
+    gemm::int4_gemm_cuda(x, N, K, M, qweight, scales, zeros, group_size, y, bias, ws, stream, tiles);
   }
   int64_t workspace_cuda(int64_t N) const { return gemm::weight_only_workspace_bytes_cuda(N, M, K); }
   template <class T>
   void dequantize_cuda(T* w, void*, int64_t, void* stream) const {
-    qf::int4::dequantize_cuda(qweight, scales, zeros, M * K / group_size, group_size, w, stream);
+    qf::int4::dequantize_cuda(qweight, scales, zeros, M * K / group_size, group_size, w, stream, tiles_C());
   }
   int64_t dequantize_workspace_cuda() const { return 0; }
 #endif
   template <class T>
   void dequantize_cpu(T* w) const {
-    qf::int4::dequantize_cpu(qweight, scales, zeros, M * K / group_size, group_size, w);
+    qf::int4::dequantize_cpu(qweight, scales, zeros, M * K / group_size, group_size, w, tiles_C());
   }
   void cpu(const float* x, int64_t N, float* y) const {
-    gemm::int4_gemm_cpu(x, N, K, M, qweight, scales, zeros, group_size, y);
+    gemm::int4_gemm_cpu(x, N, K, M, qweight, scales, zeros, group_size, y, tiles);
   }
 };
 
 // The int4 weight [M, K] as a Linear (checked here, once). CUDA: group_size = 32 * 2^j
-// (formats/int4/int4_gemm_cuda.h); CPU: any multiple of 8 dividing K.
+// (formats/int4/int4_gemm_cuda.h); CPU: any multiple of 8 dividing K. tiles: the buffers are in
+// the "tiles" layout (M % 16 == 0).
 PackedLinear<Int4Linear> make_linear(const InArray& qweight, const InArray& scales, const std::optional<InArray>& zeros,
-                                     int64_t M, int64_t K, int64_t group_size) {
+                                     int64_t M, int64_t K, int64_t group_size, bool tiles) {
   nonneg(M, "M");
   nonneg(K, "K");
   const Device dev = device_of(qweight, 0, "qweight");
@@ -159,22 +175,24 @@ PackedLinear<Int4Linear> make_linear(const InArray& qweight, const InArray& scal
   if (K % group_size) throw std::invalid_argument("K must be a multiple of group_size");
   if (dev.cuda && !gemm::int4_gemm_cuda_supports(group_size))
     throw std::invalid_argument("the CUDA GEMM needs group_size = 32 * 2^j");
+  if (tiles) tiles_groups(K, mul(M, K, "M * K"), group_size, "K");
   std::vector<InArray> keep{qweight, scales};
   if (zeros) keep.push_back(*zeros);
-  return packed_linear(Int4Linear{cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), M, K, group_size}, M,
-                       K, qweight, std::move(keep));
+  return packed_linear(
+      Int4Linear{cptr<uint8_t>(qweight), cptr<float>(scales), zeros_ptr(zeros), M, K, group_size, tiles}, M, K, qweight,
+      std::move(keep));
 }
 
 // x: float [N, K] (float32, float16 or bfloat16); weight buffers of an [M, K] int4 tensor. CPU:
 // x converted to float32 exactly, out float32 [N, M]. CUDA: out [N, M] in x's dtype.
 void weight_only_gemm(const InArray& x, const InArray& qweight, const InArray& scales,
                       const std::optional<InArray>& zeros, const OutArray& out, int64_t N, int64_t K, int64_t M,
-                      int64_t group_size, uintptr_t stream, const std::optional<OutArray>& workspace) {
+                      int64_t group_size, uintptr_t stream, const std::optional<OutArray>& workspace, bool tiles) {
   nonneg(N, "N");
   nonneg(K, "K");
   nonneg(M, "M");
   require_numel(x, mul(N, K, "N * K"), "x");
-  make_linear(qweight, scales, zeros, M, K, group_size)(x, out, std::nullopt, workspace, stream);
+  make_linear(qweight, scales, zeros, M, K, group_size, tiles)(x, out, std::nullopt, workspace, stream);
 }
 
 // a: uint8 [N, K/2], b: uint8 [M, K/2] (symmetric packed codes); out: int32 [N, M].
@@ -209,15 +227,15 @@ NB_MODULE(_native, m) {
   m.def("quantize", &quantize, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
         nb::arg("group_size"), nb::arg("stream") = 0, release_gil());
   m.def("dequantize", &dequantize, nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(), nb::arg("out"),
-        nb::arg("group_size"), nb::arg("stream") = 0, release_gil());
+        nb::arg("group_size"), nb::arg("stream") = 0, nb::arg("tiles_K") = 0, release_gil());
   m.def("pack", &pack, nb::arg("values"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("unpack", &unpack, nb::arg("packed"), nb::arg("out"), nb::arg("stream") = 0, release_gil());
   m.def("gemm", &weight_only_gemm, nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(),
         nb::arg("out"), nb::arg("N"), nb::arg("K"), nb::arg("M"), nb::arg("group_size"), nb::arg("stream") = 0,
-        nb::arg("workspace").none() = nb::none(), release_gil());
+        nb::arg("workspace").none() = nb::none(), nb::arg("tiles") = false, release_gil());
   bind_linear<Int4Linear>(m, "An int4 weight [M, K] bound for repeated x . W^T (+ bias) calls.");
   m.def("make_linear", &make_linear, nb::arg("qweight"), nb::arg("scales"), nb::arg("zeros").none(), nb::arg("M"),
-        nb::arg("K"), nb::arg("group_size"));
+        nb::arg("K"), nb::arg("group_size"), nb::arg("tiles") = false);
   m.def("gemm_cuda_supports", &gemm::int4_gemm_cuda_supports, nb::arg("group_size"),
         "Whether the CUDA weight-only GEMM takes this group_size (32 * 2^j).");
   m.def("int4_matmul", &int4_matmul, nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("N"), nb::arg("M"),

@@ -1,5 +1,5 @@
 // Hopper's tensor memory accelerator (TMA) and the shared-memory barriers it completes on: 2-D
-// tile copies global -> shared issued by one thread, mbarriers that count arrivals and the bytes
+// and 4-D tile copies global -> shared issued by one thread, mbarriers that count arrivals and the bytes
 // of copies in flight, and the host side, a tensor map per operand. PTX ISA,
 // "cp.async.bulk.tensor" and "mbarrier"; CUDA driver API, cuTensorMapEncodeTiled (reached through
 // the runtime's driver entry point, so the library does not link libcuda).
@@ -55,13 +55,22 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* tm, in
           smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
 }
+// The box of a 4-D tensor map at element coordinates c0 (contiguous dimension) .. c3 into dst.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* tm, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  QF_TMA_ASM(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar)) : "memory");
+}
 #undef QF_TMA_ASM
 
-// A 2-D tensor map of a row-major array [rows, cols] of elem_bytes-sized elements (row stride
-// cols * elem_bytes, a multiple of 16; base 16-byte aligned), copied in boxes of box_rows x
-// box_cols. False when the driver refuses it (the caller then takes another path).
-inline bool tensor_map_2d(CUtensorMap* tm, const void* base, CUtensorMapDataType type, int elem_bytes, uint64_t cols,
-                          uint64_t rows, uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swizzle) {
+// A tensor map of `rank` dimensions (dims[0] the contiguous one, in elements; strides[i] the
+// bytes between consecutive entries of dimension i + 1, multiples of 16; base 16-byte aligned),
+// copied in boxes of box[0] x ... elements. False when the driver refuses it (the caller then
+// takes another path).
+inline bool tensor_map(CUtensorMap* tm, const void* base, CUtensorMapDataType type, int rank, const uint64_t* dims,
+                       const uint64_t* strides, const uint32_t* box, CUtensorMapSwizzle swizzle) {
   static std::once_flag once;
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   std::call_once(once, [] {
@@ -72,11 +81,27 @@ inline bool tensor_map_2d(CUtensorMap* tm, const void* base, CUtensorMapDataType
       encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     else cudaGetLastError();  // (clear the error: the caller falls back)
   });
-  if (!encode) return false;
-  const cuuint64_t dims[2] = {cols, rows}, strides[1] = {cols * elem_bytes};
-  const cuuint32_t box[2] = {box_cols, box_rows}, estr[2] = {1, 1};
-  return encode(tm, type, 2, const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  if (!encode || rank < 1 || rank > 5) return false;
+  cuuint64_t d[5], st[4];
+  cuuint32_t b[5], estr[5];
+  for (int i = 0; i < rank; ++i) {
+    d[i] = dims[i];
+    b[i] = box[i];
+    estr[i] = 1;
+    if (i + 1 < rank) st[i] = strides[i];
+  }
+  return encode(tm, type, cuuint32_t(rank), const_cast<void*>(base), d, st, b, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A 2-D tensor map of a row-major array [rows, cols] of elem_bytes-sized elements (row stride
+// cols * elem_bytes, a multiple of 16; base 16-byte aligned), copied in boxes of box_rows x
+// box_cols. False when the driver refuses it (the caller then takes another path).
+inline bool tensor_map_2d(CUtensorMap* tm, const void* base, CUtensorMapDataType type, int elem_bytes, uint64_t cols,
+                          uint64_t rows, uint32_t box_cols, uint32_t box_rows, CUtensorMapSwizzle swizzle) {
+  const uint64_t dims[2] = {cols, rows}, strides[1] = {cols * elem_bytes};
+  const uint32_t box[2] = {box_cols, box_rows};
+  return tensor_map(tm, base, type, 2, dims, strides, box, swizzle);
 }
 
 }  // namespace qf::cuda

@@ -1,6 +1,9 @@
 // The offset GEMV: one fp16 activation row on sm_80+, for formats whose rows are 4-bit codes two
 // per byte, low nibble first, with one scale and zero point per chunk of 128 values (int4 with
-// group_size >= 128: formats/int4/int4.h). y [M] = W x, x [K], W [M, K].
+// group_size >= 128: formats/int4/int4.h). y [M] = W x, x [K], W [M, K]. The format says where a
+// row's chunks are: in int4's tiles layout a CTA's 16 rows of a chunk are 1 KB contiguous and a
+// warp's two loads of it 512 bytes each (about 1-2 us faster at one row: benchmarks/README.md,
+// "int4's tiles layout").
 //
 // Why a kernel of its own: the tensor-core driver (weight_only_mma_cuda.cuh) rebuilds each lane's
 // mma fragments from the bytes with a PRMT, an HSUB2 and an HMUL2 per pair (about 29 instructions
@@ -45,8 +48,14 @@ namespace qf::gemm::cuda_wo {
 
 // A format opts in with `static constexpr bool kGemvNibbles = true` and
 //   bool gemv_ok() const                      the shape's chunks each have one scale and zero point
-//   __host__ __device__ const uint8_t* gemv_codes() const   rows of K / 2 bytes, low nibble first
-//   __device__ GemvMeta gemv_meta(int64_t m, int64_t chunk) const
+//   __host__ __device__ const uint8_t* gemv_codes() const   the codes (for the alignment check)
+//   __device__ const uint8_t* gemv_row(int64_t m) const     row m's first chunk: 64 bytes, low
+//                                             nibble first (16-byte aligned)
+//   __device__ int64_t gemv_offset(int64_t chunk) const     bytes from a row's first chunk to
+//                                             chunk `chunk`, the same for every row
+//   __device__ int64_t gemv_meta_row(int64_t m) const       row m's first chunk's metadata index
+//   __device__ GemvMeta gemv_meta(int64_t row_index, int64_t chunk) const   chunk `chunk` of the
+//                                             row whose gemv_meta_row is row_index
 //   __device__ uint32_t gemv_flip() const     nibble bits to flip before the decode (0x88888888:
 //                                             two's-complement codes to q + 8)
 struct GemvMeta {
@@ -95,12 +104,14 @@ __launch_bounds__(W * 32, 1024 / (W * 32))
   const int c0 = KC * warp / W, n = KC * (warp + 1) / W - c0;  // this warp's chunks
   // rows past M load row M - 1 (in bounds) and store nothing
   const int64_t ra = m0 + g < M ? m0 + g : M - 1, rb = m0 + g + 8 < M ? m0 + g + 8 : M - 1;
-  const uint8_t* qa = f.gemv_codes() + ra * (K / 2) + int64_t(c0) * kGemvChunkBytes + t * 16;
-  const uint8_t* qb = f.gemv_codes() + rb * (K / 2) + int64_t(c0) * kGemvChunkBytes + t * 16;
+  const uint8_t* qa = f.gemv_row(ra) + t * 16;
+  const uint8_t* qb = f.gemv_row(rb) + t * 16;
+  const int64_t ia = f.gemv_meta_row(ra), ib = f.gemv_meta_row(rb);
   auto load = [&](int i, GemvSlot& sl) {
-    sl.c[0] = ld_stream16(qa + int64_t(i) * kGemvChunkBytes);
-    sl.c[1] = ld_stream16(qb + int64_t(i) * kGemvChunkBytes);
-    const GemvMeta a = f.gemv_meta(ra, c0 + i), b = f.gemv_meta(rb, c0 + i);
+    const int64_t off = f.gemv_offset(c0 + i);
+    sl.c[0] = ld_stream16(qa + off);
+    sl.c[1] = ld_stream16(qb + off);
+    const GemvMeta a = f.gemv_meta(ia, c0 + i), b = f.gemv_meta(ib, c0 + i);
     sl.s[0] = a.scale;
     sl.s[1] = b.scale;
     sl.z = a.zero | b.zero << 16;

@@ -32,6 +32,12 @@
 //                               for int4 and nf4);
 //   prefill_ok()                host: this weight can take the kernel;
 //   prefill_codes()             host: the packed rows, [M, K / 64 * kPrefillStepBytes] bytes;
+//   kPrefillTiledCodes          optional: the codes are instead stored in tiles of 16 rows, a
+//                               tile's row groups of prefill_tile_group_bytes() (host; a multiple
+//                               of 32) one group column after the other (int4's "tiles" layout,
+//                               formats/int4/int4.h): [M / 16, K / gs, 16, group bytes]. A 4-D
+//                               tensor map then brings the same box (its 16-row pieces land one
+//                               after the other, so the tile's rows are in order in shared memory);
 //   kPrefillMetaWords           optional: 32-bit words of per-row metadata a step needs beside its
 //                               codes (default 0: none, or it comes with the codes), which the
 //                               consumers load a group ahead and convert at every step, with
@@ -155,6 +161,14 @@ struct prefill_box_bytes : std::integral_constant<int, Fmt::kPrefillStepBytes> {
 template <class Fmt>
 struct prefill_box_bytes<Fmt, std::void_t<decltype(Fmt::kPrefillBoxBytes)>>
     : std::integral_constant<int, Fmt::kPrefillBoxBytes> {};
+
+// Whether Fmt's codes are in 16-row tiles (Fmt::kPrefillTiledCodes).
+template <class Fmt, class = void>
+struct prefill_tiled_codes : std::false_type {};
+template <class Fmt>
+struct prefill_tiled_codes<Fmt, std::void_t<decltype(Fmt::kPrefillTiledCodes)>>
+    : std::bool_constant<Fmt::kPrefillTiledCodes> {};
+constexpr int kPrefillCodeTileRows = 16;
 
 // Stages of the 128 x 256 tile's ring (Fmt::kPrefillWideStages, else 4).
 template <class Fmt, class = void>
@@ -326,6 +340,8 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
     if constexpr (BN > 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if ((tid & 127) == 0) {  // one thread issues the TMA copies
       // The copies of one piece of work (for_each_piece).
+      int gbytes = 0;  // (tiled codes: a row's bytes per group)
+      if constexpr (prefill_tiled_codes<Fmt>::value) gbytes = f.prefill_tile_group_bytes();
       auto copy_piece = [&](int tile, int kb, int steps, int kk) {
         const int m0 = tile % mtiles * 64 * C, n0 = tile / mtiles * BN;
         const bool lastn = n0 + BN >= N;  // the last column of tiles takes X through tmXl
@@ -336,7 +352,11 @@ __launch_bounds__(prefill_threads(BN, C), C == 1 ? 2 : 1)
           if (kk >= S) cuda::mbar_wait(&empty[st], ((kk / S) - 1) & 1);
           cuda::mbar_expect(&full[st], bytes);
           cuda::tma_load_2d(xs + st * kX, mx, k * 64, n0, &full[st]);
-          cuda::tma_load_2d(wsm + st * kW, &tmW, (k * Fmt::kPrefillStepBytes) & ~15, m0, &full[st]);
+          const int cw = (k * Fmt::kPrefillStepBytes) & ~15;  // the box's first byte of a row
+          if constexpr (prefill_tiled_codes<Fmt>::value)  // (a box never crosses a group: launcher)
+            cuda::tma_load_4d(wsm + st * kW, &tmW, cw % gbytes, 0, cw / gbytes, m0 / kPrefillCodeTileRows, &full[st]);
+          else
+            cuda::tma_load_2d(wsm + st * kW, &tmW, cw, m0, &full[st]);
           // (rows past M arrive as zeros: their outputs are not stored)
           if constexpr (kTma) cuda::tma_load_2d(meta + st * kMeta, &tmM, f.prefill_meta_col(k) & ~3, m0, &full[st]);
         }
@@ -572,6 +592,23 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
         return launch_weight_only_prefill(PrefillLoadedMeta<Fmt>(f), X, N, K, M, Y, bias, ws, stream);
     }
     constexpr int kSB = Fmt::kPrefillStepBytes, kBox = prefill_box_bytes<Fmt>::value;
+    // The codes' map: rows [M, K / 64 * kSB], or tiles of 16 rows [M / 16, groups, 16, group
+    // bytes] whose boxes of 16 rows x kBox bytes, bm / 16 tiles at a time, land as the rows' box.
+    CUtensorMap tw;
+    auto codes_map = [&](int bm) {
+      if constexpr (prefill_tiled_codes<Fmt>::value) {
+        const uint64_t gb = uint64_t(f.prefill_tile_group_bytes()), row_bytes = uint64_t(K / 64 * kSB);
+        if (kBox != kSB || gb % kBox || row_bytes % gb || M % kPrefillCodeTileRows) return false;  // a box in one group
+        const uint64_t dims[4] = {gb, kPrefillCodeTileRows, row_bytes / gb, uint64_t(M / kPrefillCodeTileRows)};
+        const uint64_t strides[3] = {gb, gb * kPrefillCodeTileRows, row_bytes * kPrefillCodeTileRows};
+        const uint32_t box[4] = {uint32_t(kBox), kPrefillCodeTileRows, 1, uint32_t(bm / kPrefillCodeTileRows)};
+        return cuda::tensor_map(&tw, f.prefill_codes(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, dims, strides, box,
+                                CU_TENSOR_MAP_SWIZZLE_NONE);
+      } else {
+        return cuda::tensor_map_2d(&tw, f.prefill_codes(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(K / 64 * kSB),
+                                   uint64_t(M), kBox, bm, CU_TENSOR_MAP_SWIZZLE_NONE);
+      }
+    };
     const int sms = cuda::sm_count();
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -631,15 +668,14 @@ bool launch_weight_only_prefill(const Fmt& f, const H* X, int64_t N, int64_t K, 
     }, sk_ok);
     if (!plan.bm) return false;
     const int bm = plan.bm, bn = plan.bn, split = plan.split;
-    CUtensorMap tx, txl, tw;
+    CUtensorMap tx, txl;
     constexpr auto kXType = std::is_same_v<H, bf16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     const int last_rows = prefill_last_x_rows(int(N), bn);
     // One column of tiles, or a last column as wide as the rest, needs one map (an encode is host time).
     const bool one_map = N <= bn || last_rows == bn;
     if (!cuda::tensor_map_2d(&txl, X, kXType, 2, uint64_t(K), uint64_t(N), 64, last_rows, CU_TENSOR_MAP_SWIZZLE_128B) ||
         !(one_map || cuda::tensor_map_2d(&tx, X, kXType, 2, uint64_t(K), uint64_t(N), 64, bn, CU_TENSOR_MAP_SWIZZLE_128B)) ||
-        !cuda::tensor_map_2d(&tw, f.prefill_codes(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(K / 64 * kSB),
-                             uint64_t(M), kBox, bm, CU_TENSOR_MAP_SWIZZLE_NONE))
+        !codes_map(bm))
       return false;
     CUtensorMap tm{};  // (left zero where the format has no metadata by TMA: the kernel does not read it)
     if constexpr (prefill_meta_tma<Fmt>::value) {

@@ -77,7 +77,7 @@ def native_gemm_into_nan(fmt, mod, q, qc, x, m):
         mod._native.gemm(x, qc.buffers["packed"], nf4.decoded_absmax(qc), out, m, k, q.params["blocksize"], stream)
     elif fmt == "int4":
         mod._native.gemm(x, qc.buffers["qweight"], qc.buffers["scales"], qc.buffers.get("zeros"), out, n, k, m,
-                         q.params["group_size"], stream)
+                         q.params["group_size"], stream, tiles=qc.params.get("layout") == "tiles")
     elif fmt == "q4_0":
         mod._native.gemm(x, qc.buffers["blocks"], out, m, n, k, stream)
     elif qc.params.get("layout") == "tiled":
@@ -153,6 +153,63 @@ def test_offset_gemv(params, m, k, n, x_kind):
     run(x, yb, bias, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert torch.equal(yb, y + bias)
+
+
+# int4's "tiles" layout (formats/int4/int4.h): the same groups in the kernels' order. Every CUDA
+# driver reads it through the same decode as the rows layout (the prefill kernel's copies through a
+# 4-D tensor map that lands the same boxes), so the products are equal bit for bit where both layouts
+# take the same driver: everywhere but at one row with groups of 256 or more (the offset GEMV takes
+# the tiles layout at groups of 128 only). K from 1 to 880 chunks of 128 (the offset GEMV's warp
+# counts and its fallback, as above), group sizes 32-512.
+TILES_SHAPES = [(16, 128), (48, 128 * 15), (32, 2048), (16, 128 * 63), (64, 128 * 64), (16, 14336),
+                (32, 128 * 431), (16, 128 * 880)]
+TILES_PARAMS = [{"group_size": 128}, {"group_size": 256, "symmetric": True}, {"group_size": 512},
+                {"group_size": 32}, {"group_size": 64, "symmetric": True}]
+
+
+def same_driver(params: dict, n: int) -> bool:
+    return not (n == 1 and params["group_size"] > 128)
+
+
+@pytest.mark.parametrize("params,m,k", [(p, m, k) for p in TILES_PARAMS for m, k in TILES_SHAPES
+                                        if k % p["group_size"] == 0], ids=str)
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("x_kind", ["normal", "offset"])
+def test_int4_tiles_gemv(params, m, k, n, x_kind):
+    """One and two fp16 rows on the tiles layout: against float64, NaN-filled outputs all overwritten,
+    and equal to the rows layout's product bit for bit (X = 8 + 0.5 N(0, 1) too, as in test_offset_gemv)."""
+    mod, q, qc, w64 = weight("int4", m, k, k + m + n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n))
+    if x_kind == "offset":
+        x = 8 + 0.5 * x
+    x = x.half().cuda()
+    qt = int4.relayout(qc, "tiles")
+    y = native_gemm_into_nan("int4", mod, q, qt, x, m)
+    assert_close(y, x, w64, TOL["float16"])
+    if same_driver(params, n):
+        assert torch.equal(y, native_gemm_into_nan("int4", mod, q, qc, x, m))
+
+
+@pytest.mark.parametrize("params", TILES_PARAMS, ids=str)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n", N_VALUES)
+def test_int4_tiles_every_driver(params, dtype, n):
+    """Every activation row count of the issue's list and every dtype: the tiles layout against float64
+    and equal to the rows layout bit for bit; the bound kernel's dequantize (the dequantizing path of
+    QuantizedLinear) writes the rows layout's values in row order."""
+    from qformats import format_spec
+
+    m, k = 48, 2048
+    mod, q, qc, w64 = weight("int4", m, k, n, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(DTYPES[dtype]).cuda()
+    qt = int4.relayout(qc, "tiles")
+    y = native_gemm_into_nan("int4", mod, q, qt, x, m)
+    assert_close(y, x, w64, TOL[dtype])
+    if same_driver(params, n):
+        assert torch.equal(y, native_gemm_into_nan("int4", mod, q, qc, x, m))
+    dense = torch.full((m, k), float("nan"), device="cuda", dtype=DTYPES[dtype])
+    format_spec("int4").make_linear(qt).run.dequantize(dense, None, torch.cuda.current_stream().cuda_stream)
+    assert torch.equal(dense, int4.dequantize(qc, dtype=dtype))
 
 
 @pytest.mark.parametrize("params", [{"layout": "tiled"}, {"layout": "tiled", "ratio_4bit": 0.3, "scale_block": 4},
@@ -363,6 +420,48 @@ def test_prefill_stream_k(fmt, params, shape, dtype):
     assert bool((d <= 2 * TOL[dtype] * y0.float().abs() + 1e-3).all()), float(d.max())
     if sk:  # the cut tiles' sums in another order: some outputs round differently
         assert not torch.equal(y, y0)
+
+
+# The prefill kernel on int4's tiles layout: partial 64- and 128-row tiles (M a multiple of 16 only),
+# K split or not, 16 to 2048 rows; and the stream-K schedule over 1.5 waves of tiles.
+TILES_PREFILL_SHAPES = [(129, 304, 1024), (300, 4096, 512), (500, 2048, 2304), (40, 14336, 512), (2048, 96, 512),
+                        (16, 3152, 4096), (200, 4048, 4096)]
+
+
+@pytest.mark.parametrize("params", [{"group_size": 128}, {"group_size": 64, "symmetric": True}, {"group_size": 256}],
+                         ids=str)
+@pytest.mark.parametrize("n,m,k", TILES_PREFILL_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_int4_tiles_prefill(params, n, m, k, dtype):
+    """Many activation rows on the tiles layout: against float64, NaN-filled outputs all overwritten,
+    and equal to the rows layout bit for bit."""
+    mod, q, qc, w64 = weight("int4", m, k, k + n + m, **params)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(DTYPES[dtype]).cuda()
+    qt = int4.relayout(qc, "tiles")
+    y = native_gemm_into_nan("int4", mod, q, qt, x, m)
+    assert_close(y, x, w64, TOL[dtype])
+    assert torch.equal(y, native_gemm_into_nan("int4", mod, q, qc, x, m))
+
+
+@pytest.mark.parametrize("params", [{"group_size": 128}, {"group_size": 64, "symmetric": True}], ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_int4_tiles_prefill_stream_k(params, dtype):
+    """The stream-K schedule (1.5 waves of 128-row tiles, the workspace filled with 0xFF first) on
+    the tiles layout: outputs all written and equal to the rows layout's bit for bit."""
+    from qformats import format_spec
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m2 = 128 * (sms + sms // 2) + 80
+    _, _, qc2, _ = weight("int4", m2, 768, 3, **params)
+    x2 = torch.randn(256, 768, generator=torch.Generator().manual_seed(2)).to(DTYPES[dtype]).cuda()
+    outs = []
+    for w in (qc2, int4.relayout(qc2, "tiles")):
+        run = format_spec("int4").make_linear(w).run
+        ws = torch.full((max(run.gemm_workspace(256), 1),), 255, dtype=torch.uint8, device="cuda")
+        outs.append(torch.full((256, m2), float("nan"), device="cuda", dtype=DTYPES[dtype]))
+        run(x2, outs[-1], None, torch.cuda.current_stream().cuda_stream, ws)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("fmt,params", WIDE_FORMATS, ids=str)

@@ -440,3 +440,108 @@ def test_state_dict_round_trip(sym):
     for k in qt.buffers:
         assert_bytes_equal(qt2.buffers[k], qt.buffers[k])
     assert torch.equal(qt2.dequantize(), qt.dequantize())
+
+
+# -- the "tiles" layout ------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(tiles=st.integers(1, 3), groups=st.integers(1, 4), gs=st.sampled_from([8, 32, 128, 256]),
+       sym=st.booleans(), seed=st.integers(0, 2**32 - 1), torch_in=st.booleans())
+def test_tiles_layout_is_the_reference_permutation(tiles, groups, gs, sym, seed, torch_in):
+    """quantize(layout="tiles") stores exactly the reference's permutation (reference.to_tiles, the
+    spec's index formula) of the rows layout's bytes; relayout and reference.from_tiles undo it
+    byte for byte; dequantize decodes to the same bits in row order."""
+    m, k = 16 * tiles, gs * groups
+    x = np.random.default_rng(seed).standard_normal((m, k)).astype(F32)
+    x = torch.from_numpy(x) if torch_in else x
+    rows = I.quantize(x, gs, sym)
+    t = I.quantize(x, gs, sym, layout="tiles")
+    assert t.params == {"group_size": gs, "symmetric": sym, "layout": "tiles"}
+    ref = R.to_tiles(_np(rows.buffers["qweight"]), _np(rows.buffers["scales"]),
+                     None if sym else _np(rows.buffers["zeros"]), gs)
+    for name, want in zip(("qweight", "scales", "zeros"), ref):
+        if want is not None:
+            assert type(t.buffers[name]) is type(x)
+            assert tuple(t.buffers[name].shape) == want.shape == I.expected_buffers((m, k), t.params)[name][1]
+            assert_bytes_equal(t.buffers[name], want)
+    back = I.relayout(t, "rows")
+    for name, want in zip(("qweight", "scales", "zeros"), R.from_tiles(*ref, gs)):
+        if want is not None:
+            assert_bytes_equal(back.buffers[name], want)
+            assert_bytes_equal(back.buffers[name], rows.buffers[name])
+    assert back.params == rows.params
+    assert_bytes_equal(I.dequantize(t), I.dequantize(rows))
+    assert_bytes_equal(I.relayout(rows, "tiles").buffers["qweight"], t.buffers["qweight"])
+    assert I.relayout(t, "tiles") is t
+
+
+def test_tiles_index_formula():
+    """The first groups of a 32 x 3-group weight, by hand: row m's group c is stored group
+    ((m // 16) * 3 + c) * 16 + m % 16."""
+    assert R.tiles_group(0, 0, 3) == 0 and R.tiles_group(1, 0, 3) == 1 and R.tiles_group(15, 0, 3) == 15
+    assert R.tiles_group(0, 1, 3) == 16 and R.tiles_group(0, 2, 3) == 32 and R.tiles_group(16, 0, 3) == 48
+    x = np.arange(32 * 24, dtype=F32).reshape(32, 24) / 64  # group sizes 8: distinct groups
+    t = I.quantize(x, 8, layout="tiles")
+    rows = I.quantize(x, 8)
+    flat_t, flat_r = t.buffers["qweight"].reshape(-1, 4), rows.buffers["qweight"].reshape(-1, 4)
+    assert np.array_equal(flat_t[16 + 5], flat_r[5 * 3 + 1])    # row 5, group 1
+    assert np.array_equal(flat_t[48 + 2], flat_r[18 * 3 + 0])   # row 18, group 0
+    assert t.buffers["scales"].reshape(-1)[32 + 7] == rows.buffers["scales"][7, 2]
+
+
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("gs", [32, 128])
+def test_tiles_gemm_and_linear(sym, n, gs):
+    """The CPU product of a tiles weight: the exact values of dequantize times x (float64
+    yardstick, float32 tolerance), through gemm and the bound kernel; above 4 rows, where both
+    layouts take the tile decoder, bit for bit the rows layout's product."""
+    from qformats import format_spec
+
+    rng = np.random.default_rng(n + gs)
+    w = rng.standard_normal((48, 4 * gs)).astype(F32)
+    t = I.quantize(w, gs, sym, layout="tiles")
+    x = rng.standard_normal((n, 4 * gs)).astype(F32)
+    want = R.gemm(x, I.dequantize(t))
+    got = I.gemm(x, t)
+    assert got.dtype == F32 and got.shape == (n, 48)
+    if n > 4:
+        assert np.array_equal(got, I.gemm(x, I.quantize(w, gs, sym)))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(x).sum(1).max() * np.abs(_np(I.dequantize(t))).max()
+    tt = I.quantize(torch.from_numpy(w), gs, sym, layout="tiles")
+    run = format_spec("int4").make_linear(tt).run
+    out = torch.full((n, 48), float("nan"))
+    run(torch.from_numpy(x), out, None, 0)
+    assert np.array_equal(out.numpy(), got)
+    dense = torch.empty(48, 4 * gs)
+    run.dequantize(dense)
+    assert_bytes_equal(dense, I.dequantize(tt))
+
+
+def test_tiles_bad_input_and_state_dict():
+    x = np.ones((32, 64), F32)
+    with pytest.raises(ValueError, match="layout"):
+        I.quantize(x, 32, layout="columns")
+    for shape in [(24, 64), (64,), (2, 16, 64)]:
+        with pytest.raises(ValueError, match="M % 16"):
+            I.quantize(np.ones(shape, F32), 32, layout="tiles")
+        with pytest.raises(ValueError):
+            I.expected_buffers(shape, {"group_size": 32, "layout": "tiles"})
+    with pytest.raises(ValueError, match="M % 16"):
+        I.relayout(I.quantize(np.ones((24, 64), F32), 32), "tiles")
+    with pytest.raises(ValueError):  # a rows-shaped buffer under tiles params
+        rows = I.quantize(x, 32)
+        I.dequantize(QuantizedTensor("int4", rows.shape, rows.dtype, {**rows.params, "layout": "tiles"},
+                                     rows.buffers))
+    with pytest.raises(ValueError, match="tiles"):  # the native check
+        I._native.dequantize(np.empty(768, np.uint8), np.empty(48, F32), None, np.empty((24, 64), F32), 32,
+                             tiles_K=64)
+    qt = I.quantize(torch.randn(32, 64, dtype=torch.float16), 32, layout="tiles")
+    buf = io.BytesIO()
+    torch.save(qt.state_dict(), buf)
+    buf.seek(0)
+    qt2 = QuantizedTensor.from_state_dict(torch.load(buf, weights_only=True))
+    assert qt2.params == qt.params
+    for k in qt.buffers:
+        assert_bytes_equal(qt2.buffers[k], qt.buffers[k])
+    assert torch.equal(qt2.dequantize(), qt.dequantize())

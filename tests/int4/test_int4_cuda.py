@@ -286,3 +286,29 @@ def test_gpu_gemms_check_devices():
         I.int4_matmul(a, a.cpu())
     with pytest.raises(ValueError, match="same device"):
         I._native.int4_matmul(a, a, torch.empty(2, 2, dtype=torch.int32), 2, 2, 16, 0)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape,gs", [((16, 128), 128), ((48, 4096), 128), ((32, 2048), 256), ((64, 96), 32),
+                                      ((4096, 14336), 128)])
+def test_gpu_tiles_layout(shape, gs, dtype, sym):
+    """The tiles layout on the GPU: quantize's bytes equal the CPU's and the reference's
+    permutation of the rows layout; relayout both ways on the device; dequantize (every output
+    dtype) equal to the CPU's, in row order."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])).to(getattr(torch, dtype))
+    gq = I.quantize(x.cuda(), gs, sym, layout="tiles")
+    cq = I.quantize(x, gs, sym, layout="tiles")
+    rows = I.quantize(x, gs, sym)
+    ref = R.to_tiles(rows.buffers["qweight"].numpy(), rows.buffers["scales"].numpy(),
+                     None if sym else rows.buffers["zeros"].numpy(), gs)
+    for name, want in zip(("qweight", "scales", "zeros"), ref):
+        if want is not None:
+            assert gq.buffers[name].is_cuda
+            assert_bytes_equal(gq.buffers[name], cq.buffers[name])
+            assert_bytes_equal(gq.buffers[name], want)
+    back = I.relayout(gq, "rows")
+    for name in rows.buffers:
+        assert_bytes_equal(back.buffers[name], rows.buffers[name])
+    _assert_decodes_equal(gq)
+    assert_bytes_equal(gq.dequantize("float32"), rows.dequantize("float32"))

@@ -217,3 +217,27 @@ def test_pattern_matching_and_spec():
     assert resolve_spec(format="nf4", group_size=128) == ("nf4", {"blocksize": 128})
     assert resolve_spec(format="q8_1") == ("q8_1", {})
     assert resolve_spec(format="q8_0") == ("q8_0", {})
+
+
+def test_int4_tiles_layout_model(make_tiny_llama, make_small_net, tmp_path):
+    """int4's tiles layout through quantize_model, save and load: every Linear quantized (their
+    out_features are multiples of 16), the logits within float32 rounding of the rows layout's (the
+    same decoded weights; the CPU sums them in another order), the saved model loads back equal; a
+    layer whose out_features is not a multiple of 16 is kept in float with a reason."""
+    x = torch.randint(0, 256, (2, 12))
+    rows, tiles = make_tiny_llama(), make_tiny_llama()
+    qformats.quantize_model(rows, format="int4", group_size=32)
+    rep = qformats.quantize_model(tiles, format="int4", group_size=32, layout="tiles")
+    assert rep.formats == {"int4": 14} and all(l.params["layout"] == "tiles" for l in rep.quantized)
+    with torch.no_grad():
+        a, b = rows(x).logits, tiles(x).logits
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+    qformats.save_quantized(tiles, tmp_path / "m")
+    back = qformats.load_quantized(tmp_path / "m", model=make_tiny_llama())
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, b)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 24), torch.nn.Linear(24, 32))
+    with pytest.warns(UserWarning, match="row block of 16"):
+        rep = qformats.quantize_model(net, format="int4", group_size=8, layout="tiles")
+    assert [l.status for l in rep.layers] == ["skipped", "quantized"]
+    assert "out_features=24 is not a multiple of the int4 row block of 16" in rep.warnings[0]

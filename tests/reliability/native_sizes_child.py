@@ -88,7 +88,9 @@ def _templates():
         return {
             "quantize": dict(x=_ones(f32, 4, 32), qweight=_zeros(u8, 64), scales=_zeros(f32, 4),
                              zeros=_zeros(u8, 4), group_size=32),
-            "dequantize": dict(qweight=qw, scales=sc, zeros=zp, out=_zeros(f32, 128), group_size=32),
+            # (the tiles layout of a [16, 32] weight: tiles_K is K)
+            "dequantize": dict(qweight=_zeros(u8, 256), scales=_ones(f32, 16), zeros=_zeros(u8, 16),
+                               out=_zeros(f32, 512), group_size=32, tiles_K=32),
             "pack": dict(values=_zeros(u8, 4, 8), out=_zeros(u8, 16)),
             "unpack": dict(packed=_zeros(u8, 16), out=_zeros(u8, 32)),
             "gemm": dict(x=_ones(f32, 4, 32), qweight=qw, scales=sc, zeros=zp, out=_zeros(f32, 4, 4), N=4, K=32,

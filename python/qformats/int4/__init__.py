@@ -14,6 +14,17 @@ Two modes, both in ``src/formats/int4/int4.h`` and :mod:`qformats.int4.reference
 
 Packing: element 2j in the low nibble, element 2j+1 in the high nibble of byte j.
 
+Layouts (``layout=``): "rows" (default) stores the groups row after row, as above. "tiles"
+(2-D weights ``[M, K]`` with ``M % 16 == 0``) stores the same groups, each with the same bytes,
+in the order the GPU kernels read them: the rows in tiles of 16, a tile's groups one group column
+after the other, the tile's 16 rows consecutive in each (row m's group c is stored group
+``((m // 16) * C + c) * 16 + m % 16``, ``C = K // group_size``). Buffers ``qweight`` uint8
+``[M // 16, C, 16, group_size // 2]``, ``scales`` (and ``zeros``) ``[M // 16, C, 16]``. A CUDA
+warp multiplying 16 rows then reads 1 KB contiguous per group of 128 (the order of Marlin's tiles,
+arXiv 2408.11743, without its permutation inside them); :func:`relayout` converts either way,
+losslessly. Everything takes both layouts; on the CPU "tiles" is decoded through the tiled path
+only (no fused few-row kernel), and on CUDA it has no wgmma prefill kernel.
+
 Error bound, per element of a group with stored scale ``s`` (derived in ``tests/int4``):
 ``|x - x'| <= s * (1/2 + 2^-14) + 2^-140`` before the decode's float32 rounding: half a step
 (the rounded zero point only moves the clamp window, by less than s/2 at each end, so
@@ -31,22 +42,41 @@ from . import _native, reference
 
 FORMAT = "int4"
 GROUP_MULTIPLE = 8            #: group_size must be a positive multiple of this
+LAYOUTS = ("rows", "tiles")   #: the stored orders of the groups (module docstring)
+TILE_ROWS = 16                #: rows per tile of the "tiles" layout
 MAX_MATMUL_K = 33554431       #: largest K with an exact int32 int4_matmul (64 * K < 2^31)
 
-__all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "pack_int4", "unpack_int4", "int4_matmul",
-           "gemm", "gemm_cuda_supported", "FORMAT", "GROUP_MULTIPLE", "MAX_MATMUL_K", "reference"]
+__all__ = ["SPEC", "quantize", "dequantize", "expected_buffers", "relayout", "pack_int4", "unpack_int4",
+           "int4_matmul", "gemm", "gemm_cuda_supported", "FORMAT", "GROUP_MULTIPLE", "LAYOUTS", "TILE_ROWS",
+           "MAX_MATMUL_K", "reference"]
 
 
-def _check_params(group_size: Any, symmetric: Any) -> dict:
+def _check_params(group_size: Any, symmetric: Any, layout: Any = "rows") -> dict:
+    """The params dict; "layout" only when it is "tiles" (absent: rows, as before layouts)."""
     gs = A.check_int(group_size, "group_size", minimum=1)
     if gs % GROUP_MULTIPLE:
         raise ValueError(f"group_size: must be a positive multiple of {GROUP_MULTIPLE}, got {gs}")
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric: expected a bool, got {type(symmetric).__name__}")
-    return {"group_size": gs, "symmetric": symmetric}
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    return {"group_size": gs, "symmetric": symmetric, **({"layout": "tiles"} if layout == "tiles" else {})}
+
+
+def _is_tiles(p) -> bool:
+    return p.get("layout", "rows") == "tiles"
 
 
 def _buffer_shapes(shape: tuple, p: dict) -> dict:
+    if _is_tiles(p):
+        if len(shape) != 2 or shape[0] % TILE_ROWS:
+            raise ValueError(f"shape {shape}: the tiles layout needs a 2-D weight [M, K] with M % {TILE_ROWS} == 0")
+        (m, k), gs = shape, p["group_size"]
+        meta = (m // TILE_ROWS, k // gs, TILE_ROWS)
+        out = {"qweight": ("uint8", (*meta, gs // 2)), "scales": ("float32", meta)}
+        if not p["symmetric"]:
+            out["zeros"] = ("uint8", meta)
+        return out
     lead, k = tuple(shape[:-1]), int(shape[-1])
     out = {"qweight": ("uint8", (*lead, k // 2)),
            "scales": ("float32", (*lead, k // p["group_size"]))}
@@ -60,20 +90,23 @@ def expected_buffers(shape, params) -> dict:
 
     Args:
         shape: the logical shape (at least 1-D, last dimension a multiple of group_size).
-        params: ``{"group_size": int, "symmetric": bool}``; missing keys take
-            :func:`quantize`'s defaults (128, False).
+        params: ``{"group_size": int, "symmetric": bool, "layout": "rows" | "tiles"}``; missing
+            keys take :func:`quantize`'s defaults (128, False, "rows").
     Returns:
         ``{"qweight": ("uint8", [..., K//2]), "scales": ("float32", [..., K//gs])}`` plus
-        ``"zeros": ("uint8", [..., K//gs])`` in the asymmetric mode.
+        ``"zeros": ("uint8", [..., K//gs])`` in the asymmetric mode; in the tiles layout qweight
+        ``[M//16, K//gs, 16, gs//2]`` and scales, zeros ``[M//16, K//gs, 16]``.
     Raises:
-        ValueError: unknown keys, bad values, a scalar shape, K not divisible by group_size.
+        ValueError: unknown keys, bad values, a scalar shape, K not divisible by group_size,
+            a tiles shape that is not 2-D with M % 16 == 0.
     """
     params = dict(params or {})
-    unknown = set(params) - {"group_size", "symmetric"}
+    unknown = set(params) - {"group_size", "symmetric", "layout"}
     if unknown:
         raise ValueError(f"int4: unknown parameters {sorted(unknown)}")
     try:
-        p = _check_params(params.get("group_size", 128), params.get("symmetric", False))
+        p = _check_params(params.get("group_size", 128), params.get("symmetric", False),
+                          params.get("layout", "rows"))
     except TypeError as e:
         raise ValueError(str(e)) from e
     shape = tuple(int(s) for s in shape)
@@ -84,7 +117,7 @@ def expected_buffers(shape, params) -> dict:
     return _buffer_shapes(shape, p)
 
 
-def quantize(x: Any, group_size: int = 128, symmetric: bool = False) -> QuantizedTensor:
+def quantize(x: Any, group_size: int = 128, symmetric: bool = False, layout: str = "rows") -> QuantizedTensor:
     """Quantize to int4 groups along the last axis.
 
     Args:
@@ -95,23 +128,60 @@ def quantize(x: Any, group_size: int = 128, symmetric: bool = False) -> Quantize
             K % group_size == 0.
         symmetric: False (default) for GPTQ-style codes 0..15 with a zero point per group,
             True for signed codes -8..7 (absmax / 7 scale, no zero point).
+        layout: "rows" (default) or "tiles" (x 2-D ``[M, K]`` with M % 16 == 0; the same
+            groups in the GPU kernels' order: module docstring).
     Returns:
         A :class:`~qformats.QuantizedTensor` (format "int4", params ``{"group_size",
-        "symmetric"}``) with buffers ``qweight`` (uint8 ``[..., K // 2]``), ``scales``
-        (float32 ``[..., K // group_size]``) and, asymmetric only, ``zeros`` (uint8, same
-        shape as scales), in the library and on the device of ``x``.
+        "symmetric"}`` plus ``"layout": "tiles"`` for that layout) with buffers ``qweight``
+        (uint8 ``[..., K // 2]``), ``scales`` (float32 ``[..., K // group_size]``) and,
+        asymmetric only, ``zeros`` (uint8, same shape as scales), in the library and on the
+        device of ``x``; the tiles layout's shapes are :func:`expected_buffers`'.
     Raises:
         TypeError: not a numpy array / torch tensor, not a float dtype, group_size not an
             int, symmetric not a bool.
         ValueError: group_size not a positive multiple of 8, K not divisible by it, a
-            scalar, non-contiguous, NaN or Inf.
+            scalar, non-contiguous, NaN or Inf, an unknown layout, a tiles x that is not 2-D
+            with M % 16 == 0.
     """
-    p = _check_params(group_size, symmetric)
+    p = _check_params(group_size, symmetric, layout)
     A.check_float(x, "x", multiple_of=p["group_size"])
-    bufs = {name: A.empty(x, shape, dt) for name, (dt, shape) in _buffer_shapes(tuple(x.shape), p).items()}
+    shape = tuple(x.shape)
+    _buffer_shapes(shape, p)  # (the tiles layout's shape checks, before any work)
+    rows = {"group_size": p["group_size"], "symmetric": symmetric}
+    bufs = {name: A.empty(x, s, dt) for name, (dt, s) in _buffer_shapes(shape, rows).items()}
     with A.stream_for(x) as stream:
         _native.quantize(x, bufs["qweight"], bufs["scales"], bufs.get("zeros"), p["group_size"], stream)
-    return QuantizedTensor(FORMAT, tuple(x.shape), A.dtype_name(x), p, bufs)
+        q = QuantizedTensor(FORMAT, shape, A.dtype_name(x), rows, bufs)
+        return relayout(q, layout) if layout != "rows" else q
+
+
+def relayout(q: QuantizedTensor, layout: str) -> QuantizedTensor:
+    """The same int4 weight in another layout ("rows" or "tiles", module docstring): the same
+    groups with the same bytes, moved (one copy of the buffers, in their library and on their
+    device; lossless both ways). ``q`` itself is returned where it already has that layout.
+
+    Args:
+        q: an int4 QuantizedTensor; for "tiles" 2-D ``[M, K]`` with M % 16 == 0.
+        layout: "rows" or "tiles".
+    Returns:
+        A QuantizedTensor with the params of ``q`` but the layout (:func:`expected_buffers`).
+    Raises:
+        TypeError: not a QuantizedTensor. ValueError: not int4, malformed buffers, an unknown
+            layout, a tiles shape that is not 2-D with M % 16 == 0.
+    """
+    q = check_quantized(q, FORMAT)
+    p = _check_params(q.params.get("group_size", 128), q.params.get("symmetric", False), layout)
+    if _is_tiles(p) == _is_tiles(q.params):
+        return q
+    new = _buffer_shapes(q.shape, p)
+    (m, k), gs = q.shape, p["group_size"]
+    groups = (m // TILE_ROWS, TILE_ROWS, k // gs)  # rows: [tiles, rows, groups, ...] -> swap axes 1, 2
+    bufs = {}
+    for name, buf in q.buffers.items():
+        tail = (gs // 2,) if name == "qweight" else (1,)
+        seen = (*groups, *tail) if _is_tiles(p) else (groups[0], groups[2], groups[1], *tail)
+        bufs[name] = A.permuted_copy(buf, seen, (0, 2, 1, 3), new[name][1])
+    return QuantizedTensor(FORMAT, q.shape, q.dtype, p, bufs)
 
 
 def _decode_args(q: QuantizedTensor) -> tuple:
@@ -143,7 +213,7 @@ def dequantize(q: QuantizedTensor, dtype: str | None = None) -> Any:
     qweight, scales, zeros, gs = _decode_args(q)
     out = A.empty(qweight, q.shape, output_dtype(q, dtype))
     with A.stream_for(qweight) as stream:
-        _native.dequantize(qweight, scales, zeros, out, gs, stream)
+        _native.dequantize(qweight, scales, zeros, out, gs, stream, tiles_K=q.shape[-1] if _is_tiles(q.params) else 0)
     return out
 
 
@@ -273,7 +343,8 @@ def gemm(x: Any, w: QuantizedTensor) -> Any:
         raise ValueError(f"int4.gemm on CUDA needs group_size = 32 * 2^j, got {gs}")
     x, out = A.gemm_operands(x, N, M)
     with A.stream_for(x) as stream:
-        _native.gemm(x, qweight, scales, zeros, out, N, K, M, gs, stream, A.gemm_workspace(x, N, M))
+        _native.gemm(x, qweight, scales, zeros, out, N, K, M, gs, stream, A.gemm_workspace(x, N, M),
+                     tiles=_is_tiles(w.params))
     return out
 
 # -- the format's face --------------------------------------------------------------------------
@@ -284,7 +355,7 @@ def _make_linear(q: QuantizedTensor, derived: Any = None) -> LinearKernel | None
     qweight, scales, zeros, gs = _decode_args(q)
     if A.is_cuda(qweight) and not gemm_cuda_supported(q):
         return None
-    return LinearKernel(_native.make_linear(qweight, scales, zeros, *q.shape, gs))
+    return LinearKernel(_native.make_linear(qweight, scales, zeros, *q.shape, gs, tiles=_is_tiles(q.params)))
 
 
 def _rounding(weight, params, sensitivity=None):
@@ -299,9 +370,10 @@ SPEC = FormatSpec(
     name=FORMAT,
     summary="4-bit integer codes, two per byte, float32 scale (+ uint8 zero point) per group",
     source="GPTQ / AWQ group convention (asymmetric min-max with an integer zero point, or symmetric)",
-    defaults={"group_size": 128, "symmetric": False},
+    defaults={"group_size": 128, "symmetric": False},  # (layout "rows": absent)
     group_param="group_size",
     block=lambda p: int(p.get("group_size", 128)),
+    row_block=lambda p: TILE_ROWS if _is_tiles(p) else 1,
     quantize=quantize,
     dequantize=dequantize,
     expected_buffers=expected_buffers,

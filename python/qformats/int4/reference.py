@@ -93,6 +93,49 @@ def dequantize(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None
         return (codes.astype(F32) * s).reshape(*lead, k)
 
 
+TILE_ROWS = 16  #: rows per tile of the "tiles" layout
+
+
+def tiles_group(m: np.ndarray, c: np.ndarray, groups_per_row: int) -> np.ndarray:
+    """The stored index, in the "tiles" layout, of row m's group c (``int4.h``):
+    ``((m // 16) * C + c) * 16 + m % 16`` with C = K // group_size."""
+    m, c = np.asarray(m, np.int64), np.asarray(c, np.int64)
+    return ((m // TILE_ROWS) * groups_per_row + c) * TILE_ROWS + m % TILE_ROWS
+
+
+def to_tiles(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, group_size: int):
+    """Rows-layout buffers of a weight [M, K] (M % 16 == 0) -> the "tiles" layout's: qweight uint8
+    [M // 16, C, 16, gs // 2], scales (and zeros) [M // 16, C, 16]; each group moved whole to its
+    stored index :func:`tiles_group`."""
+    qw = np.asarray(qweight, np.uint8)
+    M, C = qw.shape[0], qw.shape[1] * 2 // group_size
+    m, c = np.divmod(np.arange(M * C, dtype=np.int64), C)  # rows-layout group i is row m's group c
+    dest = tiles_group(m, c, C)
+
+    def move(a, *width):
+        out = np.empty((M * C, *width), a.dtype)
+        out[dest] = a.reshape(M * C, *width)
+        return out.reshape(M // TILE_ROWS, C, TILE_ROWS, *width)
+
+    return (move(qw, group_size // 2), move(np.asarray(scales, F32)),
+            None if zeros is None else move(np.asarray(zeros, np.uint8)))
+
+
+def from_tiles(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, group_size: int):
+    """Inverse of :func:`to_tiles`: the rows layout's qweight [M, K // 2], scales (zeros) [M, C]."""
+    qw = np.asarray(qweight, np.uint8)
+    T, C = qw.shape[0], qw.shape[1]
+    M = T * TILE_ROWS
+    m, c = np.divmod(np.arange(M * C, dtype=np.int64), C)
+    src = tiles_group(m, c, C)
+
+    def move(a, width):
+        return a.reshape(M * C, width)[src].reshape(M, C * width)
+
+    return (move(qw, group_size // 2), move(np.asarray(scales, F32), 1),
+            None if zeros is None else move(np.asarray(zeros, np.uint8), 1))
+
+
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Packed symmetric int4 [N, K//2] x [M, K//2] -> int64 [N, M] = A . B^T (exact)."""
     return unpack(a, signed=True).astype(np.int64) @ unpack(b, signed=True).astype(np.int64).T

@@ -24,7 +24,7 @@ import torch
 
 from .._core import QuantizedTensor, validate
 from .._rounding import WeightMemo, round_ste
-from . import FORMAT, SPEC
+from . import FORMAT, SPEC, relayout
 
 __all__ = ["fake_quant_int4", "export_int4", "Int4Rounding", "for_layer"]
 
@@ -90,8 +90,9 @@ class Int4Rounding:
     """Trainable rounding of int4 asymmetric groups of ``group_size`` (the interface of
     :class:`qformats._rounding.Rounding`)."""
 
-    def __init__(self, group_size: int):
+    def __init__(self, group_size: int, layout: str = "rows"):
         self.group_size = int(group_size)
+        self.layout = layout
         self._bounds = WeightMemo(lambda w: _int4_bounds(w, self.group_size))
 
     def fake_quant(self, w, v, alpha, beta):
@@ -100,11 +101,12 @@ class Int4Rounding:
         return _dequant(w, _int4_parts(w, v, alpha, beta, self.group_size, self._bounds(w)))
 
     def export(self, w, v, alpha, beta, dtype: str = "float32") -> QuantizedTensor:
-        return export_int4(w, v, alpha, beta, self.group_size, dtype)
+        return relayout(export_int4(w, v, alpha, beta, self.group_size, dtype), self.layout)
 
 
 def for_layer(weight: torch.Tensor, params: Mapping[str, Any],
               sensitivity: Optional[torch.Tensor] = None) -> Int4Rounding:
     """``SPEC.rounding``: the trainable rounding of one layer with int4 ``params`` (asymmetric;
     ``sensitivity`` is not used: int4 has no calibrated choice)."""
-    return Int4Rounding(SPEC.params(**params)["group_size"])
+    p = SPEC.params(**params)
+    return Int4Rounding(p["group_size"], p.get("layout", "rows"))

@@ -15,6 +15,18 @@
 // [g*gs/2, g*gs/2 + gs/2) of qweight (gs is even, so no byte straddles two groups), scales[g]
 // and zeros[g], whatever the leading shape.
 //
+// Layout "tiles" (params layout="tiles"; a 2-D weight [M, K] with M % 16 == 0): the same groups
+// with the same bytes, stored in another order. The rows are cut into tiles of 16; a tile's groups
+// are stored one group column after the other, the tile's 16 rows one after the other in each:
+//   row m's group c (rows layout: group m * C + c, C = K / gs) is group
+//   ((m / 16) * C + c) * 16 + m % 16 of qweight, scales and zeros.
+// As arrays: qweight uint8 [M / 16, C, 16, gs / 2], scales float32 and zeros uint8 [M / 16, C, 16]:
+// the rows layout's arrays seen as [M / 16, 16, C, ...] with axes 1 and 2 swapped. Why: a GPU warp
+// that multiplies 16 rows reads one group column of a tile, 16 * gs / 2 contiguous bytes (1 KB at
+// group_size 128) and 16 contiguous scales, where the rows layout puts each row K / 2 bytes apart
+// (gemm/weight_only_gemv_cuda.cuh; the order of Marlin's tiles, arXiv 2408.11743, without its
+// permutation inside them).
+//
 // Asymmetric (codes 0..15), per group x[0..gs), float32, every operation rounded separately:
 //   lo    = min(min(x), 0),  hi = max(max(x), 0)   (the range contains 0, so 0 is exact;
 //                                                  both are +0 unless some x < 0 / x > 0)
@@ -73,6 +85,17 @@ QF_HOST_DEVICE float clamp_nan_lo(float v, float lo, float hi) {
 // Two codes into one byte: element 2j low nibble, element 2j+1 high nibble. Only the low 4
 // bits of each code are kept, which is also the two's-complement nibble of a signed code.
 QF_HOST_DEVICE uint8_t pack_pair(int lo, int hi) { return static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4)); }
+// The "tiles" layout (see the header): rows per tile, and the stored index of row m's group c
+// (C groups per row); rows_group is its inverse (the rows layout's index m * C + c of group gt).
+constexpr int kTileRows = 16;
+QF_HOST_DEVICE int64_t tiles_group(int64_t m, int64_t c, int64_t C) {
+  return ((m / kTileRows) * C + c) * kTileRows + m % kTileRows;
+}
+QF_HOST_DEVICE int64_t rows_group(int64_t gt, int64_t C) {
+  const int64_t tc = gt / kTileRows, r = gt % kTileRows;  // (tile * C + c), row in tile
+  return ((tc / C) * kTileRows + r) * C + tc % C;
+}
+
 // A 4-bit two's-complement nibble n in [0, 15] as a signed value in [-8, 7]: flipping the
 // sign bit maps -8..7 onto 0..15 in order, so (n ^ 8) - 8 undoes it (no signed shifts).
 QF_HOST_DEVICE int nibble_to_signed(int n) { return (n ^ 8) - 8; }
@@ -212,10 +235,12 @@ void quantize_asym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweigh
 template <class T>
 void quantize_sym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales);
 // zeros == nullptr selects the symmetric decode. T = float, half_t or bf16_t (decoded in
-// float32, rounded once to T).
+// float32, rounded once to T). tiles_C > 0: the buffers are in the "tiles" layout of a weight
+// with tiles_C groups per row, and y [M, K] is written in row order (group gt to
+// y + rows_group(gt, tiles_C) * gs); 0: the rows layout.
 template <class T>
 void dequantize_cpu(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups, int64_t gs,
-                    T* y);
+                    T* y, int64_t tiles_C = 0);
 
 // n_bytes bytes from 2 * n_bytes codes (low 4 bits of each byte of `codes`, so uint8 0..15
 // and int8 -8..7 alike); and back: signed -> int8 -8..7, else uint8 0..15.
@@ -233,7 +258,7 @@ template <class T>
 void quantize_sym_cuda(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight, float* scales, void* stream);
 template <class T>
 void dequantize_cuda(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups, int64_t gs,
-                     T* y, void* stream);
+                     T* y, void* stream, int64_t tiles_C = 0);
 void pack_cuda(const uint8_t* codes, int64_t n_bytes, uint8_t* packed, void* stream);
 void unpack_cuda(const uint8_t* packed, int64_t n_bytes, bool is_signed, uint8_t* codes, void* stream);
 

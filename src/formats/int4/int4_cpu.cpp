@@ -28,9 +28,12 @@ void quantize_sym_cpu(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweight
 
 template <class T>
 void dequantize_cpu(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups, int64_t gs,
-                    T* y) {
-  parallel_for(n_groups, group_grain(gs),
-               [&](int64_t g0, int64_t g1) { dequantize_groups(qweight, scales, zeros, gs, g0, g1, y + g0 * gs); });
+                    T* y, int64_t tiles_C) {
+  parallel_for(n_groups, group_grain(gs), [&](int64_t g0, int64_t g1) {
+    if (tiles_C <= 0) return dequantize_groups(qweight, scales, zeros, gs, g0, g1, y + g0 * gs);
+    for (int64_t g = g0; g < g1; ++g)
+      dequantize_groups(qweight, scales, zeros, gs, g, g + 1, y + rows_group(g, tiles_C) * gs);
+  });
 }
 
 void pack_cpu(const uint8_t* codes, int64_t n_bytes, uint8_t* packed) {
@@ -65,7 +68,7 @@ void weight_only_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const
 #define QF_INSTANTIATE(T)                                                                     \
   template void quantize_asym_cpu<T>(const T*, int64_t, int64_t, uint8_t*, float*, uint8_t*); \
   template void quantize_sym_cpu<T>(const T*, int64_t, int64_t, uint8_t*, float*);            \
-  template void dequantize_cpu<T>(const uint8_t*, const float*, const uint8_t*, int64_t, int64_t, T*);
+  template void dequantize_cpu<T>(const uint8_t*, const float*, const uint8_t*, int64_t, int64_t, T*, int64_t);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

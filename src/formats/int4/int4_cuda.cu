@@ -401,7 +401,7 @@ template <bool kAsym, class T, int V>
 __global__ void __launch_bounds__(uw::kThreads)
 dequantize_kernel(const uint8_t* __restrict__ qweight, const float* __restrict__ scales,
                   const uint8_t* __restrict__ zeros, int64_t n_chunks, int log_s, int64_t spu, int64_t n_teams,
-                  T* __restrict__ y) {
+                  T* __restrict__ y, int64_t tiles_C) {
   static_assert(V % 2 == 0, "a chunk is whole bytes of qweight");
   const uw::Team t = uw::team_of(log_s, spu, n_teams);
   if (!t.active) return;  // no CTA-wide synchronization in this kernel
@@ -410,6 +410,7 @@ dequantize_kernel(const uint8_t* __restrict__ qweight, const float* __restrict__
   if constexpr (kAsym) z = zeros[t.unit];
   const int64_t base = t.unit * n_chunks * V;
   const uint8_t* qw = qweight + base / 2;
+  T* yg = y + (tiles_C > 0 ? rows_group(t.unit, tiles_C) : t.unit) * n_chunks * V;  // the group's row order
   uint8_t bytes[kCpt][V / 2] = {};
 #pragma unroll
   for (int i = 0; i < kCpt; ++i) {
@@ -432,7 +433,7 @@ dequantize_kernel(const uint8_t* __restrict__ qweight, const float* __restrict__
           f[2 * k + 1] = decode_sym(hi, s);
         }
       }
-      uw::store_chunk<T, V>(y + base + c * V, f);
+      uw::store_chunk<T, V>(yg + c * V, f);
     }
   }
 }
@@ -525,20 +526,20 @@ void quantize_dispatch(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweigh
 
 template <bool kAsym, class T, int V>
 void dequantize_launch(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
-                       int64_t n_chunks, T* y, cudaStream_t st) {
+                       int64_t n_chunks, T* y, cudaStream_t st, int64_t tiles_C) {
   const uw::Plan p = uw::make_plan(n_groups, n_chunks);
   dequantize_kernel<kAsym, T, V><<<p.grid, uw::kThreads, 0, st>>>(qweight, scales, zeros, n_chunks, p.log_s, p.spu,
-                                                                   p.n_teams, y);
+                                                                   p.n_teams, y, tiles_C);
   cuda::check_launch("int4 dequantize kernel");
 }
 
 template <bool kAsym, class T>
 void dequantize_dispatch(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
-                         int64_t gs, T* y, cudaStream_t st) {
+                         int64_t gs, T* y, cudaStream_t st, int64_t tiles_C) {
   if (gs % kVec == 0 && uw::aligned_to(qweight, 4) && cuda::aligned16(y))
-    dequantize_launch<kAsym, T, kVec>(qweight, scales, zeros, n_groups, gs / kVec, y, st);
+    dequantize_launch<kAsym, T, kVec>(qweight, scales, zeros, n_groups, gs / kVec, y, st, tiles_C);
   else
-    dequantize_launch<kAsym, T, 2>(qweight, scales, zeros, n_groups, gs / 2, y, st);
+    dequantize_launch<kAsym, T, 2>(qweight, scales, zeros, n_groups, gs / 2, y, st, tiles_C);
 }
 
 }  // namespace
@@ -556,11 +557,11 @@ void quantize_sym_cuda(const T* x, int64_t n_groups, int64_t gs, uint8_t* qweigh
 
 template <class T>
 void dequantize_cuda(const uint8_t* qweight, const float* scales, const uint8_t* zeros, int64_t n_groups,
-                     int64_t gs, T* y, void* stream) {
+                     int64_t gs, T* y, void* stream, int64_t tiles_C) {
   if (n_groups <= 0 || gs <= 0) return;
   const cudaStream_t st = cuda::stream(stream);
-  if (zeros) dequantize_dispatch<true>(qweight, scales, zeros, n_groups, gs, y, st);
-  else dequantize_dispatch<false>(qweight, scales, zeros, n_groups, gs, y, st);
+  if (zeros) dequantize_dispatch<true>(qweight, scales, zeros, n_groups, gs, y, st, tiles_C);
+  else dequantize_dispatch<false>(qweight, scales, zeros, n_groups, gs, y, st, tiles_C);
 }
 
 void pack_cuda(const uint8_t* codes, int64_t n_bytes, uint8_t* packed, void* stream) {
@@ -584,7 +585,7 @@ void unpack_cuda(const uint8_t* packed, int64_t n_bytes, bool is_signed, uint8_t
 #define QF_INSTANTIATE(T)                                                                                   \
   template void quantize_asym_cuda<T>(const T*, int64_t, int64_t, uint8_t*, float*, uint8_t*, void*);       \
   template void quantize_sym_cuda<T>(const T*, int64_t, int64_t, uint8_t*, float*, void*);                  \
-  template void dequantize_cuda<T>(const uint8_t*, const float*, const uint8_t*, int64_t, int64_t, T*, void*);
+  template void dequantize_cuda<T>(const uint8_t*, const float*, const uint8_t*, int64_t, int64_t, T*, void*, int64_t);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

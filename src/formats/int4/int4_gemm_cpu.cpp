@@ -1,5 +1,7 @@
 #include "formats/int4/int4_gemm_cpu.h"
 
+#include <algorithm>
+
 #include "formats/int4/int4.h"
 #include "gemm/nibble_gemm_cpu.h"
 #include "gemm/weight_only_cpu.h"
@@ -7,17 +9,31 @@
 namespace qf::gemm {
 
 void int4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                   const uint8_t* zeros, int64_t gs, float* Y) {
-  if (gs % 32 == 0 &&
+                   const uint8_t* zeros, int64_t gs, float* Y, bool tiles) {
+  // (the tiles layout takes the tile decoder: the fused kernel read it no faster, on the AVX2
+  // development machine, than the decoder does; benchmarks/README.md)
+  if (!tiles && gs % 32 == 0 &&
       nibble_gemm_cpu({zeros ? Nibble::int4_asym : Nibble::int4_sym, qweight, scales, zeros, K, gs}, X, N, M, Y))
     return;
   const Int4CpuKernels& kern = int4_cpu_kernels();
+  const int64_t C = K / gs;
   weight_only_gemm_tiles(
       X, N, K, M, kTileK,
       [&](int64_t m0, int64_t m1, int64_t k0, int64_t k1, float* tile) {
         const int64_t len = k1 - k0;
-        for (int64_t m = m0; m < m1; ++m)
-          kern.decode(qweight, scales, zeros, gs, m * K + k0, len, tile + (m - m0) * len);
+        for (int64_t m = m0; m < m1; ++m) {
+          float* out = tile + (m - m0) * len;
+          if (!tiles) {
+            kern.decode(qweight, scales, zeros, gs, m * K + k0, len, out);
+            continue;
+          }
+          // The "tiles" layout (int4.h): a row's groups are apart, each group's values in order.
+          for (int64_t k = k0; k < k1;) {
+            const int64_t c = k / gs, n = std::min(k1, (c + 1) * gs) - k;
+            kern.decode(qweight, scales, zeros, gs, int4::tiles_group(m, c, C) * gs + k % gs, n, out + (k - k0));
+            k += n;
+          }
+        }
       },
       Y);
 }

@@ -11,9 +11,10 @@
 namespace qf::gemm {
 
 // qweight uint8 [M, K / 2], scales float32 [M, K / gs], zeros uint8 [M, K / gs] or nullptr
-// (symmetric); K % gs == 0, gs a positive multiple of 8.
+// (symmetric); K % gs == 0, gs a positive multiple of 8. tiles: the same buffers in int4's
+// "tiles" layout (formats/int4/int4.h; M % 16 == 0), decoded through the tile path only.
 void int4_gemm_cpu(const float* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                   const uint8_t* zeros, int64_t gs, float* Y);
+                   const uint8_t* zeros, int64_t gs, float* Y, bool tiles = false);
 
 // int4's leaf kernels, one table per instruction set (plain C++ in int4_gemm_cpu.cpp, the others
 // in int4_gemm_cpu_avx2.cpp and int4_gemm_cpu_avx512.cpp).

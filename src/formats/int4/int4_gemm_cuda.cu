@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "formats/int4/int4.h"
 #include "formats/int4/int4_gemm_cuda.h"
 #include "gemm/weight_only_policy_cuda.cuh"
 
@@ -23,10 +24,14 @@ using cuda_wo::xpair_lo_first;
 
 // int4 (formats/int4): element 2b in the LOW nibble; asymmetric w = (q - zero) * scale, symmetric
 // codes are two's-complement nibbles, turned into q + 8 by flipping bit 3 (zero = 8).
-// group_size = 32 * 2^gshift, so a unit of 32 lies in one group.
+// group_size = 32 * 2^gshift, so a unit of 32 lies in one group. kTiles: the buffers are in int4's
+// "tiles" layout (int4.h: row m's group c is stored group ((m / 16) * C + c) * 16 + m % 16), so a
+// row's consecutive groups are 16 groups apart; the codes of a group are the same bytes.
+template <bool kTiles>
 struct Int4 {
   static constexpr int kUnit = 32;
   static constexpr bool kOffset = false;
+  static constexpr int64_t kGroupStep = kTiles ? int4::kTileRows : 1;  // stored groups between a row's groups
   const uint8_t* qweight;
   const float* scales;
   const uint8_t* zeros;  // nullptr: symmetric
@@ -34,9 +39,20 @@ struct Int4 {
   int gshift;
   using Shared = NoShared;
   struct RowState {
-    const uint4* q;  // the row's codes, 16 bytes per unit
-    int64_t g0;      // index of the row's first group
+    const uint4* q;  // rows: the row's codes, 16 bytes per unit; tiles: qweight
+    int64_t g0;      // stored index of the row's first group
   };
+  __host__ __device__ int64_t groups_per_row() const { return K >> (gshift + 5); }
+  // Row m's group c as stored.
+  __host__ __device__ int64_t group(int64_t m, int64_t c) const {
+    return kTiles ? int4::tiles_group(m, c, groups_per_row()) : m * groups_per_row() + c;
+  }
+  // Unit u (32 values) of a row: its stored group and its 16 bytes.
+  __device__ int64_t unit_group(const RowState& r, int64_t u) const { return r.g0 + (u >> gshift) * kGroupStep; }
+  __device__ const uint4* unit_codes(const RowState& r, int64_t u, int64_t g) const {
+    if constexpr (kTiles) return r.q + (g << gshift) + (u & ((int64_t(1) << gshift) - 1));
+    return r.q + u;
+  }
   struct Unit {
     uint4 q;
     float scale;
@@ -44,11 +60,11 @@ struct Int4 {
   };
   __device__ void init(Shared&) const {}
   __device__ RowState row(int64_t m, int64_t) const {
-    return {reinterpret_cast<const uint4*>(qweight + m * K / 2), m * (K >> (gshift + 5))};
+    return {reinterpret_cast<const uint4*>(kTiles ? qweight : qweight + m * K / 2), group(m, 0)};
   }
   __device__ Unit load(RowState& r, int64_t, int64_t u, bool) const {
-    const int64_t g = r.g0 + (u >> gshift);
-    return {__ldg(r.q + u), __ldg(scales + g), zeros ? __ldg(zeros + g) : 0u};
+    const int64_t g = unit_group(r, u);
+    return {__ldg(unit_codes(r, u, g)), __ldg(scales + g), zeros ? __ldg(zeros + g) : 0u};
   }
   __device__ float scale(const Unit& un) const { return un.scale; }
   __device__ float offset(const Unit&) const { return 0.0f; }
@@ -85,8 +101,9 @@ struct Int4 {
     uint32_t zero;
   };
   __device__ Pair load_pair(RowState& r, int64_t u) const {
-    const int64_t g = r.g0 + (u >> gshift);
-    return {{__ldg(r.q + u), __ldg(r.q + u + 1)}, __ldg(scales + g), zeros ? __ldg(zeros + g) : 0u};
+    const int64_t g = unit_group(r, u);
+    const uint4* q = unit_codes(r, u, g);  // u even: units u and u + 1 are one group's
+    return {{__ldg(q), __ldg(q + 1)}, __ldg(scales + g), zeros ? __ldg(zeros + g) : 0u};
   }
   template <class Ops>
   __device__ void pairs_in_pair(const Pair& pr, int i, int j, uint32_t (&p)[4]) const {
@@ -94,11 +111,18 @@ struct Int4 {
   }
   // The offset GEMV (gemm/weight_only_gemv_cuda.cuh, one fp16 row): a chunk of 128
   // values is 64 bytes of a row as stored, and groups of >= 128 give it one scale and zero point.
+#pragma nv_diag_suppress 177  // (read through the HasGemv trait, which nvcc does not count)
   static constexpr bool kGemvNibbles = true;
-  bool gemv_ok() const { return gshift >= 2; }
+#pragma nv_diag_default 177
+  // (tiles: groups of 128 only, so that a row's next chunk is always 16 chunks on; the general
+  // step costs the kernel a spill at its 64 registers)
+  bool gemv_ok() const { return kTiles ? gshift == 2 : gshift >= 2; }
   __host__ __device__ const uint8_t* gemv_codes() const { return qweight; }
-  __device__ cuda_wo::GemvMeta gemv_meta(int64_t m, int64_t chunk) const {
-    const int64_t g = m * (K >> (gshift + 5)) + (chunk >> (gshift - 2));
+  __device__ const uint8_t* gemv_row(int64_t m) const { return qweight + group(m, 0) * (int64_t(16) << gshift); }
+  __device__ int64_t gemv_offset(int64_t chunk) const { return chunk * kGroupStep * cuda_wo::kGemvChunkBytes; }
+  __device__ int64_t gemv_meta_row(int64_t m) const { return group(m, 0); }
+  __device__ cuda_wo::GemvMeta gemv_meta(int64_t row_group, int64_t chunk) const {
+    const int64_t g = row_group + (kTiles ? chunk * kGroupStep : chunk >> (gshift - 2));
     return {__ldg(scales + g), zeros ? uint32_t(__ldg(zeros + g)) : 8u};
   }
   __device__ uint32_t gemv_flip() const { return zeros ? 0u : 0x88888888u; }
@@ -106,12 +130,14 @@ struct Int4 {
   // codes is 32 bytes of a row, so the packed rows are its TMA tiles as stored; groups of >= 64
   // values hold whole steps.
   static constexpr bool kPrefill = true;
+  static constexpr bool kPrefillTiledCodes = kTiles;
 // (a build without sm_90a code compiles the kernel empty: the hooks below are then unused)
 #pragma nv_diag_suppress 177
   static constexpr int kPrefillStepBytes = 32;
   static constexpr int kPrefillWideStages = 5;  // 0.2-3.3% faster than 4 (benchmarks/README.md)
   bool prefill_ok() const { return gshift >= 1; }
   const void* prefill_codes() const { return qweight; }
+  __host__ __device__ int prefill_tile_group_bytes() const { return 16 << gshift; }  // gs / 2
   // A step's metadata: the group's scale as an H pair, and magic + zero for the decode's HSUB2,
   // loaded by the consumers a group ahead (through the copy warp it measured slower:
   // benchmarks/README.md, "Per-row metadata through the copy warp").
@@ -122,7 +148,7 @@ struct Int4 {
     uint32_t zero;  // the stored zero point; 8 for symmetric codes
   };
   __device__ PrefillMeta prefill_meta(int m, int k) const {
-    const int64_t g = int64_t(m) * (K >> (gshift + 5)) + (k >> (gshift - 1));
+    const int64_t g = group(m, k >> (gshift - 1));
     return {__ldg(scales + g), zeros ? uint32_t(__ldg(zeros + g)) : 8u};
   }
   template <class H>
@@ -161,16 +187,19 @@ struct Int4 {
 
 template <class T>
 void int4_gemm_cuda(const T* X, int64_t N, int64_t K, int64_t M, const uint8_t* qweight, const float* scales,
-                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, GemmWorkspace ws, void* stream) {
+                    const uint8_t* zeros, int64_t gs, T* Y, const T* bias, GemmWorkspace ws, void* stream, bool tiles) {
   if (!int4_gemm_cuda_supports(gs) || K % gs)
     throw std::invalid_argument("int4 CUDA GEMM: group_size must be 32 * 2^j dividing K");
-  cuda_wo::launch_weight_only_any(Int4{qweight, scales, zeros, K, log2_exact(gs / 32)}, X, N, K, M, Y, bias, ws,
-                                  stream);
+  if (tiles && M % int4::kTileRows) throw std::invalid_argument("int4 CUDA GEMM: the tiles layout needs M % 16 == 0");
+  const int gshift = log2_exact(gs / 32);
+  if (tiles)
+    cuda_wo::launch_weight_only_any(Int4<true>{qweight, scales, zeros, K, gshift}, X, N, K, M, Y, bias, ws, stream);
+  else cuda_wo::launch_weight_only_any(Int4<false>{qweight, scales, zeros, K, gshift}, X, N, K, M, Y, bias, ws, stream);
 }
 
 #define QF_INSTANTIATE(T)                                                                                            \
   template void int4_gemm_cuda<T>(const T*, int64_t, int64_t, int64_t, const uint8_t*, const float*, const uint8_t*, \
-                                  int64_t, T*, const T*, GemmWorkspace, void*);
+                                  int64_t, T*, const T*, GemmWorkspace, void*, bool);
 QF_FOR_EACH_INPUT_TYPE(QF_INSTANTIATE)
 #undef QF_INSTANTIATE
 

@@ -28,9 +28,11 @@
 // of dequantized products by float32 rounding only; the offsets add |error| <~ 2^-24 * 1024 *
 // sum|x| per chunk and row, well under the fp16 output's rounding.
 //
-// Every column of B holds x, so lane (g, t)'s accumulators c[0], c[2] are rows g and g + 8.
-// Two rows of X (a column each) measured slower than the tensor-core driver on two of five shapes
-// (its 64 registers then spill), so N = 2 stays there (benchmarks/README.md, "The offset GEMV").
+// B's columns hold x (one row of X, or two alternating: weight_only_gemv_kernel), so lane (g, t)'s
+// accumulators c[0], c[2] are rows g and g + 8. Two rows of X take this kernel where the format says
+// so (kGemvMaxRows): on int4's rows layout they spill at 64 registers and measured mixed against the
+// tensor-core driver, on its tiles layout mostly faster (benchmarks/README.md, "The offset GEMV",
+// "int4's tiles layout").
 // Work split: a CTA owns 16 weight rows and all of K; its W warps split K into runs of whole
 // chunks (W from the chunk count: about 4 to 8 chunks a warp, measured in the probe), each warp
 // stages only its own chunks of x (no CTA barrier before the loop) while its first two chunks'
@@ -58,6 +60,7 @@ namespace qf::gemm::cuda_wo {
 //                                             row whose gemv_meta_row is row_index
 //   __device__ uint32_t gemv_flip() const     nibble bits to flip before the decode (0x88888888:
 //                                             two's-complement codes to q + 8)
+//   static constexpr int kGemvMaxRows         activation rows it takes (1 or 2)
 struct GemvMeta {
   float scale;
   uint32_t zero;  // the code of 0.0 (below 2^16)
@@ -87,18 +90,26 @@ struct GemvSlot {
   uint32_t z;
 };
 
-template <class Fmt, int W>
+// NT activation rows (1 or 2; 4 is written too, and measured slower than the tensor-core driver on
+// every shape: benchmarks/README.md, "int4's tiles layout"): B's column n holds x row n % NT, so
+// lane (g, t)'s accumulators c[e], c[2 + e] are weight rows g, g + 8 times x row (2t + e) % NT
+// (e = 0, 1; NT = 1: e = 0 only). The decode and the mma are the same for every NT.
+template <class Fmt, int W, int NT>
 __global__ void
 __launch_bounds__(W * 32, 1024 / (W * 32))
     weight_only_gemv_kernel(const Fmt f, const half_t* __restrict__ X, int64_t K, int64_t M, half_t* __restrict__ Y,
                             const half_t* __restrict__ bias) {
+  static_assert(NT == 1 || NT == 2 || NT == 4, "x rows in B's columns");
+  constexpr int E = NT == 1 ? 1 : 2;           // x rows per lane
+  constexpr int kWriters = NT == 4 ? 2 : 1;    // lanes t < kWriters hold distinct x rows
   using Ops = PairOps<half_t>;
   extern __shared__ __align__(16) uint8_t gemv_smem[];
   const int KC = int(K / kGemvChunk);
-  // xs [KC][j 4][t 4]: {lo b0, lo b1, hi b0, hi b1} of lane t's mma pair j; sxc [KC]: {Sx, C}
+  // xs [KC][j 4][x row NT][t 4]: {lo b0, lo b1, hi b0, hi b1} of lane t's mma pair j;
+  // sxc [KC][x row NT]: {Sx, C}
   uint4* xs = reinterpret_cast<uint4*>(gemv_smem);
-  float2* sxc = reinterpret_cast<float2*>(xs + size_t(KC) * 16);
-  __shared__ float red[W][16];
+  float2* sxc = reinterpret_cast<float2*>(xs + size_t(KC) * 16 * NT);
+  __shared__ float red[W][NT][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t m0 = int64_t(blockIdx.x) * 16;
   const int c0 = KC * warp / W, n = KC * (warp + 1) / W - c0;  // this warp's chunks
@@ -120,13 +131,13 @@ __launch_bounds__(W * 32, 1024 / (W * 32))
   if (n > 0) load(0, sl[0]);
   if (n > 1) load(1, sl[1]);
 
-  // x's chunks of this warp into xs: a lane per (chunk, j, t), one 16-byte load of values 32t + 8j
-  // .. + 7, four PRMT into the slots' order; C and Sx summed over the 16 lanes of a chunk.
-  for (int base = 0; base < n * 16; base += 32) {
-    const int it = base + lane, c = c0 + (it >> 4), j = (it >> 2) & 3, tt = it & 3;
-    const bool ok = it < n * 16;
+  // x's chunks of this warp into xs: a lane per (chunk, x row, j, t), one 16-byte load of values
+  // 32t + 8j .. + 7, four PRMT into the slots' order; C and Sx summed over the 16 lanes of a chunk.
+  for (int base = 0; base < n * 16 * NT; base += 32) {
+    const int it = base + lane, c = c0 + (it >> 4) / NT, xr = (it >> 4) % NT, j = (it >> 2) & 3, tt = it & 3;
+    const bool ok = it < n * 16 * NT;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) v = __ldg(reinterpret_cast<const uint4*>(X + int64_t(c) * kGemvChunk + 32 * tt + 8 * j));
+    if (ok) v = __ldg(reinterpret_cast<const uint4*>(X + xr * K + int64_t(c) * kGemvChunk + 32 * tt + 8 * j));
     const uint32_t lo0 = lo_lo(v.x, v.z), lo1 = lo_lo(v.y, v.w), hi0 = hi_hi(v.x, v.z), hi1 = hi_hi(v.y, v.w);
     const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo0)),
                  b = __half22float2(*reinterpret_cast<const __half2*>(&lo1)),
@@ -141,15 +152,15 @@ __launch_bounds__(W * 32, 1024 / (W * 32))
     }
     if (ok) {
       constexpr uint32_t kSixteenth = 0x2C002C00u;  // 1/16 in both halves
-      xs[(c * 4 + j) * 4 + tt] = make_uint4(lo0, lo1, Ops::mul(hi0, kSixteenth), Ops::mul(hi1, kSixteenth));
-      if ((it & 15) == 0) sxc[c] = make_float2(sx, cc);
+      xs[((c * 4 + j) * NT + xr) * 4 + tt] = make_uint4(lo0, lo1, Ops::mul(hi0, kSixteenth), Ops::mul(hi1, kSixteenth));
+      if ((it & 15) == 0) sxc[c * NT + xr] = make_float2(sx, cc);
     }
   }
   __syncwarp();
 
   const uint32_t flip = f.gemv_flip();
   const uint32_t klo = 0x64006400u ^ (flip & 0x000F000Fu), khi = 0x64006400u ^ (flip & 0x00F000F0u);
-  float acc[2] = {0.f, 0.f};  // rows g, g + 8
+  float acc[2][E] = {};  // rows g, g + 8; x rows (2t + e) % NT
   for (int i0 = 0; i0 < n; i0 += 2) {
 #pragma unroll
     for (int d = 0; d < 2; ++d) {
@@ -158,7 +169,7 @@ __launch_bounds__(W * 32, 1024 / (W * 32))
       float dl[4] = {0.f, 0.f, 0.f, 0.f}, dh[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint4 xq = xs[(c * 4 + j) * 4 + t];
+        const uint4 xq = xs[((c * 4 + j) * NT + g % NT) * 4 + t];
         const uint32_t wa = word_of(sl[d].c[0], j), wb = word_of(sl[d].c[1], j);
         const uint32_t alo[4] = {cuda::and_xor(wa, 0x000F000Fu, klo), cuda::and_xor(wb, 0x000F000Fu, klo),
                                  cuda::and_xor(wa >> 8, 0x000F000Fu, klo), cuda::and_xor(wb >> 8, 0x000F000Fu, klo)};
@@ -167,31 +178,37 @@ __launch_bounds__(W * 32, 1024 / (W * 32))
         Ops::mma(dl, alo, xq.x, xq.y);
         Ops::mma(dh, ahi, xq.z, xq.w);
       }
-      const float2 sc = sxc[c];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float u = fmaf(-float((sl[d].z >> (16 * r)) & 0xFFFFu), sc.x, dl[2 * r] + dh[2 * r] - sc.y);
-        acc[r] = fmaf(sl[d].s[r], u, acc[r]);
+      for (int e = 0; e < E; ++e) {
+        const float2 sc = sxc[c * NT + (2 * t + e) % NT];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float u = fmaf(-float((sl[d].z >> (16 * r)) & 0xFFFFu), sc.x, dl[2 * r + e] + dh[2 * r + e] - sc.y);
+          acc[r][e] = fmaf(sl[d].s[r], u, acc[r][e]);
+        }
       }
       if (i + 2 < n) load(i + 2, sl[d]);
     }
   }
-  if (t == 0) {
-    red[warp][g] = acc[0];
-    red[warp][g + 8] = acc[1];
+  if (t < kWriters) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      red[warp][(2 * t + e) % NT][g] = acc[0][e];
+      red[warp][(2 * t + e) % NT][g + 8] = acc[1][e];
+    }
   }
   __syncthreads();
-  if (threadIdx.x < 16) {
-    const int r = threadIdx.x;
+  if (threadIdx.x < 16 * NT) {
+    const int r = threadIdx.x % 16, xr = threadIdx.x / 16;
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < W; ++w) v += red[w][r];
-    if (m0 + r < M) store_out(v, bias, m0 + r, &Y[m0 + r]);
+    for (int w = 0; w < W; ++w) v += red[w][xr][r];
+    if (m0 + r < M) store_out(v, bias, m0 + r, &Y[xr * M + m0 + r]);
   }
 }
 
 // Launches the offset GEMV on `stream` and returns true where it takes the product: fp16 X and Y
-// (16-byte aligned, the launcher contract), N = 1, a format with the hooks above whose
+// (16-byte aligned, the launcher contract), N = 1 (or 2 where Fmt::kGemvMaxRows says so), a format with the hooks above whose
 // gemv_ok() holds, K a multiple of 128 with x's staged chunks within the device's shared memory,
 // codes 16-byte aligned, sm_80+ (the caller checks). Otherwise false, and nothing is launched.
 template <class Fmt, class T>
@@ -200,11 +217,11 @@ bool launch_weight_only_gemv(const Fmt& f, const T* X, int64_t N, int64_t K, int
   if constexpr (!std::is_same_v<T, half_t> || !HasGemv<Fmt>::value) {
     return false;
   } else {
-    if (N != 1 || M <= 0 || K % kGemvChunk || !f.gemv_ok() ||
+    if (N < 1 || N > Fmt::kGemvMaxRows || M <= 0 || K % kGemvChunk || !f.gemv_ok() ||
         reinterpret_cast<uintptr_t>(f.gemv_codes()) % 16)
       return false;
     const int64_t chunks = K / kGemvChunk;
-    const size_t smem = size_t(chunks) * (16 * 16 + sizeof(float2));
+    const size_t smem = size_t(chunks) * N * (16 * 16 + sizeof(float2));
     constexpr size_t kDefaultSmem = 46 * 1024;  // (48 KB less the static red[])
     if (smem > kDefaultSmem && smem > size_t(cuda::max_dynamic_smem()) - 4096) return false;
     // Warps per CTA from the chunks of a row: 4096x14336 (112 chunks) measured fastest with 16
@@ -217,12 +234,19 @@ bool launch_weight_only_gemv(const Fmt& f, const T* X, int64_t N, int64_t K, int
       if (smem > kDefaultSmem) cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
       kernel<<<grid, warps * 32, smem, s>>>(f, X, K, M, Y, bias);
     };
-    if (warps == 16)
-      go(weight_only_gemv_kernel<Fmt, 16>);
-    else if (warps == 8)
-      go(weight_only_gemv_kernel<Fmt, 8>);
-    else
-      go(weight_only_gemv_kernel<Fmt, 4>);
+    auto with_rows = [&](auto nt) {
+      constexpr int NT = decltype(nt)::value;
+      if (warps == 16)
+        go(weight_only_gemv_kernel<Fmt, 16, NT>);
+      else if (warps == 8)
+        go(weight_only_gemv_kernel<Fmt, 8, NT>);
+      else
+        go(weight_only_gemv_kernel<Fmt, 4, NT>);
+    };
+    if (N == 1)
+      with_rows(std::integral_constant<int, 1>{});
+    else if constexpr (Fmt::kGemvMaxRows >= 2)
+      with_rows(std::integral_constant<int, 2>{});
     cuda::check_launch("weight-only GEMV (offsets after the mma)");
     return true;
   }

@@ -158,9 +158,8 @@ def test_offset_gemv(params, m, k, n, x_kind):
 # int4's "tiles" layout (formats/int4/int4.h): the same groups in the kernels' order. Every CUDA
 # driver reads it through the same decode as the rows layout (the prefill kernel's copies through a
 # 4-D tensor map that lands the same boxes), so the products are equal bit for bit where both layouts
-# take the same driver: everywhere but at one row with groups of 256 or more (the offset GEMV takes
-# the tiles layout at groups of 128 only). K from 1 to 880 chunks of 128 (the offset GEMV's warp
-# counts and its fallback, as above), group sizes 32-512.
+# take the same driver (same_driver). K from 1 to 880 chunks of 128 (the offset GEMV's warp counts
+# and its fallback, as above), group sizes 32-512.
 TILES_SHAPES = [(16, 128), (48, 128 * 15), (32, 2048), (16, 128 * 63), (64, 128 * 64), (16, 14336),
                 (32, 128 * 431), (16, 128 * 880)]
 TILES_PARAMS = [{"group_size": 128}, {"group_size": 256, "symmetric": True}, {"group_size": 512},
@@ -168,7 +167,11 @@ TILES_PARAMS = [{"group_size": 128}, {"group_size": 256, "symmetric": True}, {"g
 
 
 def same_driver(params: dict, n: int) -> bool:
-    return not (n == 1 and params["group_size"] > 128)
+    """Whether both layouts take the same kernel: the offset GEMV takes one row of either layout
+    (the tiles layout at groups of 128 only) and two rows of the tiles layout only."""
+    if n == 1:
+        return params["group_size"] <= 128
+    return n != 2 or params["group_size"] != 128
 
 
 @pytest.mark.parametrize("params,m,k", [(p, m, k) for p in TILES_PARAMS for m, k in TILES_SHAPES
@@ -177,7 +180,8 @@ def same_driver(params: dict, n: int) -> bool:
 @pytest.mark.parametrize("x_kind", ["normal", "offset"])
 def test_int4_tiles_gemv(params, m, k, n, x_kind):
     """One and two fp16 rows on the tiles layout: against float64, NaN-filled outputs all overwritten,
-    and equal to the rows layout's product bit for bit (X = 8 + 0.5 N(0, 1) too, as in test_offset_gemv)."""
+    the same bits on a second call, and equal to the rows layout's product bit for bit where both take
+    the same kernel (X = 8 + 0.5 N(0, 1) too, as in test_offset_gemv)."""
     mod, q, qc, w64 = weight("int4", m, k, k + m + n, **params)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n))
     if x_kind == "offset":
@@ -186,6 +190,7 @@ def test_int4_tiles_gemv(params, m, k, n, x_kind):
     qt = int4.relayout(qc, "tiles")
     y = native_gemm_into_nan("int4", mod, q, qt, x, m)
     assert_close(y, x, w64, TOL["float16"])
+    assert torch.equal(native_gemm_into_nan("int4", mod, q, qt, x, m), y)
     if same_driver(params, n):
         assert torch.equal(y, native_gemm_into_nan("int4", mod, q, qc, x, m))
 

@@ -22,8 +22,10 @@ after the other, the tile's 16 rows consecutive in each (row m's group c is stor
 ``[M // 16, C, 16, group_size // 2]``, ``scales`` (and ``zeros``) ``[M // 16, C, 16]``. A CUDA
 warp multiplying 16 rows then reads 1 KB contiguous per group of 128 (the order of Marlin's tiles,
 arXiv 2408.11743, without its permutation inside them); :func:`relayout` converts either way,
-losslessly. Everything takes both layouts; on the CPU "tiles" is decoded through the tiled path
-only (no fused few-row kernel), and on CUDA it has no wgmma prefill kernel.
+losslessly. Everything takes both layouts. CUDA products are the rows layout's bit for bit except
+where a kernel takes one layout only (the one-row kernel takes "tiles" at groups of 128, and two
+rows of it; ``docs/formats/int4.md``); on the CPU "tiles" is decoded through the tile path only
+(no fused few-row kernel: up to 4 rows the sums differ from the rows layout's by float32 rounding).
 
 Error bound, per element of a group with stored scale ``s`` (derived in ``tests/int4``):
 ``|x - x'| <= s * (1/2 + 2^-14) + 2^-140`` before the decode's float32 rounding: half a step

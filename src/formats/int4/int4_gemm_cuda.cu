@@ -114,6 +114,10 @@ struct Int4 {
 #pragma nv_diag_suppress 177  // (read through the HasGemv trait, which nvcc does not count)
   static constexpr bool kGemvNibbles = true;
 #pragma nv_diag_default 177
+  // Two rows too on the tiles layout: there it measured faster than the tensor-core driver on four
+  // of five Llama shapes (0.15-2.3 us; 0.55 us slower on 4096x4096); on the rows layout the kernel
+  // spills at two rows and measured mixed (benchmarks/README.md, "int4's tiles layout").
+  static constexpr int kGemvMaxRows = kTiles ? 2 : 1;
   // (tiles: groups of 128 only, so that a row's next chunk is always 16 chunks on; the general
   // step costs the kernel a spill at its 64 registers)
   bool gemv_ok() const { return kTiles ? gshift == 2 : gshift >= 2; }

@@ -43,7 +43,7 @@ from .calibration import (calibration_samples, forward_without_cache, model_seco
                           sensitivity_from_moments)
 from .config import BudgetConfig, SignRoundConfig
 from .nn import QuantizedLinear
-from .plan import block, resolve_spec, set_submodule
+from .plan import fits, resolve_spec, set_submodule
 from .progress import progress_bar
 from .signround import find_blocks, quantize_plan
 
@@ -270,7 +270,7 @@ def quantize_budget(model: nn.Module, plan: list, options: Union[BudgetConfig, M
     for ci, (fmt, params, meth) in enumerate(cands):
         if meth != "signround":
             continue
-        sub = [(name, m, fmt, params) for name, m, _, _ in plan if m.in_features % block(fmt, params) == 0]
+        sub = [(name, m, fmt, params) for name, m, _, _ in plan if fits(fmt, params, m)]
         sro = SignRoundConfig(calibration=samples, tokenizer=None, nsamples=config.nsamples,
                               seqlen=config.seqlen, batch_size=config.batch_size,
                               selection=config.selection, sensitivity_power=config.sensitivity_power)
@@ -288,7 +288,7 @@ def quantize_budget(model: nn.Module, plan: list, options: Union[BudgetConfig, M
         start = metric.block_of(m)  # only this layer differs from the float model
         for ci, (fmt, params, meth) in enumerate(cands):
             bar.update(1)
-            if m.in_features % block(fmt, params):
+            if not fits(fmt, params, m):
                 continue
             if meth == "signround":
                 q, secs = trained[(ci, name)]

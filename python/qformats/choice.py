@@ -41,6 +41,12 @@ def row_block(fmt: str, params: dict) -> int:
     return int(format_spec(fmt).row_block(params))
 
 
+def fits(fmt: str, params: dict, layer) -> bool:
+    """Whether ``fmt`` with ``params`` can hold the weight of ``layer`` (an ``nn.Linear``):
+    in_features a multiple of :func:`block`, out_features of :func:`row_block`."""
+    return layer.in_features % block(fmt, params) == 0 and layer.out_features % row_block(fmt, params) == 0
+
+
 def _apply_group_size(fmt: str, params: dict, group_size: Optional[int]) -> dict:
     """Fold a generic ``group_size`` into ``fmt``'s own parameter
     (:attr:`~qformats._spec.FormatSpec.with_group_size`; ValueError where the format cannot

@@ -14,7 +14,7 @@ from torch import nn
 
 # The format choice itself (torch-free, qformats.choice), used here per layer and imported
 # from here by the model level.
-from .choice import BITS_FORMATS, block, resolve_spec, row_block  # noqa: F401
+from .choice import BITS_FORMATS, block, fits, resolve_spec, row_block  # noqa: F401
 
 __all__ = ["DEFAULT_IGNORE", "matches", "LayerReport", "plan_layers", "set_submodule"]
 

@@ -241,3 +241,15 @@ def test_int4_tiles_layout_model(make_tiny_llama, make_small_net, tmp_path):
         rep = qformats.quantize_model(net, format="int4", group_size=8, layout="tiles")
     assert [l.status for l in rep.layers] == ["skipped", "quantized"]
     assert "out_features=24 is not a multiple of the int4 row block of 16" in rep.warnings[0]
+
+
+def test_fits_checks_both_dimensions():
+    """choice.fits, which the budget's candidate filter uses: in_features against the format's
+    block, out_features against its row block (int4's tiles layout: 16)."""
+    from qformats.choice import fits
+
+    lin = torch.nn.Linear(64, 24)
+    assert fits("int4", {"group_size": 32}, lin)
+    assert not fits("int4", {"group_size": 32, "layout": "tiles"}, lin)
+    assert fits("int4", {"group_size": 32, "layout": "tiles"}, torch.nn.Linear(64, 32))
+    assert not fits("int4", {"group_size": 128}, lin)

@@ -158,15 +158,21 @@ def quantize(x: Any, group_size: int = 128, symmetric: bool = False, layout: str
 
 
 def relayout(q: QuantizedTensor, layout: str) -> QuantizedTensor:
-    """The same int4 weight in another layout ("rows" or "tiles", module docstring): the same
-    groups with the same bytes, moved (one copy of the buffers, in their library and on their
-    device; lossless both ways). ``q`` itself is returned where it already has that layout.
+    """The same int4 weight in another layout ("rows" or "tiles", module docstring; spec in
+    ``src/formats/int4/int4.h``, the tile order of Marlin, arXiv 2408.11743): the same groups with
+    the same bytes, moved (one copy of the buffers, in their library and on their device, torch on
+    the current stream; lossless both ways). ``q`` itself is returned where it already has that
+    layout; its buffers are never modified.
 
     Args:
-        q: an int4 QuantizedTensor; for "tiles" 2-D ``[M, K]`` with M % 16 == 0.
+        q: an int4 QuantizedTensor (numpy or torch buffers, CPU or CUDA); for "tiles" 2-D
+            ``[M, K]`` with M % 16 == 0.
         layout: "rows" or "tiles".
     Returns:
-        A QuantizedTensor with the params of ``q`` but the layout (:func:`expected_buffers`).
+        A QuantizedTensor with the params of ``q`` but the layout: rows qweight uint8
+        ``[M, K // 2]``, scales float32 / zeros uint8 ``[M, K // gs]``; tiles qweight uint8
+        ``[M // 16, K // gs, 16, gs // 2]``, scales / zeros ``[M // 16, K // gs, 16]``
+        (:func:`expected_buffers`).
     Raises:
         TypeError: not a QuantizedTensor. ValueError: not int4, malformed buffers, an unknown
             layout, a tiles shape that is not 2-D with M % 16 == 0.

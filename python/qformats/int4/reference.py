@@ -103,14 +103,21 @@ def tiles_group(m: np.ndarray, c: np.ndarray, groups_per_row: int) -> np.ndarray
     return ((m // TILE_ROWS) * groups_per_row + c) * TILE_ROWS + m % TILE_ROWS
 
 
+def _stored_index(M: int, C: int) -> np.ndarray:
+    """For each rows-layout group i = m * C + c of a weight with M rows of C groups, its stored
+    index in the "tiles" layout (:func:`tiles_group`)."""
+    m, c = np.divmod(np.arange(M * C, dtype=np.int64), C)
+    return tiles_group(m, c, C)
+
+
 def to_tiles(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, group_size: int):
-    """Rows-layout buffers of a weight [M, K] (M % 16 == 0) -> the "tiles" layout's: qweight uint8
-    [M // 16, C, 16, gs // 2], scales (and zeros) [M // 16, C, 16]; each group moved whole to its
-    stored index :func:`tiles_group`."""
+    """Rows-layout buffers of a weight [M, K] (M % 16 == 0: qweight uint8 [M, K // 2], scales
+    float32 and zeros uint8 [M, C], C = K // group_size; zeros None for symmetric codes) -> the
+    "tiles" layout's: qweight uint8 [M // 16, C, 16, gs // 2], scales float32 (and zeros uint8)
+    [M // 16, C, 16]; each group moved whole to its stored index :func:`tiles_group`."""
     qw = np.asarray(qweight, np.uint8)
     M, C = qw.shape[0], qw.shape[1] * 2 // group_size
-    m, c = np.divmod(np.arange(M * C, dtype=np.int64), C)  # rows-layout group i is row m's group c
-    dest = tiles_group(m, c, C)
+    dest = _stored_index(M, C)
 
     def move(a, *width):
         out = np.empty((M * C, *width), a.dtype)
@@ -122,18 +129,17 @@ def to_tiles(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, 
 
 
 def from_tiles(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, group_size: int):
-    """Inverse of :func:`to_tiles`: the rows layout's qweight [M, K // 2], scales (zeros) [M, C]."""
+    """Inverse of :func:`to_tiles`: the "tiles" layout's buffers -> the rows layout's qweight uint8
+    [M, K // 2], scales float32 (zeros uint8) [M, C]."""
     qw = np.asarray(qweight, np.uint8)
-    T, C = qw.shape[0], qw.shape[1]
-    M = T * TILE_ROWS
-    m, c = np.divmod(np.arange(M * C, dtype=np.int64), C)
-    src = tiles_group(m, c, C)
+    M, C = qw.shape[0] * TILE_ROWS, qw.shape[1]
+    src = _stored_index(M, C)
 
-    def move(a, width):
-        return a.reshape(M * C, width)[src].reshape(M, C * width)
+    def move(a, *width):
+        return a.reshape(M * C, *width)[src].reshape(M, -1)
 
-    return (move(qw, group_size // 2), move(np.asarray(scales, F32), 1),
-            None if zeros is None else move(np.asarray(zeros, np.uint8), 1))
+    return (move(qw, group_size // 2), move(np.asarray(scales, F32)),
+            None if zeros is None else move(np.asarray(zeros, np.uint8)))
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@
 # kept in $OUT/ab-base.txt and $OUT/ab-head.txt (each round after a "=== round N" line); the build
 # logs stay in $TMPDIR unless a build fails. Two files, since the device tool brings back at most
 # 8 from $OUT. COMMAND runs in this (the head's) tree, so a benchmark script is the head's in both
-# runs.
+# runs. QF_FORMATS (as in gpu_check.sh, e.g. "mixed2bit;int4") builds only those formats.
 set -uo pipefail
 rounds=2
 while [ $# -gt 0 ]; do
@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1
 site=${PYTHONPATH:-}
 build() {  # build NAME SRC
   python3 -m pip install --no-build-isolation --no-deps -v --target "$TMP/qf-$1" --upgrade "$2" \
-    "-Cbuild-dir=$TMP/qf-build-$1" >"$TMP/ab-build-$1.log" 2>&1
+    "-Cbuild-dir=$TMP/qf-build-$1" "-Ccmake.define.QFORMATS_FORMATS=${QF_FORMATS:-}" >"$TMP/ab-build-$1.log" 2>&1
 }
 t0=$(date +%s)
 build base ab/base & pb=$!

@@ -11,7 +11,8 @@
 # kept in $OUT/ab-base.txt and $OUT/ab-head.txt (each round after a "=== round N" line); the build
 # logs stay in $TMPDIR unless a build fails. Two files, since the device tool brings back at most
 # 8 from $OUT. COMMAND runs in this (the head's) tree, so a benchmark script is the head's in both
-# runs. QF_FORMATS (as in gpu_check.sh, e.g. "mixed2bit;int4") builds only those formats.
+# runs. QF_FORMATS (as in gpu_check.sh, e.g. "mixed2bit;int4") builds only those formats: enough for
+# their tests, not for the benchmarks, which import every format.
 set -uo pipefail
 rounds=2
 while [ $# -gt 0 ]; do

@@ -284,8 +284,9 @@ QF_AVX2 void m2_gemm_row(const M2Window& w, const M2Act& a, int64_t N, float* y,
 // column), its second-order pair its block's (B >= 8: the step's 8 groups share one block; else
 // a gather); only the step's 4-bit groups (a byte of the map) fetch lo and mc4, at slots counted
 // from their tile's first (t * n4_full). Each lane sums h = sum_i hi_i x_i from the codes words
-// (a 4-bit group's high bits), a 4-bit lane also l = sum_i lo_i x_i, and adds
-// s * (h, or 4 h + l) - m * (sum_i x_i).
+// (a 4-bit group's high bits) and adds s' h - m sum_i x_i, s' = s (2-bit) or 4 s (4-bit); each
+// 4-bit group then adds s sum_i lo_i x_i on its own (its lo word decoded against x in its natural
+// order), so the steps pay for lo words only where there are some, not for all 8 lanes.
 template <int NR>
 QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bit::tiled::Dims& d, int64_t row,
                          const M2Act& a, float* y, int64_t ldy) {
@@ -302,8 +303,10 @@ QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bi
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256i three = _mm256_set1_epi32(3), lo16 = _mm256_set1_epi32(0xFFFF);
-  __m256 acc[NR];
-  for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  const __m256i* lo_lanes = reinterpret_cast<const __m256i*>(kM2Lanes[0]);  // values 0-7, 8-15 of a word
+  const __m256i sha = _mm256_load_si256(lo_lanes), shb = _mm256_load_si256(lo_lanes + 1);
+  __m256 acc[NR], accl[NR][2];
+  for (int j = 0; j < NR; ++j) acc[j] = accl[j][0] = accl[j][1] = _mm256_setzero_ps();
   int64_t run = 0;  // 4-bit groups of the current tile before the step
   for (int64_t t0 = 0; t0 < G; t0 += 8) {
     if (t0 % mt::kTileGroups == 0) run = 0;
@@ -319,18 +322,18 @@ QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bi
                   _mm256_setzero_si256(), so,
                   _mm256_srli_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), lane), bshift), live, 4);
     __m256i sc = _mm256_and_si256(sb, _mm256_set1_epi32(15)), mc = _mm256_srli_epi32(sb, 4);
-    __m256i lo = _mm256_setzero_si256(), is4 = _mm256_setzero_si256();
+    __m256i is4 = _mm256_setzero_si256();
+    alignas(32) uint32_t lo_a[8] = {};
+    alignas(32) int32_t mc_a[8] = {};
     if (bits) {
-      alignas(32) int32_t lo_a[8] = {}, mc_a[8] = {};
       int64_t slot = slot_row + (t0 / mt::kTileGroups) * d.n4_full + run;
       for (uint32_t b = bits; b; b &= b - 1, ++slot) {
         const int t = __builtin_ctz(b);
-        lo_a[t] = static_cast<int32_t>(q.lo[slot]);  // one lo word per group at gs = 16
+        lo_a[t] = q.lo[slot];  // one lo word per group at gs = 16
         mc_a[t] = q.mc4[slot];
       }
       run += __builtin_popcount(bits);
       is4 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit), lane_bit);
-      lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo_a));
       sc = _mm256_blendv_epi8(sc, sb, is4);  // a 4-bit group's scales byte is its 8-bit sc
       mc = _mm256_blendv_epi8(mc, _mm256_load_si256(reinterpret_cast<const __m256i*>(mc_a)), is4);
       pair = _mm256_blendv_epi8(pair, _mm256_set1_epi32(so4[t0 / mt::kTileGroups]), is4);
@@ -340,33 +343,41 @@ QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bi
         _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(pair, lo16), _mm256_srli_epi32(pair, 16)), 0xD8);
     const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtepi32_ps(sc));
     const __m256 m = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), _mm256_cvtepi32_ps(mc));
-    __m256 dh[NR][2], dl[NR][2];
-    for (int j = 0; j < NR; ++j) dh[j][0] = dh[j][1] = dl[j][0] = dl[j][1] = _mm256_setzero_ps();
+    __m256 dh[NR][2];
+    for (int j = 0; j < NR; ++j) dh[j][0] = dh[j][1] = _mm256_setzero_ps();
     const float* xt = a.xt + t0 * 16;
-    __m256i wh = hi, wl = lo;
+    __m256i wh = hi;
     for (int i = 0; i < 16; ++i) {
       const __m256 qh = _mm256_cvtepi32_ps(_mm256_and_si256(wh, three));
       wh = _mm256_srli_epi32(wh, 2);
       for (int j = 0; j < NR; ++j)
         dh[j][i & 1] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(xt + j * a.ldt + 8 * i), dh[j][i & 1]);
     }
-    if (bits) {
-      for (int i = 0; i < 16; ++i) {
-        const __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(wl, three));
-        wl = _mm256_srli_epi32(wl, 2);
-        for (int j = 0; j < NR; ++j)
-          dl[j][i & 1] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(xt + j * a.ldt + 8 * i), dl[j][i & 1]);
-      }
-    }
+    // a 4-bit lane's hi codes count 4 times
+    const __m256 sh = _mm256_blendv_ps(s, _mm256_mul_ps(s, _mm256_set1_ps(4.0f)), _mm256_castsi256_ps(is4));
     for (int j = 0; j < NR; ++j) {
-      const __m256 sh = _mm256_add_ps(dh[j][0], dh[j][1]);
-      const __m256 sum = _mm256_blendv_ps(
-          sh, _mm256_fmadd_ps(sh, _mm256_set1_ps(4.0f), _mm256_add_ps(dl[j][0], dl[j][1])), _mm256_castsi256_ps(is4));
-      const __m256 v = _mm256_fmsub_ps(s, sum, _mm256_mul_ps(m, _mm256_loadu_ps(a.sx + j * a.lds + t0)));
+      const __m256 v = _mm256_fmsub_ps(sh, _mm256_add_ps(dh[j][0], dh[j][1]),
+                                       _mm256_mul_ps(m, _mm256_loadu_ps(a.sx + j * a.lds + t0)));
       acc[j] = _mm256_add_ps(acc[j], _mm256_and_ps(v, _mm256_castsi256_ps(live)));  // lanes past the row: nothing
     }
+    if (bits) {
+      alignas(32) float s_a[8];
+      _mm256_store_ps(s_a, s);
+      for (uint32_t b = bits; b; b &= b - 1) {
+        const int t = __builtin_ctz(b);
+        const __m256i wl = _mm256_set1_epi32(static_cast<int>(lo_a[t]));
+        const __m256 st = _mm256_set1_ps(s_a[t]);
+        const __m256 l0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(wl, sha), three)), st);
+        const __m256 l1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(wl, shb), three)), st);
+        const float* xg = a.X + (t0 + t) * 16;
+        for (int j = 0; j < NR; ++j) {
+          accl[j][0] = _mm256_fmadd_ps(l0, _mm256_loadu_ps(xg + j * a.ldx), accl[j][0]);
+          accl[j][1] = _mm256_fmadd_ps(l1, _mm256_loadu_ps(xg + j * a.ldx + 8), accl[j][1]);
+        }
+      }
+    }
   }
-  for (int j = 0; j < NR; ++j) y[j * ldy] = hsum(acc[j]);
+  for (int j = 0; j < NR; ++j) y[j * ldy] = hsum(_mm256_add_ps(acc[j], _mm256_add_ps(accl[j][0], accl[j][1])));
 }
 
 QF_AVX2 void m2t_gemm_row(const mixed2bit::tiled::ConstBuffers& q, const mixed2bit::tiled::Dims& d, int64_t row,

@@ -22,6 +22,12 @@ alignas(32) constexpr int32_t kM2Lanes[2][3][8] = {
     {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22, 24, 26, 28, 30}, {3, 3, 3, 3, 3, 3, 3, 3}},
     {{0, 4, 8, 12, 16, 20, 24, 28}, {0, 4, 8, 12, 16, 20, 24, 28}, {15, 15, 15, 15, 15, 15, 15, 15}}};
 
+// Each lane's 2-bit code (the low 2 bits of its word) as a float in one VPERMILPS, which reads
+// only those bits of its index: the mask and the int -> float conversion in one instruction.
+QF_AVX2_INLINE __m256 code2_ps(__m256i w) {
+  return _mm256_permutevar_ps(_mm256_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 0.0f, 1.0f, 2.0f, 3.0f), w);
+}
+
 template <class Sink>
 QF_AVX2_INLINE void m2_group(const uint32_t* words, int is4, float s_eff, float m_eff, int64_t gs, const Sink& sink) {
   const __m256i* lanes = reinterpret_cast<const __m256i*>(kM2Lanes[is4]);
@@ -237,7 +243,6 @@ QF_AVX2 void m2_row_dot(const M2Window& w, const M2Act& a, float* y, int64_t ldy
     alignas(32) float s_arr[8], m_arr[8];
     __m256 acc2[NR];
     for (int j = 0; j < NR; ++j) acc2[j] = _mm256_setzero_ps();
-    const __m256i three = _mm256_set1_epi32(3);
     for (int64_t t0 = 0; t0 < w.n; t0 += 8) {
       m2_eight(w, t0, j4, j2, e);
       const int c2 = e.cnt - e.c4;
@@ -247,7 +252,7 @@ QF_AVX2 void m2_row_dot(const M2Window& w, const M2Act& a, float* y, int64_t ldy
         for (int j = 0; j < NR; ++j) d[j][0] = d[j][1] = _mm256_setzero_ps();
         const float* xt = a.xt + t0 * 16;
         for (int i = 0; i < 16; ++i) {
-          const __m256 qv = _mm256_cvtepi32_ps(_mm256_and_si256(words, three));
+          const __m256 qv = code2_ps(words);
           words = _mm256_srli_epi32(words, 2);
           for (int j = 0; j < NR; ++j)
             d[j][i & 1] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(xt + j * a.ldt + 8 * i), d[j][i & 1]);
@@ -302,7 +307,7 @@ QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bi
   const int64_t slot_row = row * d.n4_row();
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  const __m256i three = _mm256_set1_epi32(3), lo16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
   const __m256i* lo_lanes = reinterpret_cast<const __m256i*>(kM2Lanes[0]);  // values 0-7, 8-15 of a word
   const __m256i sha = _mm256_load_si256(lo_lanes), shb = _mm256_load_si256(lo_lanes + 1);
   __m256 acc[NR], accl[NR][2];
@@ -348,7 +353,7 @@ QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bi
     const float* xt = a.xt + t0 * 16;
     __m256i wh = hi;
     for (int i = 0; i < 16; ++i) {
-      const __m256 qh = _mm256_cvtepi32_ps(_mm256_and_si256(wh, three));
+      const __m256 qh = code2_ps(wh);
       wh = _mm256_srli_epi32(wh, 2);
       for (int j = 0; j < NR; ++j)
         dh[j][i & 1] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(xt + j * a.ldt + 8 * i), dh[j][i & 1]);
@@ -367,8 +372,8 @@ QF_AVX2 void m2t_row_dot(const mixed2bit::tiled::ConstBuffers& q, const mixed2bi
         const int t = __builtin_ctz(b);
         const __m256i wl = _mm256_set1_epi32(static_cast<int>(lo_a[t]));
         const __m256 st = _mm256_set1_ps(s_a[t]);
-        const __m256 l0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(wl, sha), three)), st);
-        const __m256 l1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(wl, shb), three)), st);
+        const __m256 l0 = _mm256_mul_ps(code2_ps(_mm256_srlv_epi32(wl, sha)), st);
+        const __m256 l1 = _mm256_mul_ps(code2_ps(_mm256_srlv_epi32(wl, shb)), st);
         const float* xg = a.X + (t0 + t) * 16;
         for (int j = 0; j < NR; ++j) {
           accl[j][0] = _mm256_fmadd_ps(l0, _mm256_loadu_ps(xg + j * a.ldx), accl[j][0]);

@@ -490,12 +490,14 @@ def test_weight_only_wide_bias(fmt, params, n, m, k):
 
 @pytest.mark.parametrize("fmt,params", [("int4", {"group_size": 32}), ("q4_0", {}), ("mixed2bit", {"group_size": 16}),
                                         ("mixed2bit", {"layout": "tiled"})], ids=str)
-@pytest.mark.parametrize("n,k", [(1, 20480 - 32), (1, 20480 + 256), (2, 16128 - 32), (2, 16128 + 256)])
+@pytest.mark.parametrize("n,k", [(1, 20480 - 32), (1, 20480 + 256), (2, 16128 - 32), (2, 16128 + 256),
+                                 (2, 19456), (2, 19456 + 64)])
 def test_weight_only_gemv_activation_table_limit(fmt, params, n, k):
     """One or two fp16 activation rows on the tensor-core kernel, K on either side of the largest
     rows its shared-memory activation table takes (one row: 40 KB, K = 20480 rounded up to whole
     8-unit steps; two rows: 64 KB, K = 16128 for units of 32 values; above it the kernel reads X
-    from global memory or stages it per step): a partial last step below the limit."""
+    from global memory or stages it per step): a partial last step below the limit. The tiled
+    layout's own GEMV takes two rows up to K = 19456 (96 KB of tables), the driver above."""
     m = 19
     mod, q, qc, w64 = weight(fmt, m, k, k + n, **params)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(torch.float16).cuda()

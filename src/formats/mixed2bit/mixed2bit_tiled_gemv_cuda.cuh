@@ -437,7 +437,7 @@ inline size_t xs_bytes(int64_t K, int64_t nr) {
 // Whether the kernel takes this call: one or two activation rows, groups of 16 values, scale
 // blocks of at least four groups, K a multiple of 64 (whole four-group chunks, 16-byte aligned
 // rows of codes) and at most 20480, tables of at most 96 KB (sm_86's shared memory per CTA; two
-// rows of K up to about 19600), code words 16-byte and scale bytes 4-byte aligned.
+// rows of K up to 19456), code words 16-byte and scale bytes 4-byte aligned.
 constexpr size_t kMaxTableBytes = 96 * 1024;
 inline bool supports(const ConstBuffers& q, const Dims& d, int64_t N) {
   return (N == 1 || N == 2) && d.group_size == 16 && d.scale_block >= 4 && d.K % 64 == 0 && d.K <= 20480 &&

@@ -66,9 +66,10 @@ constexpr int64_t prefill_stream_k_tiles(int64_t tiles, int64_t ctas) {
 // With `stream_k` (the caller has the workspace), unsplit tiles of 128 weight rows by 128 or more
 // activation rows on `sms` CTAs take prefill_stream_k_tiles where it applies, and from 129 rows
 // 128 x 192 or 128 x 256 is the one that multiplies fewer activation columns per SM, a shared-out
-// run counted as tiles / sms + 1/4 waves, where that one is shared out (e.g. 11008 weight rows at
-// 1024 rows: 344 tiles of 128 x 256 shared out, 2.9 waves, rather than 516 of 128 x 192 in four);
-// otherwise, and without it, by whole waves as above.
+// run counted as tiles / sms + 1/4 waves, where that one is shared out and the plan without
+// stream-K is unsplit (e.g. 11008 weight rows at 1024 rows: 344 tiles of 128 x 256 shared out,
+// 2.9 waves, rather than 516 of 128 x 192 in four); otherwise, and without it, by whole waves as
+// above.
 // Up to 128 rows it declines the shapes whose tiles, split or not, leave the GPU short of the rule
 // (few weight rows, e.g. a grouped-query attention's key / value projection): the wgmma kernel
 // splits K more finely (64 unsplit 64 x 128 tiles of 4096x4096 measured slower than it).
@@ -106,12 +107,13 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits, 
     return prefill_stream_k_tiles(t, sms) ? bn * (4 * t + sms) : 4 * bn * waves(t) * sms;
   };
   // Above 128 rows: by whole waves; with stream-K by the columns, where the cheaper width is itself
-  // shared out.
+  // shared out and the plan without stream-K is unsplit too (a split plan runs its tiles in one
+  // wave: stream-K's extra quarter wave would cost more than it saves).
   int bn = 256;
   if (N > 128) {
     if (waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
     const int cheaper = columns(192) <= columns(256) ? 192 : 256;
-    if (stream_k && prefill_stream_k_tiles(ctas(128, cheaper), sms)) bn = cheaper;
+    if (stream_k && ctas(128, bn) >= fill && prefill_stream_k_tiles(ctas(128, cheaper), sms)) bn = cheaper;
   }
   if (N > 128 && ctas(128, bn) < fill) {
     const int s256 = split_for(PrefillKind::kWide, ctas(128, 256), 8);

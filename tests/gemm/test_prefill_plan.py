@@ -150,6 +150,16 @@ def test_stream_k_plan_invariants(n, m, k, sms):
         assert sk == sms + tiles % sms and tiles % sms
 
 
+@pytest.mark.parametrize("n,m,k,sms,want", [(498, 3496, 3328, 78, (128, 256, 2, 0)),
+                                             (211, 7543, 3840, 114, (128, 256, 2, 0))])
+def test_stream_k_keeps_a_split_plan(n, m, k, sms, want):
+    """Where the plan without the workspace splits K (its tiles run in one wave), the workspace does
+    not turn it into unsplit stream-K tiles of the other width (found by
+    test_stream_k_plan_invariants: 84 tiles of 128 x 192 shared out over 78 SMs, 1.3 waves, were
+    taken over 56 tiles of 128 x 256 split in two)."""
+    assert plan_sk(n, m, k, sms) == want
+
+
 def check_stream_k_pieces(tiles: int, ctas: int, ksteps: int, sk: int) -> None:
     """Every step of every tile taken once; a tile cut at most once, into the first steps (the
     last piece of a CTA's run) and the rest (the first stream-K piece of the next lower CTA's

@@ -88,12 +88,7 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits, 
     }
     return 0;
   };
-  // An unsplit plan of 128 weight rows, with its stream-K tiles where `stream_k`.
-  auto unsplit = [&](int b) {
-    PrefillPlan p{128, b, 1};
-    if (stream_k && b >= 128) p.stream_k_tiles = prefill_stream_k_tiles(ctas(128, b), sms);
-    return p;
-  };
+  auto unsplit = [&](int b) { return PrefillPlan{128, b, 1}; };
   // 128 x 128 tiles, else 64 x 128 (two CTAs per SM), K split where their tiles are too few.
   auto narrow = [&]() -> PrefillPlan {
     if (ctas(128, 128) >= fill) return unsplit(128);
@@ -101,20 +96,25 @@ PrefillPlan plan_prefill(int64_t N, int64_t M, int64_t K, int sms, Fits&& fits, 
     const int s = ctas(64, 128) < fill ? split_for(PrefillKind::kLow, ctas(64, 128), 8) : 0;
     return {64, 128, std::max(s, 1)};
   };
-  // (activation columns an SM multiplies, times 4 sms: a shared-out run as tiles / sms + 1/4 waves)
-  auto columns = [&](int bn) {
-    const int64_t t = ctas(128, bn);
-    return prefill_stream_k_tiles(t, sms) ? bn * (4 * t + sms) : 4 * bn * waves(t) * sms;
-  };
-  // Above 128 rows: by whole waves; with stream-K by the columns, where the cheaper width is itself
-  // shared out and the plan without stream-K is unsplit too (a split plan runs its tiles in one
-  // wave: stream-K's extra quarter wave would cost more than it saves).
-  int bn = 256;
-  if (N > 128) {
-    if (waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
+  if (stream_k) {
+    // The plan without the workspace. Where it is unsplit, over tiles of 128 x 128 or more: above
+    // 128 rows the width that multiplies fewer activation columns per SM (times 4 sms: a
+    // shared-out run as tiles / sms + 1/4 waves) where that width is itself shared out, and its
+    // stream-K tiles. A split plan stays as it is: its tiles run in one wave.
+    PrefillPlan p = plan_prefill(N, M, K, sms, fits, false);
+    if (p.bm != 128 || p.split != 1 || p.bn < 128) return p;
+    auto columns = [&](int bn) {
+      const int64_t t = ctas(128, bn);
+      return prefill_stream_k_tiles(t, sms) ? bn * (4 * t + sms) : 4 * bn * waves(t) * sms;
+    };
     const int cheaper = columns(192) <= columns(256) ? 192 : 256;
-    if (stream_k && ctas(128, bn) >= fill && prefill_stream_k_tiles(ctas(128, cheaper), sms)) bn = cheaper;
+    if (N > 128 && prefill_stream_k_tiles(ctas(128, cheaper), sms)) p.bn = cheaper;
+    p.stream_k_tiles = prefill_stream_k_tiles(ctas(128, p.bn), sms);
+    return p;
   }
+  // Above 128 rows: by whole waves.
+  int bn = 256;
+  if (N > 128 && waves(ctas(128, 192)) <= waves(ctas(128, 256))) bn = 192;
   if (N > 128 && ctas(128, bn) < fill) {
     const int s256 = split_for(PrefillKind::kWide, ctas(128, 256), 8);
     if (!s256 && ctas(128, 128) > sms) return PrefillPlan{128, bn, 1};

@@ -70,6 +70,8 @@ template <>
 struct PairOps<half_t> {
   static constexpr uint32_t kMagic = 0x64006400u;  // 1024.0 in both halves: q in the low mantissa bits
   static constexpr float kMagicF = 1024.0f;
+  static constexpr uint32_t kMagic4 = 0x5C005C00u;   // kMagic / 4 (256.0): its unit last place is 1/4
+  static constexpr uint32_t kQuarter = 0x34003400u;  // 0.25
   // fp16 has 10 mantissa bits, so a nibble at bits 4..7 decodes too, as 1024 + 16 q: pairs 1 and
   // 3 come out as 16 (q - z) s (exact up to the one rounding) and the kernel divides their sums
   // by 16 in float32. Saves a shift per pair.
@@ -120,7 +122,9 @@ template <>
 struct PairOps<bf16_t> {
   static constexpr uint32_t kMagic = 0x43004300u;  // 128.0: bf16 has 7 mantissa bits, q < 16 fits
   static constexpr float kMagicF = 128.0f;
-  static constexpr bool kX16 = false;  // 7 mantissa bits: no room for 16 q
+  static constexpr uint32_t kMagic4 = 0x42004200u;   // kMagic / 4 (32.0): its unit last place is 1/4
+  static constexpr uint32_t kQuarter = 0x3E803E80u;  // 0.25
+  static constexpr bool kX16 = false;                // 7 mantissa bits: no room for 16 q
   static __device__ __forceinline__ NibbleConsts nibble_consts(float zero, uint32_t scale2) {
     return {splat(kMagicF + zero), 0u, scale2};
   }

@@ -77,7 +77,7 @@ struct Args {
 
 // The decode. A 2-bit codes word holds value k of its group at bits 2k (values 0..7 in the low
 // half, 8..15 in the high half). Shifted right by 4p (p = 0..3), one LOP3 each puts two fields
-// into the mantissa of the 16-bit magic M (1024 in fp16, 128 in bf16: unit last place):
+// into the mantissa of the 16-bit magic M (PairOps::kMagic: 1024 in fp16, 128 in bf16; unit last place):
 //   (w >> 4p) & 0x00030003 | M  = the pair (M + q[2p],       M + q[8 + 2p])          ("f = 0")
 //   (w >> 4p) & 0x000C000C | M  =          (M + 4 q[2p + 1], M + 4 q[9 + 2p])      ("f = 1")
 // exact: the A registers of "part p" (k slots 2t, 2t + 1 and 2t + 8, 2t + 9 of a lane). B holds x
@@ -86,25 +86,9 @@ struct Args {
 // M sum(x') + sum(q x) (x' = x / 4^f). The offset is not taken off per pair: the table keeps
 // P = M sum(x') per group and the epilogue subtracts it once.
 // A 4-bit group (q = 4 hi + lo: hi in its codes word, lo in its lo word, both laid out as above):
-// the 4-bit pass decodes its lo word with the same shifts and masks into the magic M / 4 (256 /
+// the 4-bit pass decodes its lo word with the same shifts and masks into the magic M / 4 (kMagic4, 256 /
 // 32, whose unit last place is 1/4), (M / 4 + 4^f lo / 4), and two HFMA2 give
 // 4 (M + 4^f hi) - 5 M + 4 (M / 4 + 4^f lo / 4) = 4^f q, exact in 16 bits (|4^f q| <= 60).
-template <class H>
-struct TiledMagic;
-template <>
-struct TiledMagic<half_t> {
-  static constexpr uint32_t kHi = 0x64006400u;  // 1024
-  static constexpr uint32_t kLo = 0x5C005C00u;  // 256
-  static constexpr uint32_t kQuarter = 0x34003400u;
-  static constexpr float kHiF = 1024.0f;
-};
-template <>
-struct TiledMagic<bf16_t> {
-  static constexpr uint32_t kHi = 0x43004300u;  // 128
-  static constexpr uint32_t kLo = 0x42004200u;  // 32
-  static constexpr uint32_t kQuarter = 0x3E803E80u;
-  static constexpr float kHiF = 128.0f;
-};
 constexpr uint32_t kF0 = 0x00030003u, kF1 = 0x000C000Cu;
 
 // One row's loaded registers for one step of the 2-bit pass (nothing computed from them: see
@@ -166,7 +150,6 @@ __launch_bounds__(kWarps * 32)
                            const H* __restrict__ bias) {
   static_assert(NR == 1 || NR == 2, "the block-diagonal B has two columns per lane");
   using Ops = gemm::cuda_wo::PairOps<H>;
-  using Magic = TiledMagic<H>;
   using gemm::cuda_wo::and_or;
   // dynamic shared memory (the launcher's xs_bytes): per activation row and group (zero-padded
   // to whole steps) two 16-byte slots of B registers, then one zero slot, then per row and group
@@ -206,7 +189,7 @@ __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       b[2 * p] = gemm::cuda_wo::lo_lo(w[p], w[4 + p]);
-      b[2 * p + 1] = Ops::mul(gemm::cuda_wo::hi_hi(w[p], w[4 + p]), Magic::kQuarter);
+      b[2 * p + 1] = Ops::mul(gemm::cuda_wo::hi_hi(w[p], w[4 + p]), Ops::kQuarter);
       const H* x0 = reinterpret_cast<const H*>(&w[p]);
       const H* x1 = reinterpret_cast<const H*>(&w[4 + p]);
       const H* q0 = reinterpret_cast<const H*>(&b[2 * p]);
@@ -217,7 +200,7 @@ __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       xs[n * 2 * padded + xs_slot(u, j)] = make_uint4(b[4 * j], b[4 * j + 1], b[4 * j + 2], b[4 * j + 3]);
-    xsum[e] = make_float2(sum, Magic::kHiF * sumq);
+    xsum[e] = make_float2(sum, Ops::kMagicF * sumq);
   }
   if (threadIdx.x == 0) xs[NR * 2 * padded] = make_uint4(0, 0, 0, 0);
   __syncthreads();
@@ -258,8 +241,8 @@ __launch_bounds__(kWarps * 32)
         for (int h = 0; h < 2; ++h) {
           const int sh = 4 * (2 * j + h);
           const uint32_t pa = wa >> sh, pb = wb >> sh;
-          const uint32_t ar[4] = {and_or(pa, kF0, Magic::kHi), and_or(pb, kF0, Magic::kHi), and_or(pa, kF1, Magic::kHi),
-                                  and_or(pb, kF1, Magic::kHi)};
+          const uint32_t ar[4] = {and_or(pa, kF0, Ops::kMagic), and_or(pb, kF0, Ops::kMagic), and_or(pa, kF1, Ops::kMagic),
+                                  and_or(pb, kF1, Ops::kMagic)};
           Ops::mma(c, ar, h ? xq.z : xq.x, h ? xq.w : xq.y);
         }
       }
@@ -351,7 +334,7 @@ __launch_bounds__(kWarps * 32)
         take(c2, s2);  // the other lane's
       }
     };
-    const uint32_t k4 = Ops::splat(4.0f), kOff = Ops::splat(-5.0f * Magic::kHiF);
+    const uint32_t k4 = Ops::splat(4.0f), kOff = Ops::splat(-5.0f * Ops::kMagicF);
     auto four = [&](const Four& f, float (&y)[NR]) {
       if (!f.has) return;
       uint32_t qp[8];  // 4^f q of the table's B register pairs, exact
@@ -362,8 +345,8 @@ __launch_bounds__(kWarps * 32)
         for (int e = 0; e < 2; ++e) {
           const uint32_t mask = e ? kF1 : kF0;
           // 4 (M + 4^f hi) - 5 M = 4^f 4 hi - M, then + 4 (M / 4 + 4^f lo / 4) = 4^f (4 hi + lo)
-          const uint32_t h4 = Ops::fma(and_or(ph, mask, Magic::kHi), k4, kOff);
-          qp[2 * p + e] = Ops::fma(and_or(pl, mask, Magic::kLo), k4, h4);
+          const uint32_t h4 = Ops::fma(and_or(ph, mask, Ops::kMagic), k4, kOff);
+          qp[2 * p + e] = Ops::fma(and_or(pl, mask, Ops::kMagic4), k4, h4);
         }
       }
       const float se = fp16_bits_to_fp32(static_cast<uint16_t>(f.so4)) * static_cast<float>(f.sc);
